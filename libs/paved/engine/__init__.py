@@ -1,0 +1,1 @@
+"""Engines: what the frontends serve requests with."""

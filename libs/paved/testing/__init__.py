@@ -1,0 +1,1 @@
+"""Helpers shared by paved's tests (fixtures, real servers started on loopback)."""
