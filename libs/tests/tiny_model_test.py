@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-import os
+import pathlib
 import subprocess
 import sys
 
@@ -13,7 +13,7 @@ from paved.testing.fixtures import TINY_MODEL_FILES, tiny_model_dir
 
 def _digests(directory: str) -> dict[str, str]:
     return {
-        name: hashlib.sha256(open(os.path.join(directory, name), "rb").read()).hexdigest()
+        name: hashlib.sha256(pathlib.Path(directory, name).read_bytes()).hexdigest()
         for name in TINY_MODEL_FILES
     }
 
@@ -42,7 +42,9 @@ def test_tokenizer_and_config_agree_and_chat_template_renders():
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert len(tok) == config.vocab_size
     assert config.hidden_size // config.num_attention_heads >= 32  # vLLM CPU attention minimum
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<|begin_of_text|><|user|>\nHi<|end|>\n<|assistant|>\n"
     text = '{"answer": "Paris", "score": 0.75}'
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
@@ -50,5 +52,5 @@ def test_tokenizer_and_config_agree_and_chat_template_renders():
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json"])
 def test_json_files_are_canonical(name):
-    raw = open(os.path.join(tiny_model_dir(), name), encoding="utf-8").read()
+    raw = pathlib.Path(tiny_model_dir(), name).read_text(encoding="utf-8")
     assert raw == json.dumps(json.loads(raw), indent=2, sort_keys=True) + "\n"

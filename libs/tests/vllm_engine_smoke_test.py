@@ -46,7 +46,9 @@ def llm():
 def test_generates_tokens(llm):
     from vllm import SamplingParams
 
-    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    out = llm.generate(
+        ["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 8
     assert out[0].outputs[0].text
 
