@@ -13,5 +13,6 @@ python3 -m venv "$tmp/venv"
   # the torch 2.13.0 CPU wheel ("operator torchvision::nms does not exist") and break
   # transformers' imports; paved serves text models only, so they stay out of the venv.
   "$tmp/venv/bin/pip" freeze --all --exclude pip | sort -f | grep -v -i -E '^(torchvision|torchaudio|torchcodec)=='
-
-} > "$here/requirements.lock"
+  grep -v -E '^\s*(#|$)' "$here/requirements-nodeps.in"
+} | sort -f > "$here/requirements.lock.tmp"
+mv "$here/requirements.lock.tmp" "$here/requirements.lock"
