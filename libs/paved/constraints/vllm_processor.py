@@ -1,0 +1,264 @@
+"""paved's constraint engine as a vLLM logits processor, for both of vLLM's model runners.
+
+vLLM loads every class registered in the `vllm.logits_processors` entry-point group into
+whichever model runner is active: the V1 runner (CPU, and GPU without Triton) and Model
+Runner V2 (GPU default). The two runners use different base classes and the V2 loader
+rejects V1 classes, so the one registered class derives from both interfaces and picks its
+bookkeeping from the constructor signature. Requests opt in with
+`SamplingParams.extra_args["paved_constraint"] = spec` (see `paved.constraints.spec`);
+all other rows are left untouched and cost nothing.
+
+Invariants the adapter keeps:
+  * a row's State has consumed exactly the request's committed tokens before its mask is
+    computed (see `tracking.TrackedRequest`), whatever chunked prefill or preemption did;
+  * EOS is allowed only where the constraint accepts, and the budget (max_tokens, bounded by
+    the model's context) is known to the State so output closes before it runs out;
+  * bad specs fail in `validate_params` (HTTP 400 at admission), never inside the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import _paved_constraints as native
+import numpy as np
+import torch
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+from vllm.v1.sample.logits_processor.interface import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
+
+from paved.constraints import spec as specs
+from paved.constraints.tracking import CompileCache, PreemptionMemory, TrackedRequest
+from paved.constraints.vocab import token_bytes
+
+logger = logging.getLogger(__name__)
+
+LOGITS_PROCESSOR_FQCN = "paved.constraints.vllm_processor:PavedLogitsProcessor"
+# Threads that split a step's rows; the engine core's own thread waits on them.
+NUM_THREADS = int(os.environ.get("PAVED_CONSTRAINT_THREADS", "2"))
+
+
+def _eos_ids(model_config, tokenizer) -> list[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for source in (model_config.hf_config, model_config.try_get_generation_config()):
+        value = (
+            source.get("eos_token_id") if isinstance(source, dict) else getattr(source, "eos_token_id", None)
+        )
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+class _Engine:
+    """Per-engine pieces: vocabulary, compile cache, batch masker (built on first use)."""
+
+    def __init__(
+        self, token_bytes_by_id: list[bytes], eos_ids: list[int], vocab_size: int, max_model_len: int
+    ):
+        self.vocab_size = vocab_size
+        self.vocab = native.Vocab(token_bytes_by_id, eos_ids, vocab_size)
+        self.max_model_len = max_model_len
+        self.cache = CompileCache(self._compile)
+        self.masker = native.BatchMasker(vocab_size, NUM_THREADS)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> _Engine:
+        from transformers import AutoTokenizer
+
+        model_config = vllm_config.model_config
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer,
+            revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        return cls(
+            token_bytes(tokenizer),
+            _eos_ids(model_config, tokenizer),
+            model_config.get_vocab_size(),
+            model_config.max_model_len,
+        )
+
+    def _compile(self, spec: dict):
+        if spec["type"] == "json_schema":
+            return native.Constraint.json_schema(self.vocab, json.dumps(spec["schema"]), spec["whitespace"])
+        if spec["type"] == "regex":
+            return native.Constraint.regex(self.vocab, spec["pattern"])
+        return native.Constraint.choice(
+            self.vocab, spec["items"], spec["k"], spec["separator"], spec["distinct"]
+        )
+
+    def track(self, params, prompt_ids, memory: PreemptionMemory) -> TrackedRequest | None:
+        raw = (params.extra_args or {}).get(specs.EXTRA_ARGS_KEY)
+        if raw is None:
+            return None
+        spec = specs.validate_spec(raw)
+        prompt_len = len(prompt_ids or ())
+        budget = params.max_tokens
+        context_left = self.max_model_len - prompt_len
+        budget = context_left if budget is None else min(budget, context_left)
+        orig_prompt_len, budget = memory.first_seen(params, prompt_len, budget)
+        prefix = list(prompt_ids[orig_prompt_len:]) if prompt_ids and prompt_len > orig_prompt_len else []
+        constraint = self.cache.get(specs.spec_key(spec), spec)
+        return TrackedRequest(constraint.new_state(budget), prefix)
+
+    def mask(self, logits: torch.Tensor, states: list) -> None:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+            # In place through the shared buffer: no copy, GIL released inside.
+            self.masker.apply(states, logits.numpy())
+            return
+        bitmask = np.empty((logits.shape[0], native.bitmask_words(logits.shape[1])), dtype=np.int32)
+        self.masker.fill_bitmask(states, bitmask)
+        apply_bitmask_torch(logits, torch.from_numpy(bitmask))
+
+    def forced_eos_state(self):
+        return self.cache.get("__eos_only__", {"type": "regex", "pattern": "()"}).new_state(None)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Device-side apply of a host [B, W] int32 bitmask to [B, V] logits, in place."""
+    bits = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
+    """Masks logits of requests that carry a paved constraint spec."""
+
+    def __init__(self, vllm_config, *args):
+        self._vllm_config = vllm_config
+        self._engine: _Engine | None = None
+        self._memory = PreemptionMemory()
+        # V1: persistent-batch index -> tracked request; V2: request slot -> tracked request.
+        self._rows: dict[int, TrackedRequest] = {}
+        # V1 keeps the live output-token list of each row; V2 reads tokens from req_states.
+        self._outputs: dict[int, list[int]] = {}
+        self._req_states = args[0] if len(args) == 1 else None
+
+    @classmethod
+    def for_vocab(
+        cls, token_bytes_by_id: list[bytes], eos_ids: list[int], max_model_len: int, req_states=None
+    ) -> PavedLogitsProcessor:
+        """An instance over an explicit vocabulary, without a vLLM config (tests, tools)."""
+        proc = cls(None, req_states) if req_states is not None else cls(None, None, False)
+        proc._engine = _Engine(token_bytes_by_id, eos_ids, len(token_bytes_by_id), max_model_len)
+        return proc
+
+    def _get_engine(self) -> _Engine:
+        if self._engine is None:
+            self._engine = _Engine.from_vllm_config(self._vllm_config)
+        return self._engine
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        raw = (sampling_params.extra_args or {}).get(specs.EXTRA_ARGS_KEY)
+        if raw is None:
+            return
+        specs.validate_spec(raw)
+        if sampling_params.ignore_eos:
+            raise ValueError(f"{specs.EXTRA_ARGS_KEY} cannot be combined with ignore_eos")
+        if getattr(sampling_params, "structured_outputs", None) is not None:
+            raise ValueError(f"{specs.EXTRA_ARGS_KEY} cannot be combined with structured_outputs")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    # ---- V1 model runner -------------------------------------------------------------
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._rows.pop(index, None)
+            self._outputs.pop(index, None)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            self._rows.pop(index, None)
+            self._outputs.pop(index, None)
+            tracked = self._admit(params, prompt_ids)
+            if tracked is not None:
+                self._rows[index] = tracked
+                self._outputs[index] = output_ids
+        for src, dst, direction in batch_update.moved:
+            if direction == MoveDirectionality.SWAP:
+                for table in (self._rows, self._outputs):
+                    a, b = table.pop(src, None), table.pop(dst, None)
+                    if a is not None:
+                        table[dst] = a
+                    if b is not None:
+                        table[src] = b
+            else:
+                for table in (self._rows, self._outputs):
+                    moved = table.pop(src, None)
+                    table.pop(dst, None)
+                    if moved is not None:
+                        table[dst] = moved
+
+    def _admit(self, params, prompt_ids) -> TrackedRequest | None:
+        if params is None or specs.EXTRA_ARGS_KEY not in (params.extra_args or {}):
+            return None
+        engine = self._get_engine()
+        try:
+            return engine.track(params, prompt_ids, self._memory)
+        except ValueError:
+            # validate_params admitted it, so only an engine-side limit (e.g. the automaton
+            # state cap for this vocabulary) lands here: end the request instead of the engine.
+            logger.exception("paved constraint failed to compile; the request will end at once")
+            return TrackedRequest(engine.forced_eos_state())
+
+    def apply(self, logits: torch.Tensor, ctx=None) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        if ctx is not None:
+            return self._apply_v2(logits, ctx)
+        states: list = [None] * logits.shape[0]
+        for index, tracked in self._rows.items():
+            if index < len(states):
+                tracked.sync(self._outputs[index])
+                states[index] = self._row_state(tracked)
+        self._get_engine().mask(logits, states)
+        return logits
+
+    def _row_state(self, tracked: TrackedRequest):
+        return self._get_engine().forced_eos_state() if tracked.broken else tracked.state
+
+    # ---- Model Runner V2 -------------------------------------------------------------
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        self._rows.pop(req_idx, None)
+        rs = self._req_states
+        prompt_len = int(rs.prompt_len.np[req_idx])
+        # V2 keeps generated tokens after the prompt in all_token_ids even after preemption,
+        # so nothing is folded into the prompt and no replay prefix is needed.
+        tracked = self._admit(sampling_params, [0] * prompt_len)
+        if tracked is None:
+            return False
+        self._rows[req_idx] = tracked
+        return True
+
+    def _apply_v2(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        rs = self._req_states
+        # One small host copy per step; the committed history itself stays on the device and
+        # is read only when a row's tracked history diverges (resume, speculative rows).
+        slots = ctx.expanded_idx_mapping.cpu().numpy()
+        positions = ctx.pos.cpu().numpy()
+        input_ids = ctx.input_ids.cpu().numpy()
+        prompt_lens = rs.prompt_len.np
+        states: list = [None] * logits.shape[0]
+        for row, slot in enumerate(slots):
+            tracked = self._rows.get(int(slot))
+            if tracked is None:
+                continue
+            prompt_len = int(prompt_lens[slot])
+            # Outputs visible to this row: tokens at positions prompt_len..pos, the last of
+            # which is this row's input token (sampled last step). Prefill rows see none.
+            visible = int(positions[row]) + 1 - prompt_len
+            if not tracked.sync_tail(visible, int(input_ids[row])):
+                end = prompt_len + max(visible, 0)
+                tracked.sync(rs.all_token_ids.gpu[slot, prompt_len:end].tolist())
+            states[row] = self._row_state(tracked)
+        self._get_engine().mask(logits, states)
+        return logits

@@ -1,0 +1,231 @@
+"""paved's vLLM logits-processor adapter against a brute-force reference, under the batch
+events vLLM produces: add/remove/move/swap, chunked prefill, preemption (truncated outputs,
+outputs kept, or outputs folded into the re-added prompt), for both model runners.
+
+The reference knows every complete output of a small constraint, so "is token t allowed after
+text T with n tokens generated" is decidable by enumeration, including the budget rule: after
+t there must remain room for the shortest completion (in bytes, each byte a token) plus EOS.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+
+from paved.constraints.spec import EXTRA_ARGS_KEY
+from paved.constraints.vllm_processor import PavedLogitsProcessor
+
+TITLES = ["Dune", "Hyperion", "Foundation", "Solaris"]
+MULTI = [b"Du", b"ne", b"Hyper", b"ion", b"Found", b"ation", b"Sol", b"aris", b", ", b"Dune, ", b"xyz"]
+TOKENS = [bytes([b]) for b in range(256)] + MULTI
+EOS = len(TOKENS)
+TOKENS.append(b"")  # EOS has no bytes
+VOCAB = len(TOKENS)
+MAX_MODEL_LEN = 4096
+
+SPECS = {
+    "pair": {"type": "choice", "items": TITLES, "k": 2, "separator": ", ", "distinct": True},
+    "one": {"type": "choice", "items": TITLES, "k": 1},
+    "regex": {"type": "regex", "pattern": "(ab|cd)x?y"},
+}
+COMPLETIONS = {
+    "pair": [f"{a}, {b}".encode() for a, b in itertools.permutations(TITLES, 2)],
+    "one": [t.encode() for t in TITLES],
+    "regex": [a + x + b"y" for a in (b"ab", b"cd") for x in (b"", b"x")],
+}
+
+
+def reference_allowed(kind: str, history: list[int], max_tokens: int) -> set[int]:
+    text = b"".join(TOKENS[t] for t in history)
+    if history and history[-1] == EOS:
+        return {EOS}
+    n = len(history)
+    allowed = set()
+    if text in COMPLETIONS[kind]:
+        allowed.add(EOS)
+    for t in range(EOS):
+        after = text + TOKENS[t]
+        rest = [len(s) - len(after) for s in COMPLETIONS[kind] if s.startswith(after)]
+        if rest and min(rest) + 1 <= max_tokens - (n + 1):
+            allowed.add(t)
+    return allowed
+
+
+def params(kind: str, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, extra_args={EXTRA_ARGS_KEY: SPECS[kind]})
+
+
+class Request:
+    def __init__(self, kind: str, max_tokens: int, prompt: list[int]):
+        self.kind, self.max_tokens = kind, max_tokens
+        self.params = params(kind, max_tokens)
+        self.prompt = prompt
+        self.outputs: list[int] = []  # what vLLM's live list holds
+        self.history: list[int] = []  # every token generated, across preemptions
+
+    def done(self) -> bool:
+        return (bool(self.history) and self.history[-1] == EOS) or len(self.history) >= self.max_tokens
+
+
+def allowed_rows(logits: torch.Tensor) -> list[set[int]]:
+    return [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in logits.numpy()]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_v1_adapter_matches_reference_under_batch_events(data):
+    proc = PavedLogitsProcessor.for_vocab(TOKENS, [EOS], MAX_MODEL_LEN)
+    rows: list[Request | None] = []  # persistent batch, as vLLM's InputBatch keeps it
+    waiting: list[tuple[Request, str]] = []  # preempted requests and how they come back
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    for _ in range(data.draw(st.integers(150, 250))):
+        removed, added, moved = [], [], []
+        op = data.draw(st.sampled_from(["add", "add", "remove", "move", "swap", "preempt", "resume", "step"]))
+        if op == "add" and len(rows) < 12:
+            kind = data.draw(st.sampled_from(sorted(SPECS)))
+            req = Request(kind, data.draw(st.integers(3, 40)), [1, 2, 3])
+            index = rows.index(None) if None in rows else len(rows)
+            if index == len(rows):
+                rows.append(None)
+            rows[index] = req
+            added.append((index, req.params, req.prompt, req.outputs))
+        elif op in ("remove", "preempt") and any(rows):
+            index = data.draw(st.sampled_from([i for i, r in enumerate(rows) if r]))
+            req, rows[index] = rows[index], None
+            removed.append(index)
+            if op == "preempt":
+                waiting.append((req, data.draw(st.sampled_from(["kept", "truncated", "folded"]))))
+        elif op == "resume" and waiting and None in rows:
+            req, how = waiting.pop(0)
+            if how == "truncated":  # generated tokens discarded: the request starts over
+                req.history = list(req.outputs[:0])
+                req.outputs = []
+            elif how == "folded":  # vllm issue 29045: outputs become part of the prompt
+                req.prompt = req.prompt + req.outputs
+                req.outputs = []
+            index = rows.index(None)
+            rows[index] = req
+            added.append((index, req.params, req.prompt, req.outputs))
+        elif op == "move" and None in rows and any(rows):
+            src = data.draw(st.sampled_from([i for i, r in enumerate(rows) if r]))
+            dst = rows.index(None)
+            rows[dst], rows[src] = rows[src], None
+            moved.append((src, dst, MoveDirectionality.UNIDIRECTIONAL))
+        elif op == "swap" and len(rows) >= 2:
+            a, b = data.draw(st.lists(st.integers(0, len(rows) - 1), min_size=2, max_size=2, unique=True))
+            rows[a], rows[b] = rows[b], rows[a]
+            moved.append((a, b, MoveDirectionality.SWAP))
+        if removed or added or moved:
+            proc.update_state(BatchUpdate(len(rows), removed, added, moved))
+        else:
+            proc.update_state(None)
+
+        logits = torch.zeros((len(rows), VOCAB), dtype=torch.float32)
+        proc.apply(logits)
+        masks = allowed_rows(logits)
+        for index, req in enumerate(rows):
+            if req is None:
+                assert masks[index] == set(range(VOCAB)), "unconstrained row was masked"
+                continue
+            expected = reference_allowed(req.kind, req.history, req.max_tokens)
+            assert masks[index] == expected, (req.kind, req.history, index)
+            # Chunked prefill: this step's sampled token is discarded, nothing is appended.
+            if req.done() or (data.draw(st.booleans()) and data.draw(st.booleans())):
+                continue
+            token = int(rng.choice(sorted(expected)))
+            req.outputs.append(token)
+            req.history.append(token)
+        # Finished requests leave the batch, as the scheduler removes them.
+        for index, req in enumerate(rows):
+            if req is not None and req.done():
+                assert req.history[-1] == EOS, f"budget ran out before the constraint closed: {req.history}"
+                rows[index] = None
+                proc.update_state(BatchUpdate(len(rows), [index], [], []))
+
+
+class _Host:
+    def __init__(self, array: np.ndarray):
+        self.np = array
+
+
+class _Device:
+    def __init__(self, tensor: torch.Tensor):
+        self.gpu = tensor
+
+
+def test_v2_adapter_tracks_slots_prefill_and_resume():
+    slots, max_len = 4, 64
+    tokens = torch.zeros((slots, max_len), dtype=torch.int32)
+    prompt_len = np.zeros(slots, dtype=np.int32)
+    req_states = LogitsProcRequestState(
+        device=torch.device("cpu"),
+        max_num_reqs=slots,
+        vocab_size=VOCAB,
+        all_token_ids=_Device(tokens),
+        prompt_len=_Host(prompt_len),
+        prefill_len=_Host(prompt_len.copy()),
+        total_len=_Device(torch.zeros(slots, dtype=torch.int32)),
+    )
+    proc = PavedLogitsProcessor.for_vocab(TOKENS, [EOS], MAX_MODEL_LEN, req_states=req_states)
+    rng = np.random.default_rng(7)
+    reqs = {1: Request("pair", 30, [5, 6, 7]), 3: Request("regex", 10, [8, 9])}
+    for slot, req in reqs.items():
+        prompt_len[slot] = len(req.prompt)
+        tokens[slot, : len(req.prompt)] = torch.tensor(req.prompt)
+        assert proc.add_request(slot, req.params) is True
+    assert proc.add_request(0, SamplingParams(max_tokens=5)) is False
+
+    def step(prefill: bool = False):
+        order = [3, 0, 1]  # rows are reordered every step
+        pos = []
+        for s in order:
+            req = reqs.get(s)
+            n = len(req.prompt) + len(req.history) if req else 1
+            pos.append(n - 2 if prefill else n - 1)
+        input_ids = [int(tokens[s, p]) for s, p in zip(order, pos, strict=True)]
+        ctx = LogitsContext(
+            expanded_idx_mapping=torch.tensor(order),
+            idx_mapping=torch.tensor(order),
+            idx_mapping_np=np.array(order),
+            expanded_local_pos=torch.zeros(len(order), dtype=torch.int32),
+            input_ids=torch.tensor(input_ids),
+            pos=torch.tensor(pos),
+            seq_lens_upper_bound_np=np.array(pos) + 1,
+        )
+        logits = torch.zeros((len(order), VOCAB), dtype=torch.float32)
+        proc.apply(logits, ctx)
+        return dict(zip(order, allowed_rows(logits), strict=True))
+
+    for i in range(12):
+        masks = step(prefill=i == 0)
+        assert masks[0] == set(range(VOCAB))
+        for slot, req in reqs.items():
+            if req.done():
+                continue
+            expected = reference_allowed(req.kind, req.history, req.max_tokens)
+            assert masks[slot] == expected, (slot, req.history)
+            if i == 0:
+                continue  # prefill chunk: the sampled token is discarded
+            token = int(rng.choice(sorted(expected)))
+            tokens[slot, len(req.prompt) + len(req.history)] = token
+            req.history.append(token)
+        if i == 6:  # preemption: slot 1 is resumed with different history -> full resync
+            req = reqs[1]
+            req.history = req.history[:1]
+            tokens[1, len(req.prompt) + 1 :] = 0
+
+
+def test_bad_specs_fail_at_admission():
+    with pytest.raises(ValueError, match="paved_constraint"):
+        PavedLogitsProcessor.validate_params(SamplingParams(extra_args={EXTRA_ARGS_KEY: {"type": "nope"}}))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        PavedLogitsProcessor.validate_params(
+            SamplingParams(ignore_eos=True, extra_args={EXTRA_ARGS_KEY: SPECS["one"]})
+        )
+    PavedLogitsProcessor.validate_params(SamplingParams(max_tokens=3))  # no spec: nothing to check
