@@ -1,0 +1,77 @@
+"""The FastAPI application: routers, error handlers, middleware, engine lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from paved.frontend import openai_api, ops_api
+from paved.frontend.errors import install_error_handlers
+from paved.frontend.metrics import FrontendMetrics
+from paved.frontend.middleware import BodyLimitMiddleware, MetricsMiddleware
+from paved.frontend.registry import ModelRegistry
+from paved.frontend.state import AppState
+
+logger = logging.getLogger(__name__)
+
+# Big enough for a paved choice catalogue of ~100k titles (a few MB of JSON), small enough
+# that a stray upload cannot exhaust memory.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def create_app(
+    models: ModelRegistry,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    on_start_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The app over `models`. Engines start in the background once the server runs, so
+    /health/live answers during the (long) boot and /health/ready turns 200 when all are warm.
+    If an engine cannot start, `on_start_failure` is told (the server main exits non-zero)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        boot = asyncio.create_task(models.start(), name="paved-engine-start")
+
+        def started(task: asyncio.Task) -> None:
+            if task.cancelled():
+                return
+            error = task.exception()
+            if error is not None:
+                logger.error("starting the engines failed", exc_info=error)
+                if on_start_failure is not None:
+                    on_start_failure(error)
+
+        boot.add_done_callback(started)
+        try:
+            yield
+        finally:
+            # Runs after the server has drained in-flight requests (or given up waiting).
+            models.draining = True
+            if not boot.done():
+                boot.cancel()
+                await asyncio.gather(boot, return_exceptions=True)
+            await models.stop()
+
+    metrics = FrontendMetrics(models)
+    app = FastAPI(
+        title="paved",
+        summary="OpenAI-compatible API over paved's engines",
+        version="1",
+        lifespan=lifespan,
+        # The interactive docs load assets from a CDN; the OpenAPI document is enough.
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.paved = AppState(models=models, metrics=metrics)
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(ops_api.router)
+    # Added last = outermost: metrics also count the 413s the body limit answers.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,139 @@
+"""OpenAI-style errors: every failure leaves as {"error": {"message", "type", "param", "code"}}.
+
+Validation problems are 400 (OpenAI's status), not FastAPI's default 422, and engine errors map
+to the status a client can act on: 400 fix the request, 404 wrong model, 413 too big, 503 retry.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paved.engine.protocol import (
+    EngineError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def to_api_error(exc: Exception) -> APIError:
+    """The API error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), code="unavailable", headers={"Retry-After": "5"})
+    logger.error("internal error while serving a request", exc_info=exc)
+    return APIError(500, "internal server error", code="internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument supplied: {param}", param
+    if kind == "missing" and not loc:
+        return "the request body is missing", None
+    messages = []
+    for error in errors[:3]:
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        messages.append(f"{where}: {error['msg']}" if where else error["msg"])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(messages) + more, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    async def _api(_: Request, exc: Exception) -> JSONResponse:
+        error = to_api_error(exc)
+        return error_response(
+            error.status, error.message, param=error.param, code=error.code, headers=error.headers
+        )
+
+    # Expected errors are answered by the exception middleware; only the catch-all for bugs
+    # goes through Starlette's server-error middleware, which also logs the traceback.
+    app.add_exception_handler(APIError, _api)
+    app.add_exception_handler(EngineError, _api)
+    app.add_exception_handler(Exception, _api)

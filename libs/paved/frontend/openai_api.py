@@ -1,0 +1,444 @@
+"""OpenAI-compatible routes: models, chat completions, completions, embeddings, and paved's
+ranking extension. Handlers translate between the wire schemas and the engine protocol;
+they never touch an engine implementation."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from paved.engine.protocol import (
+    ChatPrompt,
+    EmbedRequest,
+    EngineOverloadedError,
+    GenerateRequest,
+    GenerateStream,
+    InvalidRequestError,
+    ModelCard,
+    SamplingOptions,
+    TextPrompt,
+    TokenPrompt,
+)
+from paved.frontend import responses, schemas, structured
+from paved.frontend.errors import APIError
+from paved.frontend.registry import ServedModel, Ticket
+from paved.frontend.state import AppState
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": schemas.ErrorResponse, "description": text}
+    for code, text in (
+        (400, "Invalid request"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (503, "Overloaded, loading or shutting down (see Retry-After)"),
+    )
+}
+T = TypeVar("T")
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.paved
+
+
+# ---- models ---------------------------------------------------------------------------------
+def _model_object(card: ModelCard) -> schemas.ModelObject:
+    return schemas.ModelObject(
+        id=card.id, created=card.created, owned_by=card.owned_by, max_model_len=card.max_model_len
+    )
+
+
+@router.get("/v1/models", response_model=schemas.ModelList, responses=_ERRORS)
+async def list_models(request: Request) -> schemas.ModelList:
+    return schemas.ModelList(data=[_model_object(card) for card in _state(request).models.cards()])
+
+
+@router.get("/v1/models/{model:path}", response_model=schemas.ModelObject, responses=_ERRORS)
+async def get_model(model: str, request: Request) -> schemas.ModelObject:
+    return _model_object(_state(request).models.get(model).card)
+
+
+# ---- shared request handling ------------------------------------------------------------------
+def _generative(state: AppState, model: str) -> ServedModel:
+    served = state.models.get(model)
+    if served.card.kind != "generate":
+        raise APIError(400, f"model {model!r} is an embedding model; use /v1/embeddings", param="model")
+    return served
+
+
+def _check_logprobs(card: ModelCard, count: int | None, param: str) -> None:
+    if count is not None and count > card.max_logprobs:
+        raise APIError(400, f"{param} must be at most {card.max_logprobs} for model {card.id!r}", param=param)
+
+
+def _sampling(
+    body: schemas.SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    resolved: structured.Resolved,
+) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        constraint=resolved.constraint,
+    )
+
+
+def _resolve(state: AppState, body: schemas.SamplingFields, card: ModelCard) -> structured.Resolved:
+    resolved = structured.resolve(body, card)
+    if resolved.constraint is not None:
+        state.metrics.constrained.labels(card.id, resolved.constraint.backend).inc()
+    return resolved
+
+
+class _Admitted:
+    """An admitted request: its admission ticket and engine streams, released together once."""
+
+    def __init__(self, ticket: Ticket):
+        self.ticket = ticket
+        self.streams: list[GenerateStream] = []
+
+    async def close(self) -> None:
+        streams, self.streams = self.streams, []
+        try:
+            for stream in streams:
+                await stream.aclose()  # aborts the engine request unless it finished
+        finally:
+            self.ticket.release()
+
+
+async def _admit(
+    state: AppState, served: ServedModel, requests: Sequence[GenerateRequest], weight: int
+) -> _Admitted:
+    """Admit and start every engine request, or none of them."""
+    try:
+        ticket = state.models.admit(served, weight)
+    except EngineOverloadedError:
+        state.metrics.rejected.labels(served.card.id, "queue_full").inc()
+        raise
+    admitted = _Admitted(ticket)
+    try:
+        for r in requests:
+            admitted.streams.append(await served.engine.generate(r))
+    except BaseException:
+        await admitted.close()
+        raise
+    return admitted
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose engine requests are closed however the response ends:
+    completed, failed, or cut short by a client disconnect (even before the first byte)."""
+
+    def __init__(self, events: AsyncIterator[bytes], admitted: _Admitted, headers: dict[str, str]):
+        super().__init__(
+            responses.guarded_sse(events),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._admitted = admitted
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._admitted.close()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (frees the engine request).
+
+    Streaming responses get this from Starlette; non-streaming handlers have to watch for it.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled():
+        # Nobody is listening any more; the status only shows up in metrics and logs.
+        raise APIError(499, "client closed the request")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _headers(resolved: structured.Resolved) -> dict[str, str]:
+    if resolved.constraint is None:
+        return {}
+    return {structured.BACKEND_HEADER: resolved.constraint.backend}
+
+
+# ---- chat completions -----------------------------------------------------------------------
+def _message_dict(message: schemas.ChatMessage) -> dict[str, Any]:
+    # Chat templates rarely know "developer"; it is OpenAI's newer name for "system".
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
+    out["content"] = message.text() or ""
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            # HF templates index arguments as a mapping; OpenAI sends them as JSON text.
+            try:
+                arguments: Any = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = call.function.arguments
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+@router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=_ERRORS)
+async def chat_completions(body: schemas.ChatCompletionRequest, request: Request):
+    state = _state(request)
+    served = _generative(state, body.model)
+    card = served.card
+    _check_logprobs(card, body.top_logprobs, "top_logprobs")
+    resolved = _resolve(state, body, card)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    prompt = ChatPrompt(messages=[_message_dict(m) for m in body.messages], tools=tools)
+    request_id = responses.new_id("chatcmpl")
+    generate = GenerateRequest(
+        request_id=request_id,
+        model=body.model,
+        prompt=prompt,
+        sampling=_sampling(
+            body, max_tokens=body.output_budget(), logprobs=logprobs, prompt_logprobs=None, resolved=resolved
+        ),
+        stream=bool(body.stream),
+    )
+    admitted = await _admit(state, served, [generate], body.n)
+    (stream,) = admitted.streams
+    headers = _headers(resolved)
+    if body.stream:
+        events = responses.chat_events(
+            stream,
+            request_id=request_id,
+            model=body.model,
+            n=body.n,
+            mode=resolved.tool_mode,
+            with_logprobs=logprobs is not None,
+            include_usage=body.include_usage(),
+        )
+        return _SSEResponse(events, admitted, headers)
+    try:
+        result = await _unless_disconnected(request, responses.collect(stream, body.n))
+    finally:
+        await admitted.close()
+    payload = responses.chat_completion(
+        request_id, int(time.time()), body.model, result, resolved.tool_mode, logprobs is not None
+    )
+    return JSONResponse(payload, headers=headers)
+
+
+# ---- completions ----------------------------------------------------------------------------
+def _prompts(prompt: Any) -> list[TextPrompt | TokenPrompt]:
+    if isinstance(prompt, str):
+        return [TextPrompt(prompt)]
+    if prompt and isinstance(prompt[0], str):
+        return [TextPrompt(p) for p in prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [TokenPrompt(prompt)]
+    return [TokenPrompt(p) for p in prompt]
+
+
+@router.post("/v1/completions", response_model=schemas.Completion, responses=_ERRORS)
+async def completions(body: schemas.CompletionRequest, request: Request):
+    state = _state(request)
+    served = _generative(state, body.model)
+    card = served.card
+    _check_logprobs(card, body.logprobs, "logprobs")
+    resolved = _resolve(state, body, card)
+    prompts = _prompts(body.prompt)
+    request_id = responses.new_id("cmpl")
+    sampling = _sampling(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        # echo + logprobs scores the prompt too (with max_tokens 0: prefill-only scoring).
+        prompt_logprobs=body.logprobs if body.echo else None,
+        resolved=resolved,
+    )
+    generates = [
+        GenerateRequest(
+            f"{request_id}-{i}", body.model, p, sampling, stream=bool(body.stream), echo=body.echo
+        )
+        for i, p in enumerate(prompts)
+    ]
+    admitted = await _admit(state, served, generates, body.n * len(prompts))
+    streams = admitted.streams
+    headers = _headers(resolved)
+    if body.stream:
+        events = responses.completion_events(
+            list(streams),
+            request_id=request_id,
+            model=body.model,
+            n=body.n,
+            echo=body.echo,
+            logprobs=body.logprobs,
+            include_usage=body.include_usage(),
+        )
+        return _SSEResponse(events, admitted, headers)
+    try:
+        results = await _unless_disconnected(
+            request, asyncio.gather(*(responses.collect(s, body.n) for s in streams))
+        )
+    finally:
+        await admitted.close()
+    choices = []
+    for p, result in enumerate(results):
+        for i, choice in enumerate(result.choices):
+            text, entries = choice.text, list(choice.logprobs)
+            if body.echo:
+                text = (result.prompt_text or "") + text
+                entries = list(result.prompt_logprobs or []) + entries
+            choices.append(
+                {
+                    "index": p * body.n + i,
+                    "text": text,
+                    "logprobs": responses.completion_logprobs(entries, 0)
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    completion_tokens = sum(c.tokens for r in results for c in r.choices)
+    payload = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": choices,
+        "usage": responses.usage_dict(
+            prompt_tokens, completion_tokens, sum(r.cached_tokens for r in results)
+        ),
+    }
+    return JSONResponse(payload, headers=headers)
+
+
+# ---- embeddings -----------------------------------------------------------------------------
+@router.post("/v1/embeddings", response_model=schemas.EmbeddingList, responses=_ERRORS)
+async def embeddings(body: schemas.EmbeddingRequest, request: Request):
+    state = _state(request)
+    served = state.models.get(body.model)
+    if served.card.kind != "embed":
+        raise APIError(400, f"model {body.model!r} is not an embedding model", param="model")
+    inputs = _prompts(body.input)
+    admitted = await _admit(state, served, [], len(inputs))
+    try:
+        embed = EmbedRequest(responses.new_id("embd"), body.model, inputs, dimensions=body.dimensions)
+        result = await _unless_disconnected(request, served.engine.embed(embed))
+    finally:
+        await admitted.close()
+    data = []
+    for i, vector in enumerate(result.embeddings):
+        if body.encoding_format == "base64":
+            # OpenAI's base64 format: little-endian float32 bytes.
+            value: Any = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        else:
+            value = vector
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    payload = {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    }
+    return JSONResponse(payload)
+
+
+# ---- ranking (extension) --------------------------------------------------------------------
+@router.post(
+    "/v1/rank",
+    response_model=schemas.RankList,
+    responses=_ERRORS,
+    summary="Rank candidate continuations by log-likelihood (paved extension)",
+)
+async def rank(body: schemas.RankRequest, request: Request):
+    """Score each candidate as the sum of its tokens' logprobs given `context`.
+
+    The context and each candidate are tokenized separately and concatenated, so every
+    candidate is scored on the same context tokens (no merge across the boundary). All
+    candidates go to the engine at once and share one batched prefill; prefix caching
+    reuses the context's KV where the engine supports it. Results are sorted best first.
+    """
+    state = _state(request)
+    served = _generative(state, body.model)
+    engine = served.engine
+    context = await engine.tokenize(body.model, body.context, add_special_tokens=True)
+    if not context:
+        raise InvalidRequestError("context tokenizes to nothing", param="context")
+    candidates = [await engine.tokenize(body.model, c, add_special_tokens=False) for c in body.candidates]
+    for i, ids in enumerate(candidates):
+        if not ids:
+            raise InvalidRequestError(f"candidates[{i}] tokenizes to nothing", param="candidates")
+    request_id = responses.new_id("rank")
+    sampling = SamplingOptions(max_tokens=0, prompt_logprobs=0)
+    generates = [
+        GenerateRequest(f"{request_id}-{i}", body.model, TokenPrompt([*context, *ids]), sampling)
+        for i, ids in enumerate(candidates)
+    ]
+    admitted = await _admit(state, served, generates, len(generates))
+    try:
+        results = await _unless_disconnected(
+            request, asyncio.gather(*(responses.collect(s, 1) for s in admitted.streams))
+        )
+    finally:
+        await admitted.close()
+    ranked = []
+    for i, (ids, result) in enumerate(zip(candidates, results, strict=True)):
+        scored = (result.prompt_logprobs or [])[len(context) :]
+        logprob = math.fsum(e.logprob for e in scored if e.logprob is not None)
+        ranked.append({"index": i, "text": body.candidates[i], "logprob": logprob, "tokens": len(ids)})
+    ranked.sort(key=lambda r: r["logprob"], reverse=True)
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    payload = {
+        "object": "list",
+        "model": body.model,
+        "data": ranked,
+        "usage": responses.usage_dict(prompt_tokens, 0),
+    }
+    return JSONResponse(payload)

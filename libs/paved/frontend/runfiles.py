@@ -1,0 +1,33 @@
+"""Finding Bazel-built data (like //models/tiny) from a binary or test at run time."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+WORKSPACE = "paved"
+
+
+def runfile(path: str) -> str:
+    """Absolute, symlink-resolved path of workspace-relative `path` in this process's runfiles.
+
+    Looks where Bazel puts runfiles for `bazel run` / `bazel test` (RUNFILES_DIR, TEST_SRCDIR,
+    `<main>.runfiles`), then relative to the working directory (a source checkout with the
+    file built in place). The target must list the file in `data`.
+    """
+    roots = [os.environ.get("RUNFILES_DIR"), os.environ.get("TEST_SRCDIR")]
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main:
+        roots.append(os.path.abspath(main).split(".runfiles" + os.sep)[0] + ".runfiles")
+    for root in filter(None, roots):
+        candidate = os.path.join(root, WORKSPACE, path)
+        if os.path.exists(candidate):
+            return os.path.realpath(candidate)
+    if os.path.exists(path):
+        return os.path.realpath(path)
+    raise FileNotFoundError(f"{path} is not in this target's runfiles; add its label to `data`")
+
+
+def tiny_model_dir() -> str:
+    """//models/tiny: the default model of `bazel run //services/frontend:serve`."""
+    return os.path.dirname(runfile("models/tiny/config.json"))

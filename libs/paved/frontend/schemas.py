@@ -1,0 +1,480 @@
+"""OpenAI API schemas (pydantic), the only place the wire format is spelled out.
+
+Requests forbid unknown fields: a parameter paved cannot honour is a 400 naming it, never
+silently ignored. Ranges follow OpenAI's API reference; vLLM extensions paved honours are
+marked as such. The same models generate the OpenAPI document served at /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_BATCH = 2048
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared request pieces.
+# ---------------------------------------------------------------------------------------------
+class JsonSchemaFormat(Request):
+    name: FunctionName
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(Request):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs` extension: exactly one of the constraint fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: list[NonEmptyStr] | None = Field(default=None, min_length=1)
+    grammar: NonEmptyStr | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+                + (f"; got {given}" if given else "")
+            )
+        return self
+
+
+class StreamOptions(Request):
+    include_usage: bool | None = None
+
+
+class SamplingFields(Request):
+    """Fields common to chat and completions."""
+
+    model: NonEmptyStr
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = Field(default=None, max_length=512)
+    response_format: ResponseFormat | None = None
+    # vLLM extensions paved honours.
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    # Per-request args for engine plugins; paved reads `paved_constraint` (a paved spec, as an
+    # object or its JSON text). Other keys are rejected: no plugin here would read them.
+    vllm_xargs: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are supported")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit() or int(key) > 2**31 - 1:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat completions.
+# ---------------------------------------------------------------------------------------------
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Request):
+    name: FunctionName
+    arguments: str
+
+
+class ToolCall(Request):
+    id: NonEmptyStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Only text: paved serves text models; other content parts are a 400, not dropped.
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls and self.refusal is None:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionDefinition(Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Request):
+    name: FunctionName
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields accepted because their only meaning here is the default behaviour.
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    def output_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Completions.
+# ---------------------------------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)
+        ]
+    )
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported: paved serves no fill-in-the-middle models")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing; it is only meaningful with echo: true")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens=0 (prompt scoring) cannot be streamed")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Embeddings.
+# ---------------------------------------------------------------------------------------------
+class EmbeddingRequest(Request):
+    model: NonEmptyStr
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)
+        ]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, le=65536)
+    user: str | None = Field(default=None, max_length=512)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking (paved extension).
+# ---------------------------------------------------------------------------------------------
+class RankRequest(Request):
+    """Score candidate continuations of one context by log-likelihood (one batched prefill)."""
+
+    model: NonEmptyStr
+    context: NonEmptyStr
+    candidates: list[NonEmptyStr] = Field(min_length=1, max_length=256)
+    user: str | None = Field(default=None, max_length=512)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses.
+# ---------------------------------------------------------------------------------------------
+class Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Response):
+    error: ErrorDetail
+
+
+class ModelObject(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class PromptTokensDetails(Response):
+    cached_tokens: int = 0
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprobEntry(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(Response):
+    content: list[ChatLogprobEntry] | None = None
+    refusal: list[ChatLogprobEntry] | None = None
+
+
+class FunctionCallOut(Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ToolCallDelta(Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
+
+
+class ChatDelta(Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class EmbeddingObject(Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingList(Response):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingObject]
+    model: str
+    usage: Usage
+
+
+class RankedCandidate(Response):
+    index: int
+    text: str
+    logprob: float
+    tokens: int
+
+
+class RankList(Response):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[RankedCandidate]
+    usage: Usage

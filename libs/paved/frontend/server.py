@@ -1,0 +1,175 @@
+"""The frontend server main: parse flags/config, build vLLM engines, serve with uvicorn + uvloop.
+
+With no arguments it serves the tiny model fixture (//models/tiny) on 127.0.0.1:8000.
+"""
+
+from paved.engine import vllm_env
+
+# At import time: vLLM's engine core is started with `spawn`, which re-imports the main module.
+vllm_env.apply_defaults()
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+
+import uvicorn  # noqa: E402
+
+from paved.engine.vllm_config import VllmModelConfig  # noqa: E402
+from paved.frontend import config as config_file  # noqa: E402
+from paved.frontend.app import create_app  # noqa: E402
+from paved.frontend.config import ServerConfig  # noqa: E402
+from paved.frontend.registry import ModelRegistry  # noqa: E402
+from paved.frontend.runfiles import tiny_model_dir  # noqa: E402
+
+logger = logging.getLogger("paved.frontend")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="serve",
+        description="paved's OpenAI-compatible server. Without --model/--config: the tiny model fixture.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="DIR", help="serve this Hugging Face model directory")
+    source.add_argument(
+        "--config", metavar="FILE", help="TOML/JSON file listing models (see paved.frontend.config)"
+    )
+    m = p.add_argument_group("--model options")
+    m.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
+    m.add_argument("--kind", choices=("generate", "embed"), default="generate")
+    m.add_argument("--max-model-len", type=int)
+    m.add_argument("--max-num-seqs", type=int)
+    m.add_argument("--dtype", default="auto")
+    m.add_argument("--enforce-eager", action="store_true", help="skip graph compilation (faster start)")
+    m.add_argument("--max-queued-sequences", type=int, default=1024, help="admission bound (then 503)")
+    m.add_argument(
+        "--no-paved-constraints", action="store_true", help="enforce JSON schemas with xgrammar only"
+    )
+    s = p.add_argument_group("server")
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8000; 0: any free port)")
+    s.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
+    s.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on shutdown")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+    return p
+
+
+def _config(args: argparse.Namespace) -> ServerConfig:
+    if args.config:
+        config = config_file.load(args.config)
+    elif args.model:
+        model = VllmModelConfig(
+            name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
+            path=args.model,
+            kind=args.kind,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            dtype=args.dtype,
+            enforce_eager=args.enforce_eager,
+            paved_constraints=not args.no_paved_constraints,
+            max_queued_sequences=args.max_queued_sequences,
+        )
+        model.validate()
+        config = ServerConfig(models=[model])
+    else:
+        # The fixture: small context and batch, eager mode (boots ~20 s faster on CPU).
+        tiny = VllmModelConfig(
+            name="tiny",
+            path=tiny_model_dir(),
+            dtype="float32",
+            max_model_len=2048,
+            max_num_seqs=32,
+            enforce_eager=True,
+        )
+        config = ServerConfig(models=[tiny])
+    for flag, key in (
+        ("host", "host"),
+        ("port", "port"),
+        ("max_body_bytes", "max_body_bytes"),
+        ("drain_timeout", "drain_timeout_s"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(config, key, value)
+    config.validate()
+    return config
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: readiness turns 503 the moment a shutdown signal arrives (load balancers
+    stop routing here while in-flight requests drain), and a failed engine start ends it."""
+
+    def __init__(self, config: uvicorn.Config, models: ModelRegistry):
+        super().__init__(config)
+        self.models = models
+        self.failed = False
+
+    def handle_exit(self, sig, frame) -> None:
+        self.models.draining = True
+        super().handle_exit(sig, frame)
+
+    def fail(self, _: BaseException) -> None:
+        self.failed = True
+        self.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = _config(args)
+    except (OSError, ValueError) as e:
+        print(f"serve: {e}", file=sys.stderr)
+        return 2
+
+    from paved.engine.vllm_engine import VllmEngine  # imports vLLM: only once the flags are valid
+
+    models = ModelRegistry(
+        [VllmEngine(m) for m in config.models], {m.name: m.max_queued_sequences for m in config.models}
+    )
+    server: _Server | None = None
+
+    def start_failed(error: BaseException) -> None:
+        if server is not None:
+            server.fail(error)
+
+    app = create_app(models, max_body_bytes=config.max_body_bytes, on_start_failure=start_failed)
+    sock = _bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    uv_config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=args.access_log,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=config.drain_timeout_s,
+    )
+    server = _Server(uv_config, models)
+    shown = f"[{host}]" if ":" in host else host
+    names = ", ".join(m.name for m in config.models)
+    # Tests and scripts read this line for the (possibly ephemeral) port.
+    print(f"paved frontend: serving {names} on http://{shown}:{port} (ready: /health/ready)", flush=True)
+    # uvicorn re-raises the shutdown signal once drained; exit cleanly rather than by signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.run(sockets=[sock])
+    return 1 if server.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

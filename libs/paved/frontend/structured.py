@@ -1,0 +1,243 @@
+"""Structured outputs: turn a request's constraint fields into one enforced `Constraint`.
+
+Sources, at most one per request: `response_format` (json_object / json_schema),
+`tool_choice` (a named function, or "required"), vLLM's `structured_outputs` extension, and
+`vllm_xargs.paved_constraint` (a raw paved spec). JSON schemas go to paved's constraint
+engine when they are inside its subset (compact, budget-aware: output closes before
+max_tokens runs out), otherwise to vLLM's xgrammar. Whatever cannot be enforced is a 400:
+a constraint is never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+
+from paved.engine.protocol import Constraint, ModelCard
+from paved.frontend.errors import APIError
+from paved.frontend.schemas import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    SamplingFields,
+)
+
+PAVED_CONSTRAINT_XARG = "paved_constraint"
+BACKEND_HEADER = "x-paved-constraint-backend"
+# Generic JSON object, the meaning of response_format json_object.
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How generated text becomes tool calls: one named function's arguments, or a list."""
+
+    kind: Literal["named", "required"]
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    constraint: Constraint | None = None
+    tool_mode: ToolMode | None = None
+
+
+def resolve(request: SamplingFields, card: ModelCard) -> Resolved:
+    """The constraint (and tool-call mode) `request` asks for, validated and routed."""
+    sources: list[tuple[str, Any]] = []
+    rf = request.response_format
+    if isinstance(rf, ResponseFormatJsonObject | ResponseFormatJsonSchema):
+        sources.append(("response_format", rf))
+    if request.structured_outputs is not None:
+        sources.append(("structured_outputs", request.structured_outputs))
+    xargs = dict(request.vllm_xargs or {})
+    paved_spec = xargs.pop(PAVED_CONSTRAINT_XARG, None)
+    if xargs:
+        raise APIError(
+            400,
+            f"vllm_xargs key(s) {sorted(xargs)} are not supported; "
+            f"only {PAVED_CONSTRAINT_XARG!r} is read here",
+            param="vllm_xargs",
+        )
+    if paved_spec is not None:
+        sources.append((f"vllm_xargs.{PAVED_CONSTRAINT_XARG}", paved_spec))
+    tool_mode, tool_schema = (
+        _tool_mode(request) if isinstance(request, ChatCompletionRequest) else (None, None)
+    )
+    if tool_mode is not None:
+        sources.append(("tool_choice", tool_schema))
+    if not sources:
+        return Resolved()
+    if len(sources) > 1:
+        names = " and ".join(name for name, _ in sources)
+        raise APIError(400, f"{names} both constrain the output; send only one", param=sources[1][0])
+    if not card.constraint_backends:
+        raise APIError(400, f"model {card.id!r} does not support structured outputs", param=sources[0][0])
+    if request.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with a constrained output", param="ignore_eos")
+
+    name, value = sources[0]
+    if name == "response_format":
+        if isinstance(value, ResponseFormatJsonObject):
+            return Resolved(_json(_ANY_OBJECT, card, name, json_object=True))
+        schema = value.json_schema.schema_
+        if schema is None:
+            raise APIError(
+                400, "response_format.json_schema.schema is required", param="response_format.json_schema"
+            )
+        return Resolved(_json(schema, card, "response_format.json_schema.schema"))
+    if name == "tool_choice":
+        return Resolved(_json(value, card, "tools"), tool_mode)
+    if name == "structured_outputs":
+        return Resolved(_structured_outputs(value, card))
+    return Resolved(_paved_spec(value, card, name))
+
+
+def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"the JSON schema is not valid JSON: {e}", param=param) from e
+    if not isinstance(schema, dict):
+        raise APIError(400, "a JSON schema must be an object", param=param)
+    _check_schema(schema, param)
+    if "paved" in card.constraint_backends:
+        from paved.constraints import spec as paved_spec
+
+        if paved_spec.json_schema_unsupported_reason(schema) is None:
+            spec = _validated_spec({"type": "json_schema", "schema": schema, "whitespace": "compact"}, param)
+            return Constraint("paved", "paved", spec)
+    if "xgrammar" in card.constraint_backends:
+        if json_object:
+            return Constraint("xgrammar", "json_object")
+        return Constraint("xgrammar", "json_schema", schema)
+    raise APIError(400, f"model {card.id!r} cannot enforce this JSON schema", param=param)
+
+
+def _check_schema(schema: dict, param: str) -> None:
+    """Reject schemas that are not JSON Schema at all, before any backend interprets them."""
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise APIError(400, f"invalid JSON schema at {where}: {e.message}", param=param) from e
+    except Exception as e:  # e.g. an unknown $schema dialect or a regex the checker cannot compile
+        raise APIError(400, f"invalid JSON schema: {e}", param=param) from e
+
+
+def _structured_outputs(value, card: ModelCard) -> Constraint:
+    if value.json_ is not None:
+        return _json(value.json_, card, "structured_outputs.json")
+    if value.json_object:
+        return _json(_ANY_OBJECT, card, "structured_outputs.json_object", json_object=True)
+    # regex / choice / grammar keep vLLM's meaning, so they stay on xgrammar; paved's own
+    # regex and choice engines are reached through vllm_xargs.paved_constraint.
+    if "xgrammar" not in card.constraint_backends:
+        raise APIError(
+            400, f"model {card.id!r} does not support structured_outputs", param="structured_outputs"
+        )
+    if value.regex is not None:
+        return Constraint("xgrammar", "regex", value.regex)
+    if value.choice is not None:
+        return Constraint("xgrammar", "choice", list(value.choice))
+    return Constraint("xgrammar", "grammar", value.grammar)
+
+
+def _paved_spec(raw: Any, card: ModelCard, param: str) -> Constraint:
+    if "paved" not in card.constraint_backends:
+        raise APIError(400, f"paved's constraint engine is not enabled for model {card.id!r}", param=param)
+    return Constraint("paved", "paved", _validated_spec(raw, param))
+
+
+def _validated_spec(raw: Any, param: str) -> dict:
+    from paved.constraints import spec as paved_spec
+
+    try:
+        return paved_spec.validate_spec(raw)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+
+
+# ---- tools ----------------------------------------------------------------------------------
+def _tool_mode(request: ChatCompletionRequest) -> tuple[ToolMode | None, dict | None]:
+    choice, tools = request.tool_choice, request.tools or []
+    if choice is None:
+        if tools:
+            raise APIError(400, _AUTO_UNSUPPORTED, param="tool_choice")
+        return None, None
+    if choice == "none":
+        return None, None
+    if not tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if choice == "auto":
+        raise APIError(400, _AUTO_UNSUPPORTED, param="tool_choice")
+    defs = _hoisted_defs(tools)
+    if isinstance(choice, NamedToolChoice):
+        by_name = {t.function.name: t for t in tools}
+        tool = by_name.get(choice.function.name)
+        if tool is None:
+            raise APIError(
+                400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
+            )
+        schema = _parameters(tool)
+        if defs:
+            schema["$defs"] = defs
+        return ToolMode("named", tool.function.name), schema
+    # "required": a non-empty JSON array of {"name", "parameters"} calls (vLLM's shape).
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": _parameters(t),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in tools
+            ]
+        },
+    }
+    if request.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return ToolMode("required"), schema
+
+
+_AUTO_UNSUPPORTED = (
+    "tool_choice 'auto' (the default when tools are given) needs a tool-call parser for this model, "
+    "which paved does not configure; send tool_choice 'required', a named function, or 'none'"
+)
+
+
+def _parameters(tool) -> dict[str, Any]:
+    params = dict(tool.function.parameters or {"type": "object", "properties": {}})
+    params.pop("$defs", None)
+    return params
+
+
+def _hoisted_defs(tools) -> dict[str, Any]:
+    """Tools' `$defs`, moved to the root of the combined schema so `#/$defs/...` still resolve."""
+    defs: dict[str, Any] = {}
+    for tool in tools:
+        own = (tool.function.parameters or {}).get("$defs")
+        if own is None:
+            continue
+        if not isinstance(own, dict):
+            raise APIError(400, f"tool {tool.function.name!r}: $defs must be an object", param="tools")
+        for key, value in own.items():
+            if key in defs and defs[key] != value:
+                raise APIError(400, f"tools define $defs/{key} differently; rename one", param="tools")
+            defs[key] = value
+    return defs
