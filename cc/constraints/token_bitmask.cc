@@ -56,23 +56,29 @@ std::vector<int32_t> TokenBitmask::Tokens() const {
   return out;
 }
 
+void ApplyMaskRow(float* row, const uint32_t* mask, int64_t vocab_size) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t words = BitmaskWords(vocab_size);
+  for (int64_t w = 0; w < words; ++w) {
+    const uint32_t bits = mask[w];
+    if (bits == ~0u) continue;  // fully allowed word: the common case for loose constraints
+    const int64_t base = w * 32;
+    const int n = static_cast<int>(base + 32 < vocab_size ? 32 : vocab_size - base);
+    float* out = row + base;
+    if (bits == 0) {  // fully masked: the common case for tight constraints
+      for (int j = 0; j < n; ++j) out[j] = neg_inf;
+      continue;
+    }
+    for (int j = 0; j < n; ++j) out[j] = ((bits >> j) & 1u) ? out[j] : neg_inf;
+  }
+}
+
 void ApplyBitmaskRows(float* logits, const int32_t* bitmask, int64_t vocab_size,
                       const int64_t* row_ids, int64_t num_rows) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t words = BitmaskWords(vocab_size);
   for (int64_t i = 0; i < num_rows; ++i) {
     const int64_t r = row_ids != nullptr ? row_ids[i] : i;
-    float* row = logits + r * vocab_size;
-    const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask + r * words);
-    for (int64_t w = 0; w < words; ++w) {
-      const uint32_t bits = mask[w];
-      if (bits == ~0u) continue;  // fully allowed word: the common case for loose constraints
-      const int64_t base = w * 32;
-      const int64_t end = base + 32 < vocab_size ? base + 32 : vocab_size;
-      for (int64_t t = base; t < end; ++t) {
-        if (((bits >> (t - base)) & 1u) == 0) row[t] = neg_inf;
-      }
-    }
+    ApplyMaskRow(logits + r * vocab_size, reinterpret_cast<const uint32_t*>(bitmask + r * words), vocab_size);
   }
 }
 

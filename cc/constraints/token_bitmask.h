@@ -35,6 +35,10 @@ class TokenBitmask {
   std::vector<uint32_t> words_;
 };
 
+// Writes -inf into every logit of `row` (float32 [vocab_size]) whose bit is clear in `mask`
+// (BitmaskWords(vocab_size) words).
+void ApplyMaskRow(float* row, const uint32_t* mask, int64_t vocab_size);
+
 // Writes -inf into every logit of `logits` (row-major [rows, vocab_size] float32) whose bit is
 // clear in `bitmask` (row-major [rows, BitmaskWords(vocab_size)] int32). Rows whose index is
 // not in `row_ids` are left untouched when `row_ids` is non-null. Pure function of its

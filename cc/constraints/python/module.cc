@@ -1,19 +1,48 @@
-// pybind11 surface of cc/constraints. Every entry point validates shapes and dtypes before
-// touching memory and releases the GIL around the C++ work, so the engine's Python thread
-// is free while masks are applied.
+// pybind11 surface of cc/constraints. Every entry point validates its arguments (shapes,
+// dtypes, ranges) before touching memory, raises ValueError (ConstraintError) or IndexError,
+// and releases the GIL around compilation and mask work.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "cc/constraints/batch_masker.h"
+#include "cc/constraints/compile.h"
+#include "cc/constraints/constraint.h"
+#include "cc/constraints/limits.h"
 #include "cc/constraints/token_bitmask.h"
+#include "cc/constraints/vocab.h"
 
 namespace py = pybind11;
-using paved::constraints::ApplyBitmaskRows;
-using paved::constraints::BitmaskWords;
 
+namespace paved::constraints {
 namespace {
+
+using StatePtr = std::shared_ptr<State>;
+
+// Checks a writeable, aligned, C-contiguous array of dtype T with the given shape.
+template <typename T>
+void CheckArray(const py::array& a, const char* name, const char* dtype, std::vector<int64_t> shape) {
+  if (!py::isinstance<py::array_t<T>>(a))
+    throw py::value_error(std::string(name) + " must be a " + dtype + " array");
+  bool ok = a.ndim() == static_cast<py::ssize_t>(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = a.shape(static_cast<py::ssize_t>(i)) == shape[i];
+  if (!ok) {
+    std::string want = "[";
+    for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
+    throw py::value_error(std::string(name) + " shape must be " + want + "]");
+  }
+  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
+  if (!(a.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_))
+    throw py::value_error(std::string(name) + " must be aligned");
+  if (!a.writeable()) throw py::value_error(std::string(name) + " must be writeable");
+}
 
 void ApplyBitmask(py::array logits, py::array bitmask, py::object rows) {
   if (!py::isinstance<py::array_t<float>>(logits) || logits.ndim() != 2)
@@ -48,14 +77,189 @@ void ApplyBitmask(py::array logits, py::array bitmask, py::object rows) {
   ApplyBitmaskRows(logits_ptr, mask_ptr, vocab, row_ptr, num_rows);
 }
 
+std::shared_ptr<Vocab> MakeVocab(std::vector<std::string> token_bytes, const std::vector<int64_t>& eos_token_ids,
+                                 std::optional<int64_t> vocab_size) {
+  std::vector<int32_t> eos;
+  for (int64_t id : eos_token_ids) {
+    if (id < 0 || id >= kMaxVocabSize) throw ConstraintError("EOS token id " + std::to_string(id) + " is out of range");
+    eos.push_back(static_cast<int32_t>(id));
+  }
+  py::gil_scoped_release release;
+  return std::make_shared<Vocab>(std::move(token_bytes), std::move(eos), vocab_size.value_or(-1));
+}
+
+py::dict Stats(const Constraint& c) {
+  const ConstraintStats s = c.stats();
+  py::dict d;
+  d["kind"] = s.kind;
+  d["dfa_states"] = s.automaton_states;
+  d["min_tokens"] = s.min_tokens;
+  d["cached_masks"] = s.cache.entries;
+  d["cache_capacity"] = s.cache.capacity;
+  d["cache_bytes"] = s.cache.bytes;
+  d["cache_hits"] = s.cache.hits;
+  d["cache_misses"] = s.cache.misses;
+  d["cache_evictions"] = s.cache.evictions;
+  return d;
+}
+
+// The batch's states as raw pointers, kept alive by per-thread owner references for the
+// duration of a call. Both vectors keep their capacity: no allocation once warmed up.
+struct BatchStates {
+  std::vector<StatePtr> owners;
+  std::vector<const State*> rows;
+};
+
+BatchStates& CollectStates(const py::sequence& states) {
+  thread_local BatchStates batch;
+  batch.owners.clear();
+  batch.rows.clear();
+  const auto n = static_cast<size_t>(py::len(states));
+  for (size_t i = 0; i < n; ++i) {
+    py::object item = states[i];
+    if (item.is_none()) {
+      batch.rows.push_back(nullptr);
+    } else if (py::isinstance<State>(item)) {
+      batch.owners.push_back(item.cast<StatePtr>());
+      batch.rows.push_back(batch.owners.back().get());
+    } else {
+      batch.owners.clear();
+      batch.rows.clear();
+      throw py::value_error("states[" + std::to_string(i) + "] must be a State or None");
+    }
+  }
+  return batch;
+}
+
+template <typename Work>
+void RunBatch(BatchMasker& masker, const py::sequence& states, Work work) {
+  BatchStates& batch = CollectStates(states);
+  try {
+    masker.Validate(batch.rows.data(), static_cast<int64_t>(batch.rows.size()));
+    py::gil_scoped_release release;
+    work(batch.rows.data(), static_cast<int64_t>(batch.rows.size()));
+  } catch (...) {
+    batch.owners.clear();
+    throw;
+  }
+  batch.owners.clear();
+}
+
 }  // namespace
+}  // namespace paved::constraints
 
 PYBIND11_MODULE(_paved_constraints, m) {
-  m.doc() = "paved's C++ constraint engine";
+  using namespace paved::constraints;
+  m.doc() = "paved's C++ constraint engine: regex / JSON Schema / catalogue constraints over token ids.";
+
   m.def("bitmask_words", &BitmaskWords, py::arg("vocab_size"),
         "Number of int32 words per bitmask row for a vocabulary size.");
-  m.def("apply_bitmask", &ApplyBitmask, py::arg("logits"), py::arg("bitmask"),
-        py::arg("rows") = py::none(),
+  m.def("apply_bitmask", &ApplyBitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows") = py::none(),
         "Set -inf in float32 logits [B, V] wherever the int32 bitmask [B, ceil(V/32)] bit is "
         "clear; only for `rows` when given. Releases the GIL.");
+  m.def(
+      "check_regex",
+      [](const std::string& pattern) {
+        py::gil_scoped_release release;
+        CheckRegex(pattern);
+      },
+      py::arg("pattern"), "Raise ValueError if the pattern is invalid, unsupported or too large.");
+  m.def(
+      "check_json_schema",
+      [](const std::string& schema_json) {
+        py::gil_scoped_release release;
+        CheckJsonSchema(schema_json);
+      },
+      py::arg("schema_json"), "Raise ValueError if the JSON Schema is invalid, unsupported or too large.");
+
+  py::class_<Vocab, std::shared_ptr<Vocab>>(m, "Vocab", "A tokenizer vocabulary: token id -> bytes, and EOS ids.")
+      .def(py::init(&MakeVocab), py::arg("token_bytes"), py::arg("eos_token_ids"), py::arg("vocab_size") = py::none())
+      .def_property_readonly("size", &Vocab::size);
+
+  py::class_<Constraint, std::shared_ptr<Constraint>>(
+      m, "Constraint", "An immutable compiled constraint, thread-safe and shared across requests.")
+      .def_static(
+          "regex",
+          [](std::shared_ptr<Vocab> vocab, const std::string& pattern) {
+            py::gil_scoped_release release;
+            return CompileRegex(std::move(vocab), pattern);
+          },
+          py::arg("vocab"), py::arg("pattern"))
+      .def_static(
+          "json_schema",
+          [](std::shared_ptr<Vocab> vocab, const std::string& schema_json, const std::string& whitespace) {
+            const JsonWhitespace ws = ParseJsonWhitespace(whitespace);
+            py::gil_scoped_release release;
+            return CompileJsonSchema(std::move(vocab), schema_json, ws);
+          },
+          py::arg("vocab"), py::arg("schema_json"), py::arg("whitespace") = "compact")
+      .def_static(
+          "choice",
+          [](std::shared_ptr<Vocab> vocab, std::vector<std::string> items, int k, std::string separator,
+             bool distinct) {
+            py::gil_scoped_release release;
+            return CompileChoice(std::move(vocab), std::move(items), k, std::move(separator), distinct);
+          },
+          py::arg("vocab"), py::arg("items"), py::arg("k") = 1, py::arg("separator") = ", ",
+          py::arg("distinct") = false)
+      .def(
+          "new_state",
+          [](const Constraint& c, std::optional<int64_t> max_tokens) {
+            return std::shared_ptr<State>(c.NewState(max_tokens));
+          },
+          py::arg("max_tokens") = py::none())
+      .def("stats", &Stats);
+
+  py::class_<State, std::shared_ptr<State>>(m, "State", "Per-request automaton state (not thread-safe).")
+      .def(
+          "advance",
+          [](State& s, int64_t token_id) {
+            if (token_id < 0 || token_id >= s.vocab().size())
+              throw ConstraintError("token id " + std::to_string(token_id) + " is outside the vocabulary [0, " +
+                                    std::to_string(s.vocab().size()) + ")");
+            return s.Advance(static_cast<int32_t>(token_id));
+          },
+          py::arg("token_id"))
+      .def("reset", &State::Reset)
+      .def_property_readonly("is_accepting", &State::is_accepting)
+      .def_property_readonly("is_finished", &State::is_finished)
+      .def_property_readonly("num_generated", &State::num_generated)
+      .def_property_readonly("max_tokens", &State::max_tokens)
+      .def("allowed_tokens", &State::AllowedTokens)
+      .def(
+          "fill_bitmask_row",
+          [](const State& s, py::array row) {
+            CheckArray<int32_t>(row, "row", "int32", {s.vocab().num_words()});
+            auto* out = static_cast<uint32_t*>(row.mutable_data());
+            py::gil_scoped_release release;
+            s.FillMask(out);
+          },
+          py::arg("row"));
+
+  py::class_<BatchMasker>(m, "BatchMasker", "Fills masks for a whole batch with a persistent thread pool.")
+      .def(py::init([](int64_t vocab_size, int64_t num_threads) {
+             if (vocab_size <= 0 || vocab_size > kMaxVocabSize)
+               throw ConstraintError("vocab_size must be in [1, " + std::to_string(kMaxVocabSize) + "]");
+             if (num_threads < 1 || num_threads > 256) throw ConstraintError("num_threads must be in [1, 256]");
+             return std::make_unique<BatchMasker>(static_cast<int32_t>(vocab_size), static_cast<int>(num_threads));
+           }),
+           py::arg("vocab_size"), py::arg("num_threads") = 2)
+      .def(
+          "fill_bitmask",
+          [](BatchMasker& masker, const py::sequence& states, py::array bitmask) {
+            CheckArray<int32_t>(bitmask, "bitmask", "int32",
+                                {static_cast<int64_t>(py::len(states)), masker.num_words()});
+            auto* out = static_cast<int32_t*>(bitmask.mutable_data());
+            RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.FillBitmask(rows, n, out); });
+          },
+          py::arg("states"), py::arg("bitmask"))
+      .def(
+          "apply",
+          [](BatchMasker& masker, const py::sequence& states, py::array logits) {
+            CheckArray<float>(logits, "logits", "float32",
+                              {static_cast<int64_t>(py::len(states)), masker.vocab_size()});
+            auto* out = static_cast<float*>(logits.mutable_data());
+            RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.Apply(rows, n, out); });
+          },
+          py::arg("states"), py::arg("logits"));
 }

@@ -1,0 +1,120 @@
+#include "cc/constraints/batch_masker.h"
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cc/constraints/compile.h"
+#include "cc/constraints/test_util.h"
+#include "gtest/gtest.h"
+
+namespace paved::constraints {
+namespace {
+
+struct Batch {
+  std::vector<std::unique_ptr<State>> owned;
+  std::vector<const State*> rows;
+};
+
+const std::shared_ptr<const Vocab>& SharedVocab() {
+  static const auto vocab = testing::ByteVocab();
+  return vocab;
+}
+
+// A mixed batch: regex, JSON and choice states at various points, with unconstrained rows.
+Batch MakeBatch() {
+  const auto& vocab = SharedVocab();
+  static const auto regex = CompileRegex(vocab, "[a-z]+\\d{2}");
+  static const auto json =
+      CompileJsonSchema(vocab, R"({"type":"object","properties":{"a":{"type":"string"}}})", JsonWhitespace::kCompact);
+  static const auto choice = CompileChoice(vocab, {"Alien", "Aliens", "Up"}, 2, ", ", true);
+  Batch b;
+  for (int i = 0; i < 24; ++i) {
+    if (i % 5 == 4) {
+      b.rows.push_back(nullptr);
+      continue;
+    }
+    const Constraint& c = i % 3 == 0 ? *regex : i % 3 == 1 ? *json : *choice;
+    auto s = c.NewState(i % 2 == 0 ? std::optional<int64_t>(40) : std::nullopt);
+    const auto walk = testing::RandomWalk(c, 30, static_cast<uint32_t>(i));
+    for (size_t k = 0; k < walk.text.size() * (i % 4) / 4; ++k) s->Advance(static_cast<uint8_t>(walk.text[k]));
+    b.rows.push_back(s.get());
+    b.owned.push_back(std::move(s));
+  }
+  return b;
+}
+
+TEST(BatchMasker, BitmaskRowsEqualPerStateMasks) {
+  const auto& vocab = SharedVocab();
+  const Batch b = MakeBatch();
+  const int64_t words = vocab->num_words();
+  for (int threads : {1, 3}) {
+    BatchMasker masker(vocab->size(), threads);
+    std::vector<int32_t> bitmask(b.rows.size() * static_cast<size_t>(words), 0x5a5a5a5a);
+    masker.FillBitmask(b.rows.data(), static_cast<int64_t>(b.rows.size()), bitmask.data());
+    for (size_t i = 0; i < b.rows.size(); ++i) {
+      std::vector<uint32_t> expected(static_cast<size_t>(words), ~0u);
+      if (b.rows[i] != nullptr) {
+        b.rows[i]->FillMask(expected.data());
+      } else if (vocab->size() % 32 != 0) {
+        expected.back() = (1u << (vocab->size() % 32)) - 1;
+      }
+      for (int64_t w = 0; w < words; ++w)
+        EXPECT_EQ(static_cast<uint32_t>(bitmask[i * static_cast<size_t>(words) + static_cast<size_t>(w)]),
+                  expected[static_cast<size_t>(w)])
+            << "row " << i << " word " << w;
+    }
+  }
+}
+
+TEST(BatchMasker, ApplyMasksExactlyTheDisallowedLogits) {
+  const auto& vocab = SharedVocab();
+  const Batch b = MakeBatch();
+  const int64_t V = vocab->size();
+  BatchMasker masker(vocab->size(), 2);
+  std::vector<float> logits(b.rows.size() * static_cast<size_t>(V));
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>(i % 97) * 0.25f;
+  const std::vector<float> before = logits;
+  masker.Apply(b.rows.data(), static_cast<int64_t>(b.rows.size()), logits.data());
+  for (size_t i = 0; i < b.rows.size(); ++i) {
+    std::vector<uint32_t> mask(static_cast<size_t>(vocab->num_words()), ~0u);
+    if (b.rows[i] != nullptr) b.rows[i]->FillMask(mask.data());
+    for (int64_t t = 0; t < V; ++t) {
+      const size_t k = i * static_cast<size_t>(V) + static_cast<size_t>(t);
+      const bool allowed = (mask[static_cast<size_t>(t >> 5)] >> (t & 31)) & 1u;
+      if (allowed) {
+        EXPECT_EQ(logits[k], before[k]) << "row " << i << " token " << t;
+      } else {
+        EXPECT_TRUE(std::isinf(logits[k]) && logits[k] < 0) << "row " << i << " token " << t;
+      }
+    }
+  }
+}
+
+TEST(BatchMasker, RejectsForeignVocabularyAndBadArguments) {
+  const auto vocab = testing::ByteVocab();
+  const auto c = CompileRegex(vocab, "a");
+  const auto s = c->NewState(std::nullopt);
+  BatchMasker masker(vocab->size() + 1, 2);
+  const State* rows[] = {s.get()};
+  EXPECT_THROW(masker.Validate(rows, 1), ConstraintError);
+  EXPECT_THROW(BatchMasker(0, 1), ConstraintError);
+  EXPECT_THROW(BatchMasker(10, 0), ConstraintError);
+}
+
+TEST(ThreadPool, RunsEveryIndexOnceAndPropagatesErrors) {
+  ThreadPool pool(4);
+  std::vector<std::atomic<int>> hits(1000);
+  for (int round = 0; round < 20; ++round) pool.Run(1000, [&](int64_t i, int) { hits[static_cast<size_t>(i)]++; });
+  for (const auto& h : hits) EXPECT_EQ(h.load(), 20);
+  EXPECT_THROW(pool.Run(100, [](int64_t i, int) {
+    if (i == 37) throw ConstraintError("boom");
+  }),
+               ConstraintError);
+  pool.Run(10, [](int64_t, int) {});  // still usable
+}
+
+}  // namespace
+}  // namespace paved::constraints

@@ -1,0 +1,42 @@
+// Size limits of the constraint engine. Every limit is checked before the work it bounds, and
+// exceeding one raises ConstraintError (ValueError in Python) that names the limit.
+#ifndef PAVED_CC_CONSTRAINTS_LIMITS_H_
+#define PAVED_CC_CONSTRAINTS_LIMITS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace paved::constraints {
+
+// A regex pattern or JSON Schema document, in UTF-8 bytes.
+constexpr size_t kMaxSpecBytes = size_t{1} << 20;
+// Largest bound of one `{m,n}` quantifier, minLength/maxLength, minItems/maxItems.
+constexpr int kMaxRepeat = 10000;
+// Group nesting in a pattern (the parser is recursive).
+constexpr int kMaxRegexNesting = 500;
+// Intermediate byte-level NFA, and the compiled DFA (after minimization: 4 bytes per state
+// and byte class, e.g. 100k states x 50 classes = 20 MB).
+constexpr int32_t kMaxNfaStates = 2'000'000;
+constexpr int32_t kMaxDfaStates = 100'000;
+// Nesting of JSON Schema subschemas (objects, arrays, anyOf, $ref); also bounds $ref recursion.
+constexpr int kMaxSchemaDepth = 10;
+// Nesting of a value matched by an unconstrained subschema ({} or true).
+constexpr int kAnyJsonDepth = 3;
+// Whitespace run allowed between JSON tokens in "free" whitespace mode.
+constexpr int kFreeWhitespaceMax = 20;
+// Catalogue (choice) constraints.
+constexpr size_t kMaxCatalogueItems = 1'000'000;
+constexpr size_t kMaxCatalogueBytes = size_t{16} << 20;
+constexpr size_t kMaxItemBytes = 4096;
+constexpr int kMaxListItems = 10000;
+// Vocabulary: padded size, and length of one token (the trie stores depths as uint16).
+constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
+constexpr size_t kMaxTokenBytes = 65535;
+// Token masks cached per compiled constraint, in bytes (at least kMinCachedMasks masks);
+// beyond it the least recently used mask is evicted and recomputed on its next use.
+constexpr size_t kMaskCacheBytes = size_t{64} << 20;
+constexpr size_t kMinCachedMasks = 16;
+
+}  // namespace paved::constraints
+
+#endif  // PAVED_CC_CONSTRAINTS_LIMITS_H_
