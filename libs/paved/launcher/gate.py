@@ -1,0 +1,206 @@
+"""The port gate: public ports bound only once the engine is ready, relayed to the child.
+
+The served process (the paved frontend, or vLLM's server in standalone mode) listens on private
+loopback ports it is given; the paved frontend, for one, opens its port at once and answers
+/health/ready 503 while the engine loads. The launcher polls that readiness endpoint and binds
+the public ports only when it answers 200, then relays bytes both ways (a TCP splice, so HTTP,
+SSE and gRPC / HTTP/2 pass unchanged). Before that a client gets "connection refused", never a
+half-started server; if the engine fails, the public port is never opened. On drain the public
+listeners close first (new connections are refused) while established ones carry their
+in-flight requests to the end.
+
+Cost: one loopback hop per connection, and the child sees 127.0.0.1 as the peer address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("paved.launcher")
+_BUF = 256 * 1024
+_PATHS = ["/health/live", "/health/ready", "/status"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def http_get(host: str, port: int, path: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    """A minimal HTTP/1.1 GET (status, body); raises OSError / TimeoutError when unreachable."""
+
+    async def go() -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            data = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        head, _, body = data.partition(b"\r\n\r\n")
+        parts = head.split(b" ", 2)
+        if len(parts) < 2 or not parts[1].isdigit():
+            raise OSError(f"not an HTTP answer from {host}:{port}")
+        return int(parts[1]), body
+
+    return await asyncio.wait_for(go(), timeout_s)
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # "http", "grpc"
+    public_host: str
+    public_port: int
+    private_port: int
+    private_host: str = "127.0.0.1"
+
+
+class Gate:
+    """Relays the public ports to the child's private ports once `open()` is called."""
+
+    def __init__(self, routes: list[Route]):
+        self.routes = routes
+        self._servers: list[asyncio.base_events.Server] = []
+        self._conns: set[asyncio.Task] = set()
+        self.bound: dict[str, tuple[str, int]] = {}
+
+    async def open(self) -> None:
+        for route in self.routes:
+            server = await asyncio.start_server(
+                lambda r, w, route=route: self._accept(r, w, route),
+                route.public_host,
+                route.public_port,
+                reuse_address=True,
+                limit=_BUF,
+            )
+            self._servers.append(server)
+            self.bound[route.name] = server.sockets[0].getsockname()[:2]
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, route: Route) -> None:
+        task = asyncio.get_running_loop().create_task(self._relay(reader, writer, route))
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
+
+    async def _relay(
+        self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter, route: Route
+    ) -> None:
+        try:
+            u_reader, u_writer = await asyncio.open_connection(
+                route.private_host, route.private_port, limit=_BUF
+            )
+        except OSError as e:
+            log.warning("gate %s: cannot reach the child on port %d: %s", route.name, route.private_port, e)
+            c_writer.close()
+            return
+        for w in (c_writer, u_writer):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        up = asyncio.ensure_future(_pipe(c_reader, u_writer))
+        down = asyncio.ensure_future(_pipe(u_reader, c_writer))
+        try:
+            done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            if up in done and up.result():
+                # The client half-closed after its request: the answer may still be coming.
+                await down
+        finally:
+            # The child ended the connection (or the client vanished): end both sides.
+            for task in (up, down):
+                task.cancel()
+            for w in (c_writer, u_writer):
+                w.close()
+
+    def close_listeners(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    async def wait_connections(self, timeout_s: float) -> bool:
+        """Wait for relayed connections to end; True if all did within the timeout."""
+        if not self._conns:
+            return True
+        _, pending = await asyncio.wait(set(self._conns), timeout=max(timeout_s, 0))
+        return not pending
+
+    async def abort(self) -> None:
+        self.close_listeners()
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Copy until EOF; True on a clean EOF (passed on as a half-close), False on an error."""
+    try:
+        while data := await reader.read(_BUF):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        return True
+    except (ConnectionError, OSError):
+        return False
+
+
+class AdminServer:
+    """Control-plane endpoints: /health/live, /health/ready (200 only while serving), /status."""
+
+    def __init__(self, status: Callable[[], dict], ready: Callable[[], bool]):
+        self._status = status
+        self._ready = ready
+        self._server: asyncio.base_events.Server | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        self.address = self._server.sockets[0].getsockname()[:2]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
+            status = self._status()
+            if path == "/health/live":
+                code, body = 200, {"status": "live", "phase": status["phase"]}
+            elif path == "/health/ready":
+                code = 200 if self._ready() else 503
+                body = {"status": "ready" if code == 200 else "not ready", "phase": status["phase"]}
+            elif path == "/status":
+                code, body = 200, status
+            else:
+                code, body = (
+                    404,
+                    {"error": "not found", "paths": ["/health/live", "/health/ready", "/status"]},
+                )
+            payload = json.dumps(body).encode()
+            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[code]
+            writer.write(
+                f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()

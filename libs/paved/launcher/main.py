@@ -1,0 +1,574 @@
+"""`tools/bazel run //services/launcher:launch -- PACKAGE_URI`: materialize, check, start, gate.
+
+Phases (reported on the admin port's /status and in the log):
+  materializing -> checking_plugins -> starting -> ready -> draining -> stopped | failed
+
+1. PROMETHEUS_MULTIPROC_DIR (if set) is cleaned of a previous run's files (paved.launcher.metrics_dir).
+2. The package is materialized into the local cache (paved.launcher.materialize): a warm start
+   touches no network.
+3. Plugin wheels are installed (during 2) and their entry points checked in a child process.
+4. The child starts on private loopback ports: the paved frontend with the engine in-process
+   (embedded mode) or vLLM's OpenAI server alone (standalone), or any `--child-cmd`.
+5. Once the child's readiness endpoint answers 200, the public ports are bound and relayed
+   (paved.launcher.gate); before that they are closed. If the child exits first, the launcher
+   exits 1 with the child's last error line and the public ports were never opened.
+6. SIGTERM / SIGINT: readiness turns 503, public listeners close, the child gets SIGTERM and
+   drains in-flight requests (the frontend's --drain-timeout); the launcher exits 0 once it
+   has, or kills the child's process group and exits 1 after drain + grace seconds.
+
+Exit codes: 0 clean stop, 1 failed start / drain deadline exceeded / child died, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from paved.launcher import metrics_dir, plugins
+from paved.launcher.cache import Cache
+from paved.launcher.gate import AdminServer, Gate, Route, free_port, http_get
+from paved.launcher.materialize import Materialized, Materializer
+from paved.launcher.storage import Downloader, MiB, TransferConfig, make_s3_client
+
+log = logging.getLogger("paved.launcher")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
+
+
+class LaunchError(RuntimeError):
+    """The start failed; the message is the reason shown to the operator."""
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500G, 2TiB, 1048576)")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
+def default_cache_dir() -> str:
+    if os.environ.get("PAVED_CACHE_DIR"):
+        return os.environ["PAVED_CACHE_DIR"]
+    home = os.environ.get("HOME")
+    if home and os.access(home, os.W_OK):
+        return os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "paved", "models"
+        )
+    return os.path.join(tempfile.gettempdir(), "paved-models")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch",
+        description="Materialize a model package (s3://bucket/prefix, a directory or a tarball) "
+        "into the local cache, then start and gate the engine.",
+    )
+    p.add_argument("package", help="s3://bucket/prefix[.tar], /path/to/package[.tar.gz]")
+    c = p.add_argument_group("cache")
+    c.add_argument(
+        "--cache-dir", default=default_cache_dir(), help="default $PAVED_CACHE_DIR or ~/.cache/paved/models"
+    )
+    c.add_argument(
+        "--cache-max-bytes",
+        type=parse_size,
+        default=parse_size(os.environ["PAVED_CACHE_MAX_BYTES"])
+        if os.environ.get("PAVED_CACHE_MAX_BYTES")
+        else None,
+        help="LRU budget for cached blobs, e.g. 200G (default: unbounded)",
+    )
+    c.add_argument("--refresh", action="store_true", help="re-read model.json even if the URI is cached")
+    c.add_argument("--verify", action="store_true", help="re-hash cached files on a warm start")
+    c.add_argument(
+        "--materialize-only",
+        action="store_true",
+        help="print the materialized package as JSON; start nothing",
+    )
+    s = p.add_argument_group("S3")
+    s.add_argument(
+        "--s3-endpoint-url", help="S3-compatible endpoint (default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL)"
+    )
+    s.add_argument("--s3-addressing-style", choices=("auto", "path", "virtual"))
+    s.add_argument("--workers", type=int, default=8, help="parallel transfers")
+    s.add_argument("--part-size", type=parse_size, default=64 * MiB, help="ranged GET size (default 64MiB)")
+    s.add_argument("--max-attempts", type=int, default=5, help="tries per part before giving up")
+    s.add_argument("--progress", choices=("auto", "bar", "log"), default="auto")
+    e = p.add_argument_group("serving")
+    e.add_argument("--mode", choices=("embedded", "standalone"), help="override the package's mode")
+    e.add_argument("--host", default="127.0.0.1", help="public bind address (default 127.0.0.1)")
+    e.add_argument("--port", type=int, default=8000, help="public HTTP port (0: any free port)")
+    e.add_argument("--grpc-port", type=int, help="public gRPC port (needs a --child-cmd with {grpc_port})")
+    e.add_argument("--admin-host", default="127.0.0.1")
+    e.add_argument("--admin-port", type=int, help="control-plane port: /health/live, /health/ready, /status")
+    e.add_argument(
+        "--child-cmd",
+        help="serve with this command instead; placeholders {python} {model_dir} {model_id} {http_port} "
+        "{grpc_port}; it must answer --ready-path with 200 once ready",
+    )
+    e.add_argument("--ready-path", help="readiness path of the child (default /health/ready; vLLM: /health)")
+    e.add_argument(
+        "--start-timeout", type=float, default=900.0, help="seconds for the engine to become ready"
+    )
+    e.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    e.add_argument("--stop-grace", type=float, default=15.0, help="extra seconds for the engine to shut down")
+    e.add_argument(
+        "--metrics-dir",
+        default=os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
+        help="PROMETHEUS_MULTIPROC_DIR for the engine (default: the environment's); cleaned at start",
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# The child command.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ChildSpec:
+    argv: list[str]
+    ready_path: str
+    ports: dict[str, int]  # route name -> private port
+
+
+def _frontend_config(m: Materialized, port: int, drain_timeout_s: float) -> dict:
+    from paved.engine.vllm_config import VllmModelConfig
+
+    named = {f.name for f in dataclasses.fields(VllmModelConfig)} - {"name", "path", "engine_args"}
+    args = dict(m.package.engine_args)
+    model: dict[str, Any] = {"name": m.package.model_id, "path": m.model_dir}
+    model.update({k: args.pop(k) for k in list(args) if k in named})
+    if args:
+        model["engine_args"] = args
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "drain_timeout_s": drain_timeout_s},
+        "models": [model],
+    }
+
+
+def _vllm_flags(engine_args: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        else:
+            out += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return out
+
+
+def child_spec(args: argparse.Namespace, m: Materialized, state_dir: str) -> ChildSpec:
+    ports = {"http": free_port()}
+    if args.grpc_port is not None:
+        if not args.child_cmd or "{grpc_port}" not in args.child_cmd:
+            raise LaunchError("--grpc-port needs a --child-cmd that serves gRPC on {grpc_port}")
+        ports["grpc"] = free_port()
+    if args.child_cmd:
+        values = {
+            "python": sys.executable,
+            "model_dir": m.model_dir,
+            "model_id": m.package.model_id,
+            "http_port": ports["http"],
+            "grpc_port": ports.get("grpc", ""),
+        }
+        argv = [part.format(**values) for part in shlex.split(args.child_cmd)]
+        return ChildSpec(argv, args.ready_path or "/health/ready", ports)
+    mode = args.mode or m.package.mode
+    if mode == "embedded":
+        config = os.path.join(state_dir, "frontend.json")
+        with open(config, "w") as f:
+            json.dump(_frontend_config(m, ports["http"], args.drain_timeout), f, indent=2)
+        argv = [sys.executable, "-m", "paved.frontend.server", "--config", config]
+        return ChildSpec(argv, args.ready_path or "/health/ready", ports)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", m.model_dir, "--served-model-name", m.package.model_id,
+        "--host", "127.0.0.1", "--port", str(ports["http"]),
+        *_vllm_flags(m.package.engine_args),
+    ]  # fmt: skip
+    return ChildSpec(argv, args.ready_path or "/health", ports)
+
+
+def child_env(m: Materialized, metrics_path: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [m.plugin_dir] if m.plugin_dir else []
+    paths += [p for p in sys.path if p and os.path.isdir(p)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if metrics_path:
+        env["PROMETHEUS_MULTIPROC_DIR"] = metrics_path
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# The supervisor.
+# ---------------------------------------------------------------------------------------------
+class Launcher:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.phase = "starting"
+        self.reason: str | None = None
+        self.started = time.monotonic()
+        self.timings: dict[str, float] = {}
+        self.materialized: Materialized | None = None
+        self.entry_points: list[dict] = []
+        self.gate: Gate | None = None
+        self.child: asyncio.subprocess.Process | None = None
+        self.child_tail: collections.deque[str] = collections.deque(maxlen=60)
+        self._stop = asyncio.Event()
+        self._stop_signal: str | None = None
+
+    # -- control plane ---------------------------------------------------------------------
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    def status(self) -> dict:
+        return {
+            "phase": self.phase,
+            "reason": self.reason,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
+            "package": self.materialized.summary() if self.materialized else None,
+            "entry_points": self.entry_points,
+            "ports": {k: list(v) for k, v in self.gate.bound.items()} if self.gate else {},
+            "child_pid": self.child.pid if self.child else None,
+        }
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.timings[phase] = time.monotonic() - self.started
+        log.info("phase: %s (%.2fs)", phase, self.timings[phase])
+
+    def _on_signal(self, name: str) -> None:
+        if self._stop.is_set():
+            log.warning("%s again: still stopping", name)
+            return
+        log.info("%s received: stopping", name)
+        self._stop_signal = name
+        self._stop.set()
+
+    async def _until_stopped(self, fn: Callable[[], Any]) -> Any:
+        """Run blocking `fn` in a daemon thread; None if a stop signal came first."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def work() -> None:
+            try:
+                result = fn()
+            except BaseException as e:
+                err = e
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
+            else:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        threading.Thread(target=work, daemon=True, name="paved-launcher-work").start()
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if fut.done():
+            return fut.result()
+        return None
+
+    # -- run -------------------------------------------------------------------------------
+    async def run(self) -> int:
+        args = self.args
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig.name)
+        admin = None
+        if args.admin_port is not None:
+            admin = AdminServer(self.status, self.ready)
+            await admin.start(args.admin_host, args.admin_port)
+            log.info("admin endpoints on http://%s:%d (/health/ready, /status)", *admin.address)
+        state_dir = tempfile.mkdtemp(prefix="paved-launcher-")
+        try:
+            return await self._run(state_dir)
+        except LaunchError as e:
+            self.reason = str(e)
+            self._set_phase("failed")
+            log.error("FAILED: %s", e)
+            print(f"launcher: start failed: {e}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        finally:
+            await self._kill_child()
+            if self.gate is not None:
+                await self.gate.abort()
+            if admin is not None:
+                admin.close()
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+    async def _run(self, state_dir: str) -> int:
+        args = self.args
+        metrics_path = os.path.abspath(args.metrics_dir) if args.metrics_dir else None
+        if metrics_path:
+            try:
+                self._metrics_lock = metrics_dir.prepare(metrics_path)
+            except (metrics_dir.MetricsDirError, OSError) as e:
+                raise LaunchError(str(e)) from None
+            log.info("PROMETHEUS_MULTIPROC_DIR=%s cleaned", metrics_path)
+
+        self._set_phase("materializing")
+        m = await self._until_stopped(self._materialize)
+        if m is None:
+            return self._stopped_before_ready()
+        self.materialized = m
+        env = child_env(m, metrics_path)
+
+        self._set_phase("checking_plugins")
+        eps = await self._until_stopped(lambda: self._check_plugins(m, env))
+        if eps is None:
+            return self._stopped_before_ready()
+        self.entry_points = [dataclasses.asdict(ep) for ep in eps]
+        for ep in eps:
+            log.info(
+                "entry point %s: %s = %s (%s%s)",
+                ep.group,
+                ep.name,
+                ep.value,
+                ep.dist,
+                ", from the package" if ep.from_package else "",
+            )
+
+        self._set_phase("starting")
+        spec = child_spec(args, m, state_dir)
+        await self._start_child(spec, env)
+        if not await self._wait_ready(spec):
+            return self._stopped_before_ready()
+
+        self.gate = Gate(
+            [
+                Route("http", args.host, args.port, spec.ports["http"]),
+                *(
+                    [Route("grpc", args.host, args.grpc_port, spec.ports["grpc"])]
+                    if "grpc" in spec.ports
+                    else []
+                ),
+            ]
+        )
+        try:
+            await self.gate.open()
+        except OSError as e:
+            raise LaunchError(f"cannot bind the public port: {e}") from None
+        self._set_phase("ready")
+        ports = ", ".join(f"{k} {h}:{p}" for k, (h, p) in self.gate.bound.items())
+        # Scripts and tests read this line.
+        print(f"paved launcher: ready: {m.package.model_id}:{m.package.version} on {ports}", flush=True)
+
+        child_exit = asyncio.ensure_future(self.child.wait())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({child_exit, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.done():
+            stop.cancel()
+            raise LaunchError(
+                f"the engine process exited (code {child_exit.result()}): {self._child_reason()}"
+            )
+        return await self._drain(child_exit)
+
+    def _materialize(self) -> Materialized:
+        args = self.args
+        config = TransferConfig(
+            workers=args.workers, part_size=args.part_size, max_attempts=args.max_attempts
+        )
+        downloader = Downloader(
+            config,
+            lambda: make_s3_client(
+                args.s3_endpoint_url, addressing_style=args.s3_addressing_style, config=config
+            ),
+        )
+        tty = {"auto": None, "bar": True, "log": False}[args.progress]
+        materializer = Materializer(Cache(args.cache_dir, args.cache_max_bytes), downloader, args.verify, tty)
+        try:
+            return materializer.materialize(_resolve_uri(args.package), refresh=args.refresh)
+        except Exception as e:
+            raise LaunchError(f"materializing {args.package}: {e}") from e
+
+    @staticmethod
+    def _check_plugins(m: Materialized, env: dict[str, str]) -> list[plugins.EntryPointInfo]:
+        try:
+            return plugins.check(m.plugin_dir, env)
+        except plugins.PluginError as e:
+            raise LaunchError(str(e)) from None
+
+    async def _start_child(self, spec: ChildSpec, env: dict[str, str]) -> None:
+        log.info("starting: %s", shlex.join(spec.argv))
+        try:
+            self.child = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                # Its own process group: the terminal's Ctrl-C reaches only the launcher, which
+                # drains; a forced stop kills the whole group (vLLM's engine core included).
+                start_new_session=True,
+                limit=1 << 20,
+            )
+        except OSError as e:
+            raise LaunchError(f"cannot start {spec.argv[0]}: {e}") from None
+        self._tee = asyncio.ensure_future(self._tee_output(self.child.stdout))
+
+    async def _tee_output(self, stream: asyncio.StreamReader | None) -> None:
+        if stream is None:
+            return
+        out = sys.stderr.buffer
+        while True:
+            try:
+                line = await stream.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                line = await stream.read(1 << 16)
+            if not line:
+                return
+            out.write(line)
+            out.flush()
+            self.child_tail.append(line.decode(errors="replace").rstrip())
+
+    def _child_reason(self) -> str:
+        lines = [ln for ln in self.child_tail if ln.strip()]
+        errors = [ln for ln in lines if re.search(r"\b\w*(Error|Exception)\b", ln)]
+        if errors:
+            return errors[-1].strip()
+        return " | ".join(lines[-3:]) or "no output"
+
+    async def _wait_ready(self, spec: ChildSpec) -> bool:
+        """True once the child answers 200; False on a stop signal; LaunchError otherwise."""
+        assert self.child is not None
+        deadline = time.monotonic() + self.args.start_timeout
+        port = spec.ports["http"]
+        while True:
+            if self._stop.is_set():
+                return False
+            if self.child.returncode is not None:
+                await asyncio.wait({self._tee}, timeout=2)
+                raise LaunchError(
+                    f"the engine failed to start (exit code {self.child.returncode}): {self._child_reason()}"
+                )
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the engine was not ready after {self.args.start_timeout:.0f}s")
+            with contextlib.suppress(OSError, TimeoutError):
+                status, _ = await http_get("127.0.0.1", port, spec.ready_path)
+                if status == 200:
+                    return True
+            stop = asyncio.ensure_future(self._stop.wait())
+            exited = asyncio.ensure_future(self.child.wait())
+            await asyncio.wait({stop, exited}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            exited.cancel()
+
+    def _stopped_before_ready(self) -> int:
+        log.info("stopped by %s before the engine was ready", self._stop_signal)
+        self._set_phase("stopped")
+        return EXIT_OK
+
+    async def _drain(self, child_exit: asyncio.Future) -> int:
+        args = self.args
+        assert self.gate is not None and self.child is not None
+        self._set_phase("draining")
+        self.gate.close_listeners()
+        open_conns = self.gate.open_connections
+        log.info(
+            "draining: public listeners closed, %d connection(s) open; SIGTERM to the engine", open_conns
+        )
+        with contextlib.suppress(ProcessLookupError):
+            self.child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + args.drain_timeout + args.stop_grace
+        done, _ = await asyncio.wait({child_exit}, timeout=max(deadline - time.monotonic(), 0))
+        conns_done = await self.gate.wait_connections(max(deadline - time.monotonic(), 0))
+        if not done:
+            self.reason = (
+                f"the engine did not stop within {args.drain_timeout + args.stop_grace:.0f}s; killed"
+            )
+            self._set_phase("failed")
+            log.error(self.reason)
+            return EXIT_FAILED
+        code = child_exit.result()
+        if code not in (0, -signal.SIGTERM):
+            self.reason = f"the engine exited with code {code} while draining: {self._child_reason()}"
+            self._set_phase("failed")
+            log.error(self.reason)
+            return EXIT_FAILED
+        if not conns_done:
+            log.warning(
+                "%d relayed connection(s) still open at the deadline; closing them",
+                self.gate.open_connections,
+            )
+        self._set_phase("stopped")
+        return EXIT_OK
+
+    async def _kill_child(self) -> None:
+        child = self.child
+        if child is None:
+            return
+        if child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            await child.wait()
+        else:
+            # The leader is gone; its process group may still hold engine processes.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+        if getattr(self, "_tee", None) is not None:
+            await asyncio.wait({self._tee}, timeout=2)
+
+
+def _resolve_uri(uri: str) -> str:
+    if "://" in uri and not uri.startswith("file://"):
+        return uri
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    # `bazel run` changes the directory; relative paths are the caller's.
+    return os.path.abspath(
+        os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", ""), os.path.expanduser(path))
+    )
+
+
+def materialize_only(args: argparse.Namespace) -> int:
+    launcher = Launcher(args)
+    try:
+        m = launcher._materialize()
+    except LaunchError as e:
+        print(f"launcher: materialize failed: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    print(json.dumps(m.summary()), flush=True)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s launcher %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.workers < 1 or args.max_attempts < 1 or args.part_size < MiB:
+        print("launch: --workers and --max-attempts must be >= 1, --part-size >= 1MiB", file=sys.stderr)
+        return EXIT_USAGE
+    if args.materialize_only:
+        return materialize_only(args)
+    from paved.engine import vllm_env
+
+    # The child (and vLLM's engine processes under it) inherit these defaults.
+    vllm_env.apply_defaults()
+    return asyncio.run(Launcher(args).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The model package: a directory or tarball whose `model.json` names everything a start needs.
+
+    {
+      "schema_version": 1,
+      "model_id": "tiny", "version": "1", "mode": "embedded",
+      "engine_args": {"max_model_len": 512, "dtype": "float32"},
+      "weights":   {"uri": "weights",   "files": [{"path": "model.safetensors", "sha256": "..", "size": 1}]},
+      "tokenizer": {"uri": "tokenizer", "files": [{"path": "tokenizer.json", "sha256": "..", "size": 1}]},
+      "plugins":   [{"uri": "plugins/my_plugin-0.1-py3-none-any.whl", "sha256": "..", "size": 1}]
+    }
+
+An artifact `uri` is relative to the package root (a folder of the package directory, prefix or
+tarball) or absolute (`s3://bucket/prefix`, `/abs/dir`, `file:///abs/dir`): a package may point
+at weights stored elsewhere. Each artifact file is fetched from `<uri>/<path>`. The weights and
+tokenizer files are laid out side by side in one Hugging Face model directory, so their paths
+must not collide. Every file carries its sha256 and size: S3 keeps no whole-object sha256 for
+multipart uploads and ranged GETs carry no checksum, so this manifest is what verification
+trusts.
+
+Modes: "embedded" starts the paved frontend with the engine in-process; "standalone" starts
+the engine alone (vLLM's own OpenAI server), for a frontend that reaches it remotely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MODEL_JSON = "model.json"
+SCHEMA_VERSION = 1
+_SHA256 = r"^[0-9a-f]{64}$"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class PackageError(ValueError):
+    """The package is malformed: its model.json does not validate or names unsafe paths."""
+
+
+def _safe_relpath(path: str, what: str) -> str:
+    if not path or "\\" in path or "\0" in path:
+        raise ValueError(f"{what} {path!r} must be a non-empty POSIX relative path")
+    norm = posixpath.normpath(path)
+    if posixpath.isabs(path) or norm != path or norm == "." or norm.split("/")[0] == "..":
+        raise ValueError(f"{what} {path!r} must be a normalized relative path inside the package")
+    return path
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str
+    sha256: str = Field(pattern=_SHA256)
+    size: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _safe_relpath(v, "file path")
+
+
+class Artifact(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str = Field(min_length=1)
+    files: tuple[FileEntry, ...] = Field(min_length=1)
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if is_absolute_uri(v):
+            return v.rstrip("/") if v not in ("/", "s3://") else v
+        return _safe_relpath(v.rstrip("/"), "artifact uri")
+
+
+class PluginWheel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str = Field(min_length=1)
+    sha256: str = Field(pattern=_SHA256)
+    size: int = Field(ge=0)
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if not v.endswith(".whl"):
+            raise ValueError(f"plugin uri {v!r} must name a .whl file")
+        return v if is_absolute_uri(v) else _safe_relpath(v, "plugin uri")
+
+    @property
+    def filename(self) -> str:
+        return posixpath.basename(self.uri)
+
+
+class ModelPackage(BaseModel):
+    """The validated model.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model_id: str = Field(pattern=_NAME)
+    version: str = Field(pattern=_NAME)
+    mode: Literal["embedded", "standalone"] = "embedded"
+    # Passed to the engine verbatim (vLLM engine arguments: max_model_len, dtype, ...).
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    weights: Artifact
+    tokenizer: Artifact
+    plugins: tuple[PluginWheel, ...] = ()
+
+    @model_validator(mode="after")
+    def _layout(self) -> ModelPackage:
+        seen: dict[str, str] = {}
+        for role, artifact in (("weights", self.weights), ("tokenizer", self.tokenizer)):
+            for f in artifact.files:
+                key = f.path.lower()
+                if key in seen:
+                    raise ValueError(f"file {f.path!r} is listed by both {seen[key]} and {role}")
+                seen[key] = role
+        paths = set(seen)
+        # A file may not also be the directory of another file ("a" and "a/b").
+        for p in paths:
+            parent = posixpath.dirname(p)
+            while parent:
+                if parent in paths:
+                    raise ValueError(f"{parent!r} is both a file and a directory")
+                parent = posixpath.dirname(parent)
+        if "config.json" not in paths:
+            raise ValueError("the model directory needs a config.json (list it under weights)")
+        names = [w.filename for w in self.plugins]
+        if len(set(names)) != len(names):
+            raise ValueError(f"plugin wheel file names must be unique, got {names}")
+        return self
+
+    def model_files(self) -> list[tuple[Artifact, FileEntry]]:
+        return [(a, f) for a in (self.weights, self.tokenizer) for f in a.files]
+
+    def total_bytes(self) -> int:
+        return sum(f.size for _, f in self.model_files()) + sum(w.size for w in self.plugins)
+
+    def canonical_json(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json"))
+
+    def digest(self) -> str:
+        """Content address of the package: sha256 of its canonical model.json."""
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def parse_model_json(raw: bytes | str, source: str = MODEL_JSON) -> ModelPackage:
+    """Validate a model.json; errors name the source and every offending field."""
+    try:
+        return ModelPackage.model_validate_json(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()
+        )
+        raise PackageError(f"{source} is not a valid model package: {problems}") from None
+
+
+_ABS = re.compile(r"^(s3://|file://|/)")
+
+
+def is_absolute_uri(uri: str) -> bool:
+    return bool(_ABS.match(uri))
+
+
+def join_uri(base: str, rel: str) -> str:
+    """`base` (an absolute uri or package-relative path) joined with a relative path."""
+    if not base or base == ".":
+        return rel
+    return base.rstrip("/") + "/" + rel
