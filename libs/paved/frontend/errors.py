@@ -106,12 +106,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
     if kind == "extra_forbidden":
         return f"unrecognized request argument supplied: {param}", param
-    if kind == "missing" and not loc:
+    if not loc and kind == "missing":
         return "the request body is missing", None
+    if not loc and kind in ("model_attributes_type", "model_type", "dict_type"):
+        return "the request body must be a JSON object", None
     messages = []
     for error in errors[:3]:
         where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        messages.append(f"{where}: {error['msg']}" if where else error["msg"])
+        # Our own validators raise ValueError; pydantic prefixes their text with this.
+        text = error["msg"].removeprefix("Value error, ")
+        messages.append(f"{where}: {text}" if where else text)
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return "; ".join(messages) + more, param
 

@@ -1,0 +1,669 @@
+"""The frontend over a scripted fake engine: routing, validation, errors, streaming, load.
+
+Fast (no model): everything the HTTP layer decides is checked here; the real-engine target
+(vllm_server_test) checks what only a real engine can show.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from fake_engine import FakeEngine
+from servers import serve_in_thread
+
+from paved.frontend import schemas
+from paved.frontend.app import create_app
+from paved.frontend.registry import ModelRegistry
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+# Stand-in for the native subset check: schemas using patternProperties are "outside paved".
+OUTSIDE_PAVED = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}
+
+
+@pytest.fixture(autouse=True)
+def paved_subset(monkeypatch):
+    from paved.constraints import spec
+
+    monkeypatch.setattr(
+        spec,
+        "json_schema_unsupported_reason",
+        lambda schema: "patternProperties" if "patternProperties" in json.dumps(schema) else None,
+    )
+
+
+def _wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health/ready").status_code != 200:
+        assert time.monotonic() < deadline, "fake server never became ready"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    registry = ModelRegistry([engine], {"fake": 8})
+    with serve_in_thread(create_app(registry, max_body_bytes=64 * 1024)) as url:
+        _wait_ready(url)
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def post(server: str, path: str, body, **kwargs) -> httpx.Response:
+    if isinstance(body, dict):
+        return httpx.post(server + path, json=body, timeout=10, **kwargs)
+    return httpx.post(
+        server + path, content=body, timeout=10, headers={"content-type": "application/json"}, **kwargs
+    )
+
+
+def assert_error(response: httpx.Response, status: int, fragment: str = "", param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert fragment.lower() in error["message"].lower(), error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+
+
+# ---- models, health, metrics ------------------------------------------------------------------
+def test_models(client, server):
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {"fake", "fake-embed"}
+    assert client.models.retrieve("fake").id == "fake"
+    assert_error(httpx.get(server + "/v1/models/nope"), 404, "does not exist", "model")
+
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(server + "/health/live").status_code == 200
+    assert httpx.get(server + "/health/ready").json()["status"] == "ready"
+    client.chat.completions.create(**CHAT)
+    text = httpx.get(server + "/metrics").text
+    assert 'paved_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}' in text
+    assert 'fake_engine_active_requests{model_name="fake"}' in text
+    assert 'paved_queued_sequences{model="fake"} 0.0' in text
+    httpx.get(server + "/no/such/path/" + "x" * 50)
+    assert 'route="other"' in httpx.get(server + "/metrics").text  # unknown paths share one label
+
+
+def test_not_ready_while_loading():
+    class Slow(FakeEngine):
+        async def start(self):
+            import asyncio
+
+            await asyncio.sleep(0.5)
+            await super().start()
+
+    with serve_in_thread(create_app(ModelRegistry([Slow()]))) as url:
+        assert httpx.get(url + "/health/live").status_code == 200
+        assert httpx.get(url + "/health/ready").status_code == 503
+        response = post(url, "/v1/chat/completions", CHAT)
+        assert_error(response, 503, "loading")
+        assert response.headers["retry-after"]
+        _wait_ready(url)
+
+
+# ---- chat -------------------------------------------------------------------------------------
+def test_chat(client, engine):
+    out = client.chat.completions.create(
+        **CHAT, max_completion_tokens=5, temperature=0.5, top_p=0.9, seed=7, stop=["x"], user="u1"
+    )
+    assert out.choices[0].message.content == "w0 w1"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+    sent = engine.requests[-1].sampling
+    assert (sent.max_tokens, sent.temperature, sent.top_p, sent.seed, list(sent.stop)) == (
+        5,
+        0.5,
+        0.9,
+        7,
+        ["x"],
+    )
+    assert engine.requests[-1].prompt.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_chat_stream_chunks_match_schema(server):
+    body = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [schemas.ChatCompletionChunk.model_validate_json(e) for e in events[:-1]]
+    text = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            text[choice.index] += choice.delta.content or ""
+    assert text == {0: "w0 w1 w2 w3 w4 w5 w6 w7", 1: "w0 w1 w2 w3 w4 w5 w6 w7"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * 23
+
+
+def test_chat_openai_streaming(client):
+    stream = client.chat.completions.create(**CHAT, stream=True, max_tokens=4)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == "w0 w"
+
+
+def test_developer_role_and_text_parts(client, engine):
+    client.chat.completions.create(
+        model="fake",
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+    )
+    assert engine.requests[-1].prompt.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+
+
+# ---- validation: every bad input is a 400 with an OpenAI error body -----------------------------
+@pytest.mark.parametrize(
+    ("body", "fragment", "param"),
+    [
+        (b"{not json", "not valid JSON", None),
+        (b"[1, 2]", "JSON object", None),
+        ({"model": "fake"}, "messages", "messages"),
+        ({**CHAT, "messages": []}, "messages", "messages"),
+        ({**CHAT, "temperature": 3}, "temperature", "temperature"),
+        ({**CHAT, "n": 0}, "n", "n"),
+        ({**CHAT, "top_logprobs": 3}, "requires logprobs", None),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+        ({**CHAT, "frobnicate": 1}, "unrecognized request argument supplied: frobnicate", "frobnicate"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "only allowed when stream", None),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "",
+            None,
+        ),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "role", None),
+        ({**CHAT, "logit_bias": {"abc": 1}}, "token ids", "logit_bias"),
+        ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "disagree", None),
+        ({**CHAT, "store": True}, "store", "store"),
+        ({**CHAT, "seed": 2**64}, "seed", "seed"),
+        ({**CHAT, "stop": ["a"] * 17}, "stop", "stop"),
+        ({**CHAT, "response_format": {"type": "yaml"}}, "response_format", None),
+        ({**CHAT, "response_format": {"type": "json_schema"}}, "json_schema", None),
+    ],
+)
+def test_invalid_chat_requests(server, body, fragment, param):
+    error = assert_error(post(server, "/v1/chat/completions", body), 400, fragment)
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_unknown_model(server):
+    assert_error(
+        post(server, "/v1/chat/completions", {**CHAT, "model": "nope"}), 404, "does not exist", "model"
+    )
+    assert_error(post(server, "/v1/completions", {"model": "nope", "prompt": "x"}), 404)
+    assert_error(post(server, "/v1/embeddings", {"model": "nope", "input": "x"}), 404)
+
+
+def test_wrong_kind_of_model(server):
+    assert_error(
+        post(server, "/v1/chat/completions", {**CHAT, "model": "fake-embed"}), 400, "embedding model"
+    )
+    assert_error(
+        post(server, "/v1/embeddings", {"model": "fake", "input": "x"}), 400, "not an embedding model"
+    )
+
+
+def test_engine_errors_map_to_status(server, engine):
+    from paved.engine.protocol import EngineUnavailableError, InvalidRequestError
+
+    try:
+        engine.admission_error = InvalidRequestError("bad thing", param="prompt")
+        assert_error(post(server, "/v1/chat/completions", CHAT), 400, "bad thing", "prompt")
+        engine.admission_error = EngineUnavailableError("engine has stopped")
+        response = post(server, "/v1/chat/completions", CHAT)
+        assert_error(response, 503, "stopped")
+        assert "retry-after" in response.headers
+    finally:
+        engine.admission_error = None
+
+
+def test_prompt_too_long_reports_token_counts(server):
+    response = post(server, "/v1/completions", {"model": "fake", "prompt": "x" * 250, "max_tokens": 10})
+    error = assert_error(response, 400, "maximum context length is 256 tokens", "prompt")
+    assert "260 tokens were requested (250 in the prompt, 10 for the completion)" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_method_not_allowed_is_openai_shaped(server):
+    assert_error(httpx.get(server + "/v1/chat/completions"), 405)
+
+
+# ---- structured outputs -------------------------------------------------------------------------
+def _sent_constraint(engine):
+    return engine.requests[-1].sampling.constraint
+
+
+def test_json_schema_in_subset_goes_to_paved(server, engine):
+    body = {
+        **CHAT,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+    }
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-paved-constraint-backend"] == "paved"
+    constraint = _sent_constraint(engine)
+    assert (constraint.backend, constraint.kind) == ("paved", "paved")
+    assert constraint.value == {"type": "json_schema", "schema": SCHEMA, "whitespace": "compact"}
+
+
+def test_json_schema_outside_subset_goes_to_xgrammar(server, engine):
+    body = {
+        **CHAT,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": OUTSIDE_PAVED}},
+    }
+    response = post(server, "/v1/chat/completions", body)
+    assert response.headers["x-paved-constraint-backend"] == "xgrammar"
+    assert _sent_constraint(engine).kind == "json_schema"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_on_completions_too(server, engine, stream):
+    body = {"model": "fake", "prompt": "p", "stream": stream, "response_format": {"type": "json_object"}}
+    with httpx.stream("POST", server + "/v1/completions", json=body) as response:
+        response.read()
+    assert response.status_code == 200
+    assert response.headers["x-paved-constraint-backend"] == "paved"
+    assert _sent_constraint(engine).value["schema"] == {"type": "object"}
+
+
+def test_structured_outputs_extension(server, engine):
+    for field, value, kind in (
+        ("regex", "[a-z]+", "regex"),
+        ("choice", ["yes", "no"], "choice"),
+        ("grammar", 'root ::= "a"', "grammar"),
+    ):
+        response = post(
+            server, "/v1/completions", {"model": "fake", "prompt": "p", "structured_outputs": {field: value}}
+        )
+        assert response.status_code == 200, response.text
+        assert response.headers["x-paved-constraint-backend"] == "xgrammar"
+        assert (_sent_constraint(engine).kind, _sent_constraint(engine).value) == (kind, value)
+    response = post(
+        server, "/v1/completions", {"model": "fake", "prompt": "p", "structured_outputs": {"json": SCHEMA}}
+    )
+    assert response.headers["x-paved-constraint-backend"] == "paved"
+
+
+def test_paved_constraint_via_vllm_xargs(server, engine):
+    spec = {"type": "choice", "items": ["red", "green"], "k": 2, "separator": "|", "distinct": True}
+    for value in (spec, json.dumps(spec)):
+        body = {"model": "fake", "prompt": "p", "vllm_xargs": {"paved_constraint": value}}
+        response = post(server, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        assert _sent_constraint(engine).value == spec
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "invalid JSON schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"minLength": -1}},
+                }
+            },
+            "invalid JSON schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "bad name!", "schema": SCHEMA},
+                }
+            },
+            "name",
+        ),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "send only one"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+        ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "unrecognized"),
+        ({"vllm_xargs": {"other_plugin": 1}}, "not supported"),
+        ({"vllm_xargs": {"paved_constraint": {"type": "nope"}}}, "invalid paved_constraint"),
+        ({"vllm_xargs": {"paved_constraint": "{"}}, "not valid JSON"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_constraints_that_cannot_be_honoured_are_400(server, engine, extra, fragment):
+    before = len(engine.requests)
+    assert_error(post(server, "/v1/chat/completions", {**CHAT, **extra}), 400, fragment)
+    assert len(engine.requests) == before  # nothing reached the engine
+
+
+def test_no_backend_no_constraint():
+    engine = FakeEngine(backends=("xgrammar",))
+    with serve_in_thread(create_app(ModelRegistry([engine]))) as url:
+        _wait_ready(url)
+        body = {
+            "model": "fake",
+            "prompt": "p",
+            "vllm_xargs": {"paved_constraint": {"type": "regex", "pattern": "a"}},
+        }
+        assert_error(post(url, "/v1/completions", body), 400, "not enabled")
+        body = {
+            **CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+        }
+        assert post(url, "/v1/chat/completions", body).headers["x-paved-constraint-backend"] == "xgrammar"
+
+
+# ---- tools ------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _tool_server(reply: str):
+    engine = FakeEngine(reply=lambda _: reply)
+    return engine, serve_in_thread(create_app(ModelRegistry([engine])))
+
+
+def test_named_tool_choice():
+    engine, ctx = _tool_server('{"city":"Oslo"}')
+    with ctx as url:
+        _wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(
+            **CHAT,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+        (call,) = out.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+        assert call.id.startswith("call_") and out.choices[0].finish_reason == "stop"
+        assert engine.requests[-1].sampling.constraint.value["schema"] == WEATHER["function"]["parameters"]
+        assert engine.requests[-1].prompt.tools[0]["function"]["name"] == "get_weather"
+        stream = client.chat.completions.create(
+            **CHAT,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+        )
+        arguments, names = "", set()
+        for chunk in stream:
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                arguments += delta.function.arguments or ""
+                names.add(delta.function.name)
+        assert json.loads(arguments) == {"city": "Oslo"} and "get_weather" in names
+
+
+def test_required_tool_choice():
+    engine, ctx = _tool_server(
+        '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Rome"}}]'
+    )
+    with ctx as url:
+        _wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(
+            **CHAT, tools=[WEATHER, TIME], tool_choice="required", max_tokens=150
+        )
+        calls = out.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["get_time", "get_weather"]
+        assert json.loads(calls[1].function.arguments) == {"city": "Rome"}
+        assert out.choices[0].finish_reason == "tool_calls"
+        schema = engine.requests[-1].sampling.constraint.value["schema"]
+        assert schema["type"] == "array" and len(schema["items"]["anyOf"]) == 2
+        client.chat.completions.create(
+            **CHAT, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=150
+        )
+        assert engine.requests[-1].sampling.constraint.value["schema"]["maxItems"] == 1
+        stream = client.chat.completions.create(
+            **CHAT, tools=[WEATHER, TIME], tool_choice="required", stream=True, max_tokens=150
+        )
+        deltas = [d for chunk in stream if chunk.choices for d in chunk.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas] == ["get_time", "get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"tools": [WEATHER]}, "tool_choice 'auto'"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice 'auto'"),
+        ({"tool_choice": "required"}, "needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not in tools",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+                "tool_choice": "required",
+            },
+            "invalid JSON schema",
+        ),
+    ],
+)
+def test_tool_requests_that_cannot_be_honoured(server, extra, fragment):
+    assert_error(post(server, "/v1/chat/completions", {**CHAT, **extra}), 400, fragment)
+
+
+def test_tool_choice_none_generates_text(client):
+    out = client.chat.completions.create(**CHAT, tools=[WEATHER], tool_choice="none", max_tokens=2)
+    assert out.choices[0].message.content == "w0" and not out.choices[0].message.tool_calls
+
+
+# ---- completions ------------------------------------------------------------------------------
+def test_completion_prompt_shapes(client, engine):
+    out = client.completions.create(model="fake", prompt=["ab", "cd"], n=2, max_tokens=2)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert all(c.text == "w0" for c in out.choices)
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 8
+    client.completions.create(model="fake", prompt=[1, 2, 3], max_tokens=1)
+    assert list(engine.requests[-1].prompt.token_ids) == [1, 2, 3]
+    client.completions.create(model="fake", prompt=[[1], [2, 3]], max_tokens=1)
+
+
+def test_completion_stream_multi_prompt(server):
+    body = {
+        "model": "fake",
+        "prompt": ["ab", "cd"],
+        "n": 2,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", server + "/v1/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    for event in events[:-2]:
+        for choice in schemas.Completion.model_validate_json(event).choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {i: "w0 " for i in range(4)}
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 12
+
+
+def test_echo_prefill_only_scores_prompt(client, engine):
+    out = client.completions.create(model="fake", prompt="abc", max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == "abc"
+    assert choice.logprobs.tokens == ["a", "b", "c"]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.token_logprobs[1] == -(ord("b") % 7)
+    assert choice.logprobs.text_offset == [0, 1, 2]
+    assert out.usage.completion_tokens == 0
+    assert engine.requests[-1].sampling.max_tokens == 0 and engine.requests[-1].sampling.prompt_logprobs == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"max_tokens": 0}, "only meaningful with echo"),
+        ({"max_tokens": 0, "echo": True, "stream": True}, "cannot be streamed"),
+        ({"suffix": "x"}, "suffix is not supported"),
+        ({"best_of": 3}, "best_of"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_invalid_completion_requests(server, extra, fragment):
+    assert_error(post(server, "/v1/completions", {"model": "fake", "prompt": "x", **extra}), 400, fragment)
+
+
+# ---- embeddings and rank ----------------------------------------------------------------------
+def test_embeddings(client):
+    out = client.embeddings.create(model="fake-embed", input=["ab", "abcd"], encoding_format="float")
+    assert [d.embedding[0] for d in out.data] == [2.0, 4.0] and out.usage.prompt_tokens == 6
+    raw = httpx.post(
+        str(client.base_url) + "embeddings",
+        json={"model": "fake-embed", "input": "abc", "encoding_format": "base64"},
+    ).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert list(struct.unpack("<3f", packed)) == [3.0, 0.5, -0.25]
+
+
+def test_rank_orders_by_loglikelihood(server, engine):
+    response = post(server, "/v1/rank", {"model": "fake", "context": "ctx", "candidates": ["a", "bb", "g"]})
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert data == sorted(data, key=lambda d: d["logprob"], reverse=True)
+    assert sorted(d["text"] for d in data) == ["a", "bb", "g"]
+    sent = engine.requests[-3:]
+    assert all(r.sampling.max_tokens == 0 and r.sampling.prompt_logprobs == 0 for r in sent)
+    assert_error(
+        post(server, "/v1/rank", {"model": "fake", "context": "c", "candidates": []}), 400, "candidates"
+    )
+
+
+# ---- load: body limit, admission, disconnects -----------------------------------------------------
+def test_oversized_body_is_413(server):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}
+    error = assert_error(post(server, "/v1/chat/completions", big), 413, "larger than")
+    assert error["code"] == "request_too_large"
+
+    def chunked():
+        for _ in range(100):
+            yield b" " * 1024
+
+    assert_error(httpx.post(server + "/v1/chat/completions", content=chunked(), timeout=10), 413)
+
+
+def test_queue_full_is_503_with_retry_after(server, engine):
+    engine.step_delay_s = 0.05
+    try:
+        with httpx.stream(
+            "POST", server + "/v1/chat/completions", json={**CHAT, "n": 8, "stream": True}
+        ) as hog:
+            lines = hog.iter_lines()  # kept referenced: dropping the iterator closes the stream
+            next(lines)
+            response = post(server, "/v1/chat/completions", CHAT)
+            assert_error(response, 503, "capacity")
+            assert response.headers["retry-after"] == "1"
+            assert (
+                'paved_requests_rejected_total{model="fake",reason="queue_full"}'
+                in httpx.get(server + "/metrics").text
+            )
+        assert_error(post(server, "/v1/chat/completions", {**CHAT, "n": 9}), 400, "more than model")
+    finally:
+        engine.step_delay_s = 0.0
+    deadline = time.monotonic() + 5
+    while 'paved_queued_sequences{model="fake"} 0.0' not in httpx.get(server + "/metrics").text:
+        assert time.monotonic() < deadline, "admission was not released"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_engine_request(server, engine, stream):
+    engine.step_delay_s = 0.05
+    try:
+        body = {**CHAT, "stream": stream, "max_tokens": 40}
+        before = set(engine.aborted)
+
+        def request():
+            try:
+                with httpx.stream(
+                    "POST", server + "/v1/chat/completions", json=body, timeout=0.3
+                ) as response:
+                    for _ in response.iter_lines():
+                        break
+            except httpx.ReadTimeout:
+                pass  # the non-streaming client gives up before the answer
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        thread.join()
+        deadline = time.monotonic() + 5
+        while set(engine.aborted) == before:
+            assert time.monotonic() < deadline, "engine request was not aborted"
+            time.sleep(0.02)
+        assert not engine.active
+    finally:
+        engine.step_delay_s = 0.0
+
+
+def test_draining_refuses_new_work(engine):
+    registry = ModelRegistry([FakeEngine()])
+    with serve_in_thread(create_app(registry)) as url:
+        _wait_ready(url)
+        registry.draining = True
+        assert httpx.get(url + "/health/ready").json()["status"] == "draining"
+        assert_error(post(url, "/v1/chat/completions", CHAT), 503, "shutting down")
+
+
+# ---- schemathesis: whatever the OpenAPI document allows, never a 5xx ------------------------------
+def test_schemathesis_no_server_errors(server):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 8
+    failures = []
+    for operation in operations:
+
+        @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            response = case.call(base_url=server, timeout=10)
+            if response.status_code >= 500:
+                failures.append(f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}")
+            elif response.status_code >= 400 and case.path != "/metrics":
+                assert "error" in response.json(), response.text
+
+        check()
+    assert not failures, "\n".join(failures[:5])

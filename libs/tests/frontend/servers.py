@@ -1,0 +1,91 @@
+"""Running a frontend for tests: in-process (any app, in a thread) or as the real server main."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import uvicorn
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on an ephemeral loopback port; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", http="httptools", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+class ServerProcess:
+    """`python -m paved.frontend.server ARGS` on an ephemeral port, stopped on exit."""
+
+    URL = re.compile(rb"serving .* on (http://\S+)")
+
+    def __init__(self, *args: str, ready_timeout_s: float = 300):
+        # Outlives this constructor (the server writes to it until terminate()).
+        self.log = tempfile.TemporaryFile(dir=os.environ.get("TEST_TMPDIR"))  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "paved.frontend.server", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+        )
+        self.url = self._read_url()
+        self._wait_ready(ready_timeout_s)
+
+    def _read_url(self) -> str:
+        for line in self.proc.stdout:
+            match = self.URL.search(line)
+            if match:
+                return match.group(1).decode()
+        raise RuntimeError(f"server exited before printing its URL:\n{self.tail()}")
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health/ready", timeout=5).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return b"\n".join(self.log.read().splitlines()[-lines:]).decode(errors="replace")
+
+    def terminate(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
