@@ -1,0 +1,174 @@
+"""A dynamic batcher in the manner of Triton's: coalesce concurrent requests into one model call.
+
+Model instances are slots; a batch is formed only when a slot is free, so while every instance
+is busy requests queue up and the next call takes them together (this, more than the queue
+delay, is where the throughput comes from under load). Once a slot is free and a request is
+waiting, the batcher waits up to `max_queue_delay_s` after that request arrived for more rows,
+dispatching early when the pending rows reach the largest preferred batch size (or
+`max_batch_size`). Requests are never split; rows keep their arrival order, and every
+request gets exactly its own rows of the result back.
+
+`run(batch)` is called in a worker thread (predict calls of CPU libraries release the GIL),
+one thread per instance. With `coalesce=False` each request is its own batch, which is
+Triton's default scheduler (and the baseline the benchmark compares against).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from paved.kserve.errors import unavailable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    rows: np.ndarray
+    future: asyncio.Future
+    enqueued: float
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        run: Callable[[np.ndarray], np.ndarray],
+        *,
+        name: str,
+        max_batch_size: int,
+        max_queue_delay_s: float = 0.0,
+        preferred_batch_sizes: Sequence[int] = (),
+        max_queue_size: int = 0,
+        instances: int = 1,
+        coalesce: bool = True,
+    ):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if any(not 1 <= p <= max_batch_size for p in preferred_batch_sizes):
+            raise ValueError(f"preferred batch sizes must be in [1, {max_batch_size}]")
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_queue_size = max_queue_size
+        self.coalesce = coalesce
+        # Dispatch as soon as this many rows wait.
+        self._target = max(preferred_batch_sizes) if preferred_batch_sizes else max_batch_size
+        self._run = run
+        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"batch-{name}")
+        self._slots = asyncio.Semaphore(instances)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending_rows = 0
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+        self._closed = False
+        # Batch sizes dispatched (rows), for tests and the benchmark.
+        self.batches: collections.Counter[int] = collections.Counter()
+
+    async def submit(self, rows: np.ndarray) -> np.ndarray:
+        """Run `rows` (first dimension = batch) through the model; returns its rows of the output."""
+        if self._closed:
+            raise unavailable(f"model '{self.name}' is shutting down")
+        if self.max_queue_size and len(self._pending) >= self.max_queue_size:
+            raise unavailable(f"Exceeds maximum queue size for model '{self.name}'", retry_after_s=1)
+        if self._scheduler is None:
+            self._scheduler = asyncio.create_task(self._schedule(), name=f"batcher-{self.name}")
+        item = _Pending(rows, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._pending.append(item)
+        self._pending_rows += len(rows)
+        self._wake.set()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            # A request not yet dispatched leaves the queue; one in flight just loses its result.
+            if item in self._pending:
+                self._pending.remove(item)
+                self._pending_rows -= len(item.rows)
+            raise
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+        await asyncio.gather(*self._running, return_exceptions=True)
+        while self._pending:
+            item = self._pending.popleft()
+            if not item.future.done():
+                item.future.set_exception(unavailable(f"model '{self.name}' is shutting down"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    async def _schedule(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch = await self._form_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.create_task(self._execute(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _form_batch(self) -> list[_Pending]:
+        while not self._pending:
+            self._wake.clear()
+            await self._wake.wait()
+        if not self.coalesce:
+            item = self._pending.popleft()
+            self._pending_rows -= len(item.rows)
+            return [item]
+        deadline = self._pending[0].enqueued + self.max_queue_delay_s
+        while self._pending_rows < self._target:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._wake.wait()
+            except TimeoutError:
+                break
+            if not self._pending:  # everything waiting was cancelled meanwhile
+                return await self._form_batch()
+        limit = self._target if self._pending_rows >= self._target else self.max_batch_size
+        batch: list[_Pending] = []
+        rows = 0
+        while self._pending and rows + len(self._pending[0].rows) <= limit:
+            item = self._pending.popleft()
+            rows += len(item.rows)
+            batch.append(item)
+        if not batch:  # the oldest request alone exceeds the preferred size: it still goes
+            batch.append(self._pending.popleft())
+            rows = len(batch[0].rows)
+        self._pending_rows -= rows
+        return batch
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        try:
+            inputs = batch[0].rows if len(batch) == 1 else np.concatenate([item.rows for item in batch])
+            self.batches[len(inputs)] += 1
+            loop = asyncio.get_running_loop()
+            outputs = await loop.run_in_executor(self._executor, self._run, inputs)
+            offset = 0
+            for item in batch:
+                n = len(item.rows)
+                if not item.future.done():
+                    item.future.set_result(outputs[offset : offset + n])
+                offset += n
+        except Exception as e:
+            logger.exception("model %s: batch of %d request(s) failed", self.name, len(batch))
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(e)
+        finally:
+            self._slots.release()

@@ -1,0 +1,326 @@
+"""`inference.GRPCInferenceService` on grpc.aio, built on the stubs tritonclient ships.
+
+Behaviour follows Triton's gRPC frontend where a client can tell the difference:
+  * ModelInfer errors are gRPC status codes; ModelStreamInfer errors are in-band
+    (`error_message`, the stream stays open), and every stream response carries the
+    `triton_final_response` parameter; `triton_enable_empty_final_response` is honoured.
+  * Requests on one stream run concurrently and their responses interleave (match them by id).
+  * A cancelled call (client cancel, deadline, disconnect) cancels its requests, which closes
+    their engine streams and so aborts them in the engine.
+  * Messages over the size limit are refused by gRPC itself with RESOURCE_EXHAUSTED.
+In-band stream errors also carry a `paved_error_code` response parameter (the status code
+name): Triton's stream protocol has no code there, and the remote engine needs one to tell a
+client mistake (HTTP 400) from an outage (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+import paved
+from paved.kserve.errors import KServeError, from_exception, invalid_argument, unsupported
+from paved.kserve.repository import (
+    MODEL_VERSION,
+    InferRequest,
+    InferResponse,
+    ModelRepository,
+    ServedModel,
+    aclose,
+    custom_parameters,
+)
+from paved.kserve.tensors import from_contents, from_raw, to_raw
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME = "paved"
+EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
+ERROR_CODE_PARAMETER = "paved_error_code"
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def parameter_value(p: service_pb2.InferParameter) -> Any:
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+def set_parameter(target: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        target[key].bool_param = value
+    elif isinstance(value, int):
+        target[key].int64_param = value
+    elif isinstance(value, float):
+        target[key].double_param = value
+    else:
+        target[key].string_param = str(value)
+
+
+def decode_request(
+    repository: ModelRepository, request: service_pb2.ModelInferRequest, *, decoupled: bool
+) -> tuple[ServedModel, InferRequest]:
+    model = repository.get_ready(request.model_name, request.model_version)
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise invalid_argument(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+            "use raw contents for all inputs or for none"
+        )
+    model.check_required([t.name for t in request.inputs])
+    inputs = {}
+    for i, tensor in enumerate(request.inputs):
+        if tensor.parameters:
+            raise unsupported(
+                f"input '{tensor.name}': tensor parameters {sorted(tensor.parameters)} (shared memory) "
+                "are not supported by this server"
+            )
+        model.check_input(tensor.name, tensor.datatype, tensor.shape)
+        if raw:
+            inputs[tensor.name] = from_raw(tensor.name, tensor.datatype, tensor.shape, raw[i])
+        else:
+            inputs[tensor.name] = from_contents(tensor.name, tensor.datatype, tensor.shape, tensor.contents)
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for out in request.outputs:
+            extra = set(out.parameters) - {"binary_data"}
+            if extra:
+                raise unsupported(
+                    f"output '{out.name}': parameters {sorted(extra)} (classification, shared memory) "
+                    "are not supported by this server"
+                )
+            outputs.append(out.name)
+    params = custom_parameters({k: parameter_value(v) for k, v in request.parameters.items()})
+    return model, InferRequest(
+        model_name=model.name,
+        id=request.id,
+        inputs=inputs,
+        parameters=params,
+        outputs=outputs,
+        decoupled=decoupled,
+    )
+
+
+def encode_response(
+    model: ServedModel, request_id: str, response: InferResponse
+) -> service_pb2.ModelInferResponse:
+    out = service_pb2.ModelInferResponse(model_name=model.name, model_version=MODEL_VERSION, id=request_id)
+    for name, array in response.outputs.items():
+        datatype = model.output_spec(name).datatype
+        out.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        out.raw_output_contents.append(to_raw(array, datatype))
+    return out
+
+
+class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, repository: ModelRepository):
+        self.repository = repository
+
+    # ---- health and metadata ---------------------------------------------------------------
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=self.repository.ready())
+
+    async def ModelReady(self, request, context):
+        # Like Triton: an unknown model or version is simply not ready.
+        try:
+            ready = self.repository.get(request.name, request.version).ready()
+        except KServeError:
+            ready = False
+        return service_pb2.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request, context):
+        return service_pb2.ServerMetadataResponse(
+            name=SERVER_NAME, version=paved.__version__, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(self, request, context):
+        try:
+            model = self.repository.get(request.name, request.version)
+        except KServeError as e:
+            await context.abort(e.code, e.message)
+        response = service_pb2.ModelMetadataResponse(
+            name=model.name, versions=[MODEL_VERSION], platform=model.platform or model.backend
+        )
+        for specs, target in ((model.inputs, response.inputs), (model.outputs, response.outputs)):
+            for spec in specs:
+                target.add(
+                    name=spec.name, datatype=spec.datatype, shape=spec.full_shape(model.max_batch_size)
+                )
+        return response
+
+    async def ModelConfig(self, request, context):
+        try:
+            model = self.repository.get(request.name, request.version)
+        except KServeError as e:
+            await context.abort(e.code, e.message)
+        return service_pb2.ModelConfigResponse(config=model.config())
+
+    async def RepositoryIndex(self, request, context):
+        if request.repository_name:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this server has one unnamed repository; leave repository_name empty",
+            )
+        response = service_pb2.RepositoryIndexResponse()
+        for model in self.repository.models():
+            state, reason = model.state()
+            if request.ready and state != "READY":
+                continue
+            response.models.add(name=model.name, version=MODEL_VERSION, state=state, reason=reason)
+        return response
+
+    # ---- inference -------------------------------------------------------------------------
+    async def ModelInfer(self, request, context):
+        error = None
+        try:
+            model, infer_request = decode_request(self.repository, request, decoupled=False)
+            responses = await self.repository.infer(model, infer_request)
+            try:
+                results = [r async for r in responses]
+            finally:
+                await aclose(responses)
+            if len(results) != 1:
+                raise invalid_argument(
+                    f"model '{model.name}' sent {len(results)} responses; use ModelStreamInfer for it"
+                )
+            return encode_response(model, request.id, results[0])
+        except Exception as e:
+            error = from_exception(e)
+        await context.abort(error.code, error.message)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        done = object()
+
+        async def handle(request: service_pb2.ModelInferRequest) -> None:
+            empty_final = (
+                request.parameters["triton_enable_empty_final_response"].bool_param
+                if ("triton_enable_empty_final_response" in request.parameters)
+                else False
+            )
+            model = None
+            try:
+                model, infer_request = decode_request(self.repository, request, decoupled=True)
+                responses = await self.repository.infer(model, infer_request)
+                try:
+                    sent_final = False
+                    async for response in responses:
+                        if not response.outputs and response.final and not empty_final:
+                            continue  # an empty final response is opt-in, as in Triton
+                        message = encode_response(model, request.id, response)
+                        message.parameters["triton_final_response"].bool_param = response.final
+                        sent_final = sent_final or response.final
+                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
+                    if empty_final and not sent_final:
+                        message = service_pb2.ModelInferResponse(
+                            model_name=model.name, model_version=MODEL_VERSION, id=request.id
+                        )
+                        message.parameters["triton_final_response"].bool_param = True
+                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
+                finally:
+                    await aclose(responses)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                error = from_exception(e)
+                message = service_pb2.ModelInferResponse(
+                    model_name=model.name if model else request.model_name,
+                    model_version=request.model_version,
+                    id=request.id,
+                )
+                message.parameters["triton_final_response"].bool_param = True
+                message.parameters[ERROR_CODE_PARAMETER].string_param = error.code.name
+                await queue.put(
+                    service_pb2.ModelStreamInferResponse(error_message=error.message, infer_response=message)
+                )
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(handle(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                # The client half-closed: finish what it sent, then end the call.
+                while tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                await queue.put(done)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                yield item
+            await reader  # re-raises a failed read
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    # ---- not supported ---------------------------------------------------------------------
+    async def _unsupported(self, context, what: str):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by paved's KServe server"
+        )
+
+    async def ModelStatistics(self, request, context):
+        await self._unsupported(context, "ModelStatistics")
+
+    async def RepositoryModelLoad(self, request, context):
+        await self._unsupported(context, "explicit model control (RepositoryModelLoad)")
+
+    async def RepositoryModelUnload(self, request, context):
+        await self._unsupported(context, "explicit model control (RepositoryModelUnload)")
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        await self._unsupported(context, "system shared memory")
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        await self._unsupported(context, "system shared memory")
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        await self._unsupported(context, "system shared memory")
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        await self._unsupported(context, "CUDA shared memory")
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        await self._unsupported(context, "CUDA shared memory")
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        await self._unsupported(context, "CUDA shared memory")
+
+    async def TraceSetting(self, request, context):
+        await self._unsupported(context, "TraceSetting")
+
+    async def LogSettings(self, request, context):
+        await self._unsupported(context, "LogSettings")
+
+
+def create_grpc_server(
+    repository: ModelRepository, *, host: str, port: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with the servicer, bound (port 0: any free port); not yet started."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC turns SO_REUSEPORT on by default: a second server would silently share the port.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(repository), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the KServe gRPC port {host}:{port}")
+    return server, bound

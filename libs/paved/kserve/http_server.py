@@ -1,0 +1,440 @@
+"""KServe v2 over HTTP/REST (FastAPI), with Triton's binary tensor and generate extensions.
+
+Endpoints: /v2, /v2/health/{live,ready}, /v2/models/{m}[/versions/{v}], .../ready, .../config,
+.../infer, .../generate, .../generate_stream (SSE), /v2/repository/index.
+Status codes are Triton's (http_server.cc): a not-ready server or model is 400, unknown model
+404, unsupported feature 501, unavailable 503, and every error body is {"error": "..."}, which
+is what tritonclient.http raises from. Bodies over the size limit are 413 before they are read.
+
+Binary tensor extension: the `Inference-Header-Content-Length` header splits the body into
+the JSON header and the concatenated raw inputs (those with `parameters.binary_data_size`), in
+input order; outputs are returned raw when asked per output (`binary_data`) or for all
+(`binary_data_output`), with the same header on the response.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from google.protobuf import json_format
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import paved
+from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
+from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME
+from paved.kserve.repository import (
+    MODEL_VERSION,
+    InferRequest,
+    InferResponse,
+    ModelRepository,
+    ServedModel,
+    aclose,
+    custom_parameters,
+)
+from paved.kserve.tensors import from_json, from_raw, to_json, to_raw
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
+_INPUT_KEYS = {"name", "shape", "datatype", "parameters", "data"}
+_OUTPUT_KEYS = {"name", "parameters"}
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _kserve_error(e: KServeError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
+    return _error(e.http_status, e.message, headers)
+
+
+def _config_json(model: ServedModel) -> dict:
+    """ModelConfig as Triton's HTTP /config returns it: proto field names, int64s as numbers."""
+    config = model.config()
+    out = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    return _int64_numbers(out, config.DESCRIPTOR)
+
+
+def _int64_numbers(value: Any, descriptor) -> Any:
+    # protobuf's JSON mapping writes int64 as strings; Triton (and its clients) expect numbers.
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = {F.CPPTYPE_INT64, F.CPPTYPE_UINT64}
+    for name, field_value in list(value.items()):
+        field = descriptor.fields_by_name.get(name)
+        if field is None:
+            continue
+        if field.cpp_type in wide:
+            value[name] = [int(v) for v in field_value] if isinstance(field_value, list) else int(field_value)
+        elif field.cpp_type == F.CPPTYPE_MESSAGE:
+            sub = field.message_type
+            if sub.GetOptions().map_entry:
+                value_field = sub.fields_by_name["value"]
+                if value_field.cpp_type == F.CPPTYPE_MESSAGE:
+                    for k, v in field_value.items():
+                        field_value[k] = _int64_numbers(v, value_field.message_type)
+            elif isinstance(field_value, list):
+                value[name] = [_int64_numbers(v, sub) for v in field_value]
+            else:
+                value[name] = _int64_numbers(field_value, sub)
+    return value
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large(f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "").lower()
+    if encoding in ("gzip", "deflate"):
+        # Bounded decompression: a small compressed body must not expand past the limit.
+        wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+        inflater = zlib.decompressobj(wbits)
+        try:
+            body = inflater.decompress(body, limit + 1)
+        except zlib.error as e:
+            raise invalid_argument(f"cannot decompress the {encoding} request body: {e}") from e
+        if len(body) > limit or inflater.unconsumed_tail:
+            raise too_large(f"decompressed request body exceeds the limit of {limit} bytes")
+    elif encoding not in ("", "identity"):
+        raise unsupported(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
+    return body
+
+
+def _decode_infer(
+    model: ServedModel, body: bytes, header_length: str | None
+) -> tuple[InferRequest, dict, bool]:
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise invalid_argument(
+                f"{HEADER_LENGTH} {header_length!r} does not fit a body of {len(body)} bytes"
+            )
+        split = int(header_length)
+    else:
+        split = len(body)
+    try:
+        doc = json.loads(body[:split])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_argument(f"the inference request header is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise invalid_argument("the inference request must be a JSON object")
+    unknown = sorted(set(doc) - _REQUEST_KEYS)
+    if unknown:
+        raise invalid_argument(f"unknown field(s) {unknown} in the inference request")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid_argument("'parameters' must be an object")
+    binary_default = params.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise invalid_argument("parameter 'binary_data_output' must be a boolean")
+    tensors = doc.get("inputs")
+    if not isinstance(tensors, list):
+        raise invalid_argument("'inputs' must be a list")
+    for t in tensors:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise invalid_argument("every input needs a 'name'")
+    model.check_required([t["name"] for t in tensors])
+    inputs = {}
+    offset = split
+    for t in tensors:
+        name = t["name"]
+        extra = sorted(set(t) - _INPUT_KEYS)
+        if extra:
+            raise invalid_argument(f"input '{name}': unknown field(s) {extra}")
+        datatype, shape = t.get("datatype"), t.get("shape")
+        if not isinstance(datatype, str):
+            raise invalid_argument(f"input '{name}': 'datatype' must be a string")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise invalid_argument(f"input '{name}': 'shape' must be a list of integers")
+        tparams = t.get("parameters") or {}
+        other = sorted(set(tparams) - {"binary_data_size"})
+        if other:
+            raise unsupported(
+                f"input '{name}': parameters {other} (shared memory) are not supported by this server"
+            )
+        model.check_input(name, datatype, shape)
+        if "binary_data_size" in tparams:
+            size = tparams["binary_data_size"]
+            if not isinstance(size, int) or size < 0 or offset + size > len(body):
+                raise invalid_argument(
+                    f"input '{name}': binary_data_size {size!r} runs past the end of the body"
+                )
+            if "data" in t:
+                raise invalid_argument(f"input '{name}' has both 'data' and binary data")
+            inputs[name] = from_raw(name, datatype, shape, memoryview(body)[offset : offset + size])
+            offset += size
+        else:
+            if "data" not in t:
+                raise invalid_argument(f"input '{name}' has no 'data' and no binary_data_size")
+            inputs[name] = from_json(name, datatype, shape, t["data"])
+    if offset != len(body):
+        raise invalid_argument(f"{len(body) - offset} bytes of binary data are not claimed by any input")
+    binary: dict[str, bool] = {}
+    outputs = None
+    if doc.get("outputs") is not None:
+        if not isinstance(doc["outputs"], list):
+            raise invalid_argument("'outputs' must be a list")
+        outputs = []
+        for o in doc["outputs"]:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise invalid_argument("every requested output needs a 'name'")
+            extra = sorted(set(o) - _OUTPUT_KEYS)
+            if extra:
+                raise invalid_argument(f"output '{o['name']}': unknown field(s) {extra}")
+            oparams = o.get("parameters") or {}
+            other = sorted(set(oparams) - {"binary_data"})
+            if other:
+                raise unsupported(
+                    f"output '{o['name']}': parameters {other} (classification, shared memory) "
+                    "are not supported"
+                )
+            binary[o["name"]] = bool(oparams.get("binary_data", binary_default))
+            outputs.append(o["name"])
+    request_id = doc.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid_argument("'id' must be a string")
+    infer = InferRequest(
+        model_name=model.name,
+        id=request_id,
+        inputs=inputs,
+        parameters=custom_parameters(params),
+        outputs=outputs,
+    )
+    return infer, binary, binary_default
+
+
+def _encode_infer(
+    model: ServedModel,
+    request_id: str,
+    response: InferResponse,
+    binary: dict[str, bool],
+    binary_default: bool,
+) -> Response:
+    doc: dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION}
+    if request_id:
+        doc["id"] = request_id
+    outputs = []
+    chunks = []
+    for name, array in response.outputs.items():
+        datatype = model.output_spec(name).datatype
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary.get(name, binary_default):
+            raw = to_raw(array, datatype)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = to_json(array, datatype)
+        outputs.append(entry)
+    doc["outputs"] = outputs
+    header = json.dumps(doc).encode()
+    if not chunks:
+        return Response(header, media_type="application/json")
+    return Response(
+        b"".join([header, *chunks]),
+        media_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(len(header))},
+    )
+
+
+def _generate_inputs(model: ServedModel, doc: Any) -> InferRequest:
+    """Triton's generate extension: top-level keys are inputs, `parameters` are request parameters."""
+    if not isinstance(doc, dict):
+        raise invalid_argument("the generate request must be a JSON object")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid_argument("'parameters' must be an object")
+    request_id = doc.get("id", "")
+    names = [k for k in doc if k not in ("id", "parameters")]
+    model.check_required(names)
+    inputs = {}
+    for name in names:
+        value = doc[name]
+        spec = next((s for s in model.inputs if s.name == name), None)
+        if spec is None:
+            raise invalid_argument(f"unexpected inference input '{name}' for model '{model.name}'")
+        shape = [len(value)] if isinstance(value, list) else [1]
+        if model.max_batch_size > 0:
+            shape = [1, *shape]
+        model.check_input(name, spec.datatype, shape)
+        inputs[name] = from_json(name, spec.datatype, shape, value)
+    return InferRequest(
+        model_name=model.name, id=str(request_id), inputs=inputs, parameters=custom_parameters(params)
+    )
+
+
+def _generate_json(model: ServedModel, response: InferResponse) -> dict:
+    doc: dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION}
+    for name, array in response.outputs.items():
+        data = to_json(array, model.output_spec(name).datatype)
+        doc[name] = data[0] if len(data) == 1 else data
+    return doc
+
+
+def create_http_app(
+    repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> FastAPI:
+    app = FastAPI(
+        title="paved KServe v2", version=paved.__version__, openapi_url=None, docs_url=None, redoc_url=None
+    )
+
+    @app.exception_handler(KServeError)
+    async def _on_kserve_error(_: Request, e: KServeError) -> JSONResponse:
+        return _kserve_error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _on_error(_: Request, e: Exception) -> JSONResponse:
+        return _kserve_error(from_exception(e))
+
+    @app.get("/v2")
+    async def server_metadata():
+        return {"name": SERVER_NAME, "version": paved.__version__, "extensions": list(EXTENSIONS)}
+
+    @app.get("/v2/health/live")
+    async def live():
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready")
+    async def ready():
+        if repository.ready():
+            return Response(status_code=200)
+        return _error(400, "server is not ready: models are still loading")
+
+    async def metadata(name: str, version: str = ""):
+        model = repository.get(name, version)
+        tensors = [
+            [
+                {"name": s.name, "datatype": s.datatype, "shape": s.full_shape(model.max_batch_size)}
+                for s in specs
+            ]
+            for specs in (model.inputs, model.outputs)
+        ]
+        return {
+            "name": model.name,
+            "versions": [MODEL_VERSION],
+            "platform": model.platform or model.backend,
+            "inputs": tensors[0],
+            "outputs": tensors[1],
+        }
+
+    async def model_ready(name: str, version: str = ""):
+        try:
+            ok = repository.get(name, version).ready()
+        except KServeError:
+            ok = False
+        return Response(status_code=200) if ok else _error(400, "Model version not ready")
+
+    async def config(name: str, version: str = ""):
+        return _config_json(repository.get(name, version))
+
+    async def infer(name: str, request: Request, version: str = ""):
+        model = repository.get_ready(name, version)
+        body = await _read_body(request, max_body_bytes)
+        infer_request, binary, binary_default = _decode_infer(model, body, request.headers.get(HEADER_LENGTH))
+        responses = await repository.infer(model, infer_request)
+        try:
+            results = [r async for r in responses]
+        finally:
+            await aclose(responses)
+        if len(results) != 1:
+            raise invalid_argument(
+                f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
+            )
+        return _encode_infer(model, infer_request.id, results[0], binary, binary_default)
+
+    async def generate(name: str, request: Request, version: str = ""):
+        model = repository.get_ready(name, version)
+        doc = _parse_json(await _read_body(request, max_body_bytes))
+        responses = await repository.infer(model, _generate_inputs(model, doc))
+        try:
+            results = [r async for r in responses]
+        finally:
+            await aclose(responses)
+        if len(results) != 1:
+            raise invalid_argument(f"model '{model.name}' sent {len(results)} responses; use generate_stream")
+        return JSONResponse(_generate_json(model, results[0]))
+
+    async def generate_stream(name: str, request: Request, version: str = ""):
+        model = repository.get_ready(name, version)
+        doc = _parse_json(await _read_body(request, max_body_bytes))
+        infer_request = _generate_inputs(model, doc)
+        infer_request.decoupled = True
+        # Admission errors are answered with a status code; later ones travel as SSE events.
+        responses = await repository.infer(model, infer_request)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for response in responses:
+                    yield b"data: " + json.dumps(_generate_json(model, response)).encode() + b"\n\n"
+            except Exception as e:
+                yield b"data: " + json.dumps({"error": from_exception(e).message}).encode() + b"\n\n"
+            finally:
+                await aclose(responses)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # Registered before the model routes, so /v2/models/stats is not read as a model name.
+    async def not_supported(request: Request):
+        raise unsupported(f"{request.url.path} is not supported by paved's KServe server")
+
+    for path in (
+        "/v2/models/stats",
+        "/v2/models/{name}/stats",
+        "/v2/models/{name}/versions/{version}/stats",
+        "/v2/repository/models/{name}/load",
+        "/v2/repository/models/{name}/unload",
+        "/v2/systemsharedmemory{rest:path}",
+        "/v2/cudasharedmemory{rest:path}",
+        "/v2/trace/setting",
+        "/v2/models/{name}/trace/setting",
+        "/v2/logging",
+    ):
+        app.add_api_route(path, not_supported, methods=["GET", "POST"])
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        app.add_api_route(prefix, metadata, methods=["GET"])
+        app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
+        app.add_api_route(prefix + "/config", config, methods=["GET"])
+        app.add_api_route(prefix + "/infer", infer, methods=["POST"])
+        app.add_api_route(prefix + "/generate", generate, methods=["POST"])
+        app.add_api_route(prefix + "/generate_stream", generate_stream, methods=["POST"])
+
+    @app.post("/v2/repository/index")
+    async def repository_index(request: Request):
+        body = await _read_body(request, max_body_bytes)
+        doc = _parse_json(body) if body.strip() else {}
+        if not isinstance(doc, dict) or set(doc) - {"ready"}:
+            raise invalid_argument("the repository index request takes only 'ready'")
+        only_ready = bool(doc.get("ready", False))
+        index = []
+        for model in repository.models():
+            state, reason = model.state()
+            if only_ready and state != "READY":
+                continue
+            index.append({"name": model.name, "version": MODEL_VERSION, "state": state, "reason": reason})
+        return index
+
+    return app
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_argument(f"the request body is not valid JSON: {e}") from e

@@ -1,0 +1,282 @@
+"""The model repository behind both transports: what a model is to the KServe server.
+
+A `ServedModel` declares its tensors (Triton config semantics: `max_batch_size`, dims without
+the batch dimension, optional inputs) and serves `infer`. Transports decode wire tensors into
+numpy after `check_input`, so datatype / shape / missing-input errors are the same whether the
+request came over gRPC or HTTP. Two kinds exist: engine-backed LLMs (paved.kserve.llm, one per
+`ModelCard` of the engines given to the server) and classic models loaded from a directory
+(paved.kserve.xgboost_model).
+
+Every model has exactly one version, "1" (there is no repository polling or version policy).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from paved.engine.protocol import Engine
+from paved.kserve.errors import invalid_argument, not_found, unavailable
+from paved.kserve.tensors import TensorSpec, config_type
+
+logger = logging.getLogger(__name__)
+
+MODEL_VERSION = "1"
+ModelState = Literal["READY", "LOADING", "UNAVAILABLE"]
+
+# Request parameters Triton itself interprets (tritonclient refuses to send them as custom
+# parameters). paved implements none of the features behind them, so a request that sets
+# them gets INVALID_ARGUMENT instead of having its sequence / priority / timeout ignored.
+_UNSUPPORTED_RESERVED = {
+    "sequence_id": "sequence batching",
+    "sequence_start": "sequence batching",
+    "sequence_end": "sequence batching",
+    "priority": "request priorities",
+    "timeout": "per-request queue timeouts",
+}
+# Consumed by a transport before the model sees the request.
+TRANSPORT_PARAMETERS = {"binary_data_output", "triton_enable_empty_final_response", "headers"}
+
+
+@dataclass
+class InferRequest:
+    model_name: str
+    id: str = ""
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    # Custom request parameters (transport and reserved ones already removed).
+    parameters: dict[str, Any] = field(default_factory=dict)
+    # Requested outputs; None: all the model produces.
+    outputs: list[str] | None = None
+    # True on the decoupled paths (ModelStreamInfer, HTTP generate_stream) that can carry
+    # any number of responses per request.
+    decoupled: bool = False
+
+
+@dataclass
+class InferResponse:
+    outputs: dict[str, np.ndarray]
+    # Last response of the request (decoupled models send several).
+    final: bool = True
+
+
+def custom_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Request parameters minus those a transport consumed; reserved ones paved does not
+    implement are rejected rather than ignored."""
+    out = {}
+    for key, value in parameters.items():
+        if key in TRANSPORT_PARAMETERS:
+            continue
+        if key in _UNSUPPORTED_RESERVED:
+            if key in ("sequence_id", "priority") and not value:
+                continue  # the "not set" value some clients send explicitly
+            raise invalid_argument(
+                f"request parameter '{key}': {_UNSUPPORTED_RESERVED[key]} is not supported by this server"
+            )
+        if key.startswith("triton_"):
+            raise invalid_argument(f"request parameter '{key}' is not supported by this server")
+        out[key] = value
+    return out
+
+
+class ServedModel(abc.ABC):
+    """One model on the KServe interface."""
+
+    name: str
+    platform: str = ""
+    backend: str = ""
+    max_batch_size: int = 0
+    inputs: Sequence[TensorSpec] = ()
+    outputs: Sequence[TensorSpec] = ()
+    # Decoupled models may send zero or many responses per request (Triton's transaction policy).
+    decoupled: bool = False
+
+    # ---- state ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def state(self) -> tuple[ModelState, str]:
+        """(state, reason); reason explains anything but READY."""
+
+    def ready(self) -> bool:
+        return self.state()[0] == "READY"
+
+    async def load(self) -> None:  # noqa: B027 - optional hook
+        """Load the model (default: nothing to load, e.g. the engine owns it)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; in-flight requests may fail."""
+
+    # ---- description ---------------------------------------------------------------------
+    def config_parameters(self) -> dict[str, str]:
+        return {}
+
+    def config(self) -> model_config_pb2.ModelConfig:
+        config = model_config_pb2.ModelConfig(
+            name=self.name, platform=self.platform, backend=self.backend, max_batch_size=self.max_batch_size
+        )
+        for spec in self.inputs:
+            config.input.add(
+                name=spec.name, data_type=config_type(spec.datatype), dims=spec.dims, optional=spec.optional
+            )
+        for spec in self.outputs:
+            config.output.add(name=spec.name, data_type=config_type(spec.datatype), dims=spec.dims)
+        config.model_transaction_policy.decoupled = self.decoupled
+        for key, value in self.config_parameters().items():
+            config.parameters[key].string_value = value
+        return config
+
+    # ---- validation ----------------------------------------------------------------------
+    def check_input(self, name: str, datatype: str, shape: Sequence[int]) -> TensorSpec:
+        for spec in self.inputs:
+            if spec.name == name:
+                spec.check(self.name, datatype, shape, self.max_batch_size)
+                return spec
+        raise invalid_argument(f"unexpected inference input '{name}' for model '{self.name}'")
+
+    def check_required(self, names: Iterable[str]) -> None:
+        given = list(names)
+        if len(given) != len(set(given)):
+            dup = sorted({n for n in given if given.count(n) > 1})
+            raise invalid_argument(f"input(s) {dup} given more than once for model '{self.name}'")
+        known = {s.name for s in self.inputs}
+        for name in given:
+            if name not in known:
+                raise invalid_argument(f"unexpected inference input '{name}' for model '{self.name}'")
+        missing = [s.name for s in self.inputs if not s.optional and s.name not in given]
+        if missing:
+            raise invalid_argument(
+                f"expected {sum(not s.optional for s in self.inputs)} required input(s) but got "
+                f"{len(given)} input(s) for model '{self.name}'. Got input(s) {given}, but missing "
+                f"required input(s) {missing}. Please provide all required input(s)."
+            )
+
+    def check_outputs(self, names: Iterable[str]) -> None:
+        known = {s.name for s in self.outputs}
+        for name in names:
+            if name not in known:
+                raise invalid_argument(f"unexpected inference output '{name}' for model '{self.name}'")
+
+    def output_spec(self, name: str) -> TensorSpec:
+        for spec in self.outputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    # ---- inference -----------------------------------------------------------------------
+    @abc.abstractmethod
+    async def infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Admit `request` and return its responses (exactly one unless `decoupled`).
+
+        Request errors raise here, before any response; closing the returned iterator
+        cancels the request.
+        """
+
+
+class ModelRepository:
+    """Classic models owned by the server plus the models of the engines it fronts."""
+
+    def __init__(self, engines: Sequence[Engine] = (), classic: Sequence[ServedModel] = ()):
+        from paved.kserve.llm import LlmModel  # llm imports this module
+
+        self._llm_cls = LlmModel
+        self.engines = list(engines)
+        self.classic = {m.name: m for m in classic}
+        if len(self.classic) != len(classic):
+            raise ValueError("two classic models share a name")
+        self._llm: dict[str, ServedModel] = {}
+        self._loads: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Load classic models in the background; ServerReady stays false until all are loaded."""
+        for model in self.classic.values():
+            self._loads.append(asyncio.create_task(self._load(model), name=f"kserve-load-{model.name}"))
+
+    async def _load(self, model: ServedModel) -> None:
+        try:
+            await model.load()
+        except Exception:  # the model reports UNAVAILABLE with the reason; the server lives on
+            logger.exception("loading model %s failed", model.name)
+
+    async def wait_loaded(self) -> None:
+        await asyncio.gather(*self._loads)
+
+    async def close(self) -> None:
+        for task in self._loads:
+            task.cancel()
+        await asyncio.gather(*self._loads, return_exceptions=True)
+        for model in self.classic.values():
+            await model.close()
+
+    def ready(self) -> bool:
+        """Server readiness: every classic model loaded and every engine ready."""
+        return all(m.ready() for m in self.classic.values()) and all(e.ready() for e in self.engines)
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def models(self) -> list[ServedModel]:
+        self._refresh_llm()
+        return [*self.classic.values(), *self._llm.values()]
+
+    def _refresh_llm(self) -> None:
+        # Engines may learn their cards only once started, so the table follows them.
+        seen = set()
+        for engine in self.engines:
+            for card in engine.models():
+                seen.add(card.id)
+                if card.id in self.classic:
+                    raise ValueError(f"model name {card.id!r} is served by an engine and as a classic model")
+                current = self._llm.get(card.id)
+                if current is None or current.card != card or current.engine is not engine:
+                    self._llm[card.id] = self._llm_cls(engine, card)
+        for name in set(self._llm) - seen:
+            del self._llm[name]
+
+    def get(self, name: str, version: str = "") -> ServedModel:
+        model = self.classic.get(name)
+        if model is None:
+            self._refresh_llm()
+            model = self._llm.get(name)
+        if model is None:
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if version not in ("", MODEL_VERSION):
+            raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
+        return model
+
+    def get_ready(self, name: str, version: str = "") -> ServedModel:
+        model = self.get(name, version)
+        state, reason = model.state()
+        if state != "READY":
+            raise unavailable(
+                f"model '{name}' is not ready ({state.lower()}{': ' + reason if reason else ''})"
+            )
+        return model
+
+    async def infer(self, model: ServedModel, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Admit and run `request` on `model`, keeping only the requested outputs."""
+        if request.outputs is not None:
+            model.check_outputs(request.outputs)
+        responses = await model.infer(request)
+        if request.outputs is None:
+            return responses
+        return _select(responses, request.outputs)
+
+
+async def _select(responses: AsyncIterator[InferResponse], names: list[str]) -> AsyncIterator[InferResponse]:
+    try:
+        async for response in responses:
+            response.outputs = {n: v for n, v in response.outputs.items() if n in names}
+            yield response
+    finally:
+        await aclose(responses)
+
+
+async def aclose(iterator: Any) -> None:
+    """Close an async iterator if it can be closed (engines abort requests on close)."""
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()

@@ -1,0 +1,243 @@
+"""Triton vLLM backend `sampling_parameters` <-> the engine protocol's `SamplingOptions`.
+
+Server side (`options_from_parameters`): the JSON object a Triton + vLLM client sends, keyed by
+vLLM `SamplingParams` names, validated with the OpenAI frontend's own request model and
+constraint resolver (`paved.frontend.schemas` / `paved.frontend.structured`), so both APIs
+accept the same ranges and route constraints to the same backend. Like the vLLM backend,
+numbers and booleans may arrive as strings ("0.7", "true"): its own sample client sends them so.
+Constraints come in as vLLM's `structured_outputs` (or its older name `guided_decoding`; either
+an object or its JSON text, the form the vLLM backend parses), OpenAI's `response_format`,
+paved's `paved_constraint`, or `extra_args: {"paved_constraint": ...}`. A key paved does not
+honour is INVALID_ARGUMENT; nothing is dropped.
+
+Client side (`parameters_from_options`): the reverse, for `KServeEngine`, in the form a real
+Triton vLLM backend accepts: `structured_outputs` as JSON text, paved specs in `extra_args`
+(read there by paved's logits processor when it is installed in the remote vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from paved.engine.protocol import Constraint, InvalidRequestError, ModelCard, SamplingOptions
+from paved.kserve.errors import invalid_argument
+
+PAVED_CONSTRAINT = "paved_constraint"
+
+# vLLM SamplingParams fields paved honours only at vLLM's default value: a client that sets
+# the default explicitly is served, any other value is refused.
+_DEFAULT_ONLY: dict[str, Any] = {
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "detokenize": True,
+    "use_beam_search": False,
+    "stop_token_ids": [],
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
+    "lora_name": None,
+    "logits_processors": None,
+}
+# SamplingFields members that are request-level in OpenAI's API, not sampling parameters.
+_NOT_SAMPLING = {"model", "stream", "stream_options", "user"}
+# Passed through to the OpenAI frontend's request model (same names as vLLM's).
+_FIELDS = {
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+    "response_format",
+    "structured_outputs",
+}
+_OWN = {
+    "max_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "best_of",
+    "guided_decoding",
+    "extra_args",
+    PAVED_CONSTRAINT,
+}
+
+
+def parse_parameters(text: bytes | str, source: str) -> dict[str, Any]:
+    """The JSON object in a `sampling_parameters` tensor."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_argument(f"{source} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise invalid_argument(f"{source} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _json_value(value: Any, where: str) -> Any:
+    """vLLM's backend sends nested objects as JSON text; accept both forms."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise invalid_argument(f"{where} is a string but not valid JSON: {e}") from e
+    return value
+
+
+def _int(params: dict, key: str, source: str, *, minimum: int, maximum: int | None = None) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise invalid_argument(f"{source}.{key} must be an integer, got {params[key]!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_argument(f"{source}.{key} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise invalid_argument(f"{source}.{key} must be {bound}, got {value}")
+    return value
+
+
+def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str) -> SamplingOptions:
+    """Validate Triton vLLM-backend sampling parameters for `card` (raises INVALID_ARGUMENT)."""
+    from paved.frontend.errors import APIError
+    from paved.frontend.schemas import SamplingFields
+    from paved.frontend.structured import resolve
+
+    unknown = sorted(set(params) - _FIELDS - _OWN - set(_DEFAULT_ONLY))
+    if unknown:
+        hint = " (set it as an input tensor)" if "stream" in unknown else ""
+        raise invalid_argument(f"{source}: unknown sampling parameter(s) {unknown}{hint}")
+    for key, default in _DEFAULT_ONLY.items():
+        if key in params and params[key] != default and not (default in ([], None) and not params[key]):
+            raise invalid_argument(f"{source}.{key}={params[key]!r} is not supported (only {default!r})")
+
+    fields: dict[str, Any] = {k: v for k, v in params.items() if k in _FIELDS}
+    if "guided_decoding" in params:
+        if "structured_outputs" in params:
+            raise invalid_argument(f"{source}: structured_outputs and guided_decoding both given; send one")
+        fields["structured_outputs"] = params["guided_decoding"]
+    if "structured_outputs" in fields:
+        fields["structured_outputs"] = _json_value(
+            fields["structured_outputs"], f"{source}.structured_outputs"
+        )
+    if "response_format" in fields:
+        fields["response_format"] = _json_value(fields["response_format"], f"{source}.response_format")
+    xargs = dict(_json_value(params.get("extra_args") or {}, f"{source}.extra_args"))
+    if PAVED_CONSTRAINT in params:
+        if PAVED_CONSTRAINT in xargs:
+            raise invalid_argument(f"{source}: paved_constraint given twice (top level and in extra_args)")
+        xargs[PAVED_CONSTRAINT] = params[PAVED_CONSTRAINT]
+    if xargs:
+        fields["vllm_xargs"] = xargs
+    if fields.get("top_k") in (-1, "-1"):
+        fields["top_k"] = 0  # vLLM's old spelling of "disabled"
+
+    n = _int(params, "n", source, minimum=1) or 1
+    best_of = _int(params, "best_of", source, minimum=1)
+    if best_of is not None and best_of != n:
+        raise invalid_argument(f"{source}.best_of other than n is not supported")
+    logprobs = _int(params, "logprobs", source, minimum=0, maximum=card.max_logprobs)
+    if params.get("prompt_logprobs") is not None:
+        raise invalid_argument(
+            f"{source}.prompt_logprobs is not supported: the vLLM tensor interface cannot return them"
+        )
+    max_tokens = _int(params, "max_tokens", source, minimum=1)
+
+    try:
+        request = SamplingFields.model_validate({"model": card.id, **fields})
+        constraint = resolve(request, card).constraint
+    except ValidationError as e:
+        raise invalid_argument(_validation_message(e, source)) from e
+    except APIError as e:
+        where = f"{source}.{e.param}: " if e.param else f"{source}: "
+        raise invalid_argument(where + e.message) from e
+    logit_bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
+    return SamplingOptions(
+        max_tokens=max_tokens if "max_tokens" in params else 16,
+        n=request.n,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        stop=tuple(request.stop_list()),
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=logit_bias,
+        logprobs=logprobs,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        constraint=constraint,
+    )
+
+
+def _validation_message(error: ValidationError, source: str) -> str:
+    parts = []
+    for item in error.errors()[:3]:
+        loc = ".".join(str(p) for p in item.get("loc", ()))
+        if item.get("type") == "extra_forbidden":
+            parts.append(f"{source}.{loc}: unknown field")
+        else:
+            parts.append(f"{source}.{loc}: {item['msg']}" if loc else f"{source}: {item['msg']}")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side: SamplingOptions -> sampling_parameters (KServeEngine).
+# ---------------------------------------------------------------------------------------------
+def parameters_from_options(options: SamplingOptions) -> dict[str, Any]:
+    """The `sampling_parameters` object for a remote Triton vLLM backend (or paved's server).
+
+    `max_tokens` None ("up to the end of the context") is sent as null: paved's server takes it,
+    a real Triton vLLM backend may not, so callers that can count prompt tokens should bound it.
+    """
+    if options.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "prompt logprobs are not available through the KServe v2 vLLM tensor interface",
+            param="prompt_logprobs",
+        )
+    params: dict[str, Any] = {"n": options.n, "max_tokens": options.max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "logprobs"):
+        value = getattr(options, name)
+        if value is not None:
+            params[name] = value
+    if options.stop:
+        params["stop"] = list(options.stop)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(options, name):
+            params[name] = getattr(options, name)
+    if options.logit_bias:
+        params["logit_bias"] = {str(k): v for k, v in options.logit_bias.items()}
+    if options.min_tokens:
+        params["min_tokens"] = options.min_tokens
+    if options.ignore_eos:
+        params["ignore_eos"] = True
+    if options.constraint is not None:
+        params.update(constraint_parameters(options.constraint))
+    return params
+
+
+def constraint_parameters(constraint: Constraint) -> dict[str, Any]:
+    if constraint.backend == "paved":
+        return {"extra_args": {PAVED_CONSTRAINT: constraint.value}}
+    key = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice"}.get(
+        constraint.kind, constraint.kind
+    )
+    value = True if constraint.kind == "json_object" else constraint.value
+    # JSON text: the vLLM backend builds StructuredOutputsParams(**json.loads(value)).
+    return {"structured_outputs": json.dumps({key: value})}

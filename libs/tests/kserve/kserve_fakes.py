@@ -1,0 +1,191 @@
+"""Test helpers for the KServe tests: a scripted Engine, a server on a background loop, fixtures.
+
+`FakeEngine` implements the engine protocol with deterministic output so the transports can be
+checked exactly: token i of a completion is "w{i} "; a constrained request emits
+`constrained_text`; the prompt "hang" streams until cancelled. Every admitted request and every
+abort is recorded, which is how tests prove parameters and constraints reached the engine and
+that cancelling a call aborted the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from concurrent.futures import Future
+
+from paved.engine.protocol import (
+    ChatPrompt,
+    ChoiceDelta,
+    EmbedRequest,
+    EmbedResult,
+    EngineUnavailableError,
+    GenerateOutput,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelCard,
+    ModelNotFoundError,
+    TextPrompt,
+    TokenLogprob,
+    TopLogprob,
+)
+
+LLM = "fake-llm"
+EMBED = "fake-embed"
+
+
+class FakeEngine:
+    def __init__(self, *, ready: bool = True, constrained_text: str = '{"ok":true,"level":"high"}'):
+        self._ready = ready
+        self.constrained_text = constrained_text
+        self.requests: list[GenerateRequest] = []
+        self.embed_requests: list[EmbedRequest] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.cards = [
+            ModelCard(LLM, "generate", 256, 0, constraint_backends=("paved", "xgrammar"), max_logprobs=5),
+            ModelCard(EMBED, "embed", 128, 0),
+        ]
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready = ready
+
+    async def start(self) -> None:
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def models(self) -> Sequence[ModelCard]:
+        return self.cards
+
+    def metrics(self) -> Iterable:
+        return []
+
+    async def tokenize(self, model: str, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(range(len(text.split())))
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult:
+        self.embed_requests.append(request)
+        (prompt,) = request.inputs
+        size = request.dimensions or 4
+        text = prompt.text if isinstance(prompt, TextPrompt) else " ".join(map(str, prompt.token_ids))
+        return EmbedResult(
+            embeddings=[[float(len(text))] + [0.5] * (size - 1)], prompt_tokens=len(text.split())
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if request.model != LLM:
+            raise ModelNotFoundError(f"model {request.model!r} is not served by this engine")
+        if not self._ready:
+            raise EngineUnavailableError("fake engine is not ready")
+        prompt = request.prompt
+        if isinstance(prompt, ChatPrompt):
+            text = " ".join(m["content"] for m in prompt.messages)
+        elif isinstance(prompt, TextPrompt):
+            text = prompt.text
+        else:
+            text = " ".join(map(str, prompt.token_ids))
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None and len(text.split()) + max_tokens > 256:
+            raise InvalidRequestError("prompt plus max_tokens exceeds the fake context of 256")
+        self.requests.append(request)
+        return self._stream(request, text)
+
+    async def _stream(self, request: GenerateRequest, prompt: str) -> AsyncIterator[GenerateOutput]:
+        s = request.sampling
+        finished = False
+        try:
+            if prompt == "hang":
+                i = 0
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield GenerateOutput([ChoiceDelta(0, f"w{i} ", [i])], prompt_tokens=1 if i == 0 else None)
+                    i += 1
+            if s.constraint is not None:
+                pieces = [self.constrained_text]
+            else:
+                pieces = [f"w{i} " for i in range(s.max_tokens if s.max_tokens is not None else 8)]
+            reason = "stop" if s.constraint is not None else "length"
+            for step, piece in enumerate(pieces):
+                last = step == len(pieces) - 1
+                choices = []
+                for index in range(s.n):
+                    logprobs = None
+                    if s.logprobs is not None:
+                        top = [TopLogprob(f"alt{k}", 100 + k, -1.0 - k) for k in range(s.logprobs)]
+                        logprobs = [TokenLogprob(piece, step, -0.5, top)]
+                    choices.append(
+                        ChoiceDelta(
+                            index, piece, [step], logprobs=logprobs, finish_reason=reason if last else None
+                        )
+                    )
+                yield GenerateOutput(
+                    choices, prompt_tokens=len(prompt.split()) if step == 0 else None, finished=last
+                )
+                await asyncio.sleep(0)
+            finished = True
+            self.finished.append(request.request_id)
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread, for servers the (synchronous) clients talk to."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="kserve-test-loop")
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        future: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def xgb_model_dir() -> str:
+    """//models/xgb from the runfiles; outside Bazel, generated once into a temp dir."""
+    srcdir = os.environ.get("TEST_SRCDIR")
+    if srcdir:
+        config = os.path.join(srcdir, "paved", "models", "xgb", "config.json")
+        if os.path.exists(config):
+            return os.path.dirname(os.path.realpath(config))
+    out = os.path.join(tempfile.gettempdir(), "paved-kserve-test-xgb")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.join(here, "..", "..", "..", "models", "xgb", "generate.py")
+        spec = importlib.util.spec_from_file_location("xgb_generate", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        os.makedirs(out, exist_ok=True)
+        module.train(100, 6).save_model(os.path.join(out, "model.ubj"))
+        import json
+
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(module.config("xgb_scorer"), f)
+    return out
