@@ -14,11 +14,13 @@ input order; outputs are returned raw when asked per output (`binary_data`) or f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import json_format
@@ -284,6 +286,49 @@ def _generate_json(model: ServedModel, response: InferResponse) -> dict:
     return doc
 
 
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, responses: AsyncIterator[InferResponse]) -> list[InferResponse]:
+    """Every response of a non-streaming request. Starlette does not cancel a plain handler
+    when its client goes away, so watch for that: the request is then cancelled, which
+    closes its engine stream and so aborts the engine request."""
+
+    async def collect() -> list[InferResponse]:
+        return [r async for r in responses]
+
+    task = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await aclose(responses)
+    if task.cancelled():
+        raise KServeError(grpc.StatusCode.CANCELLED, "the client closed the request")
+    return task.result()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose request is closed however the response ends (completed,
+    failed, or cut short by a disconnect before the first event)."""
+
+    def __init__(self, events: AsyncIterator[bytes], responses: AsyncIterator[InferResponse]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._responses = responses
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await aclose(self._responses)
+
+
 def create_http_app(
     repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> FastAPI:
@@ -348,11 +393,7 @@ def create_http_app(
         model = repository.get_ready(name, version)
         body = await _read_body(request, max_body_bytes)
         infer_request, binary, binary_default = _decode_infer(model, body, request.headers.get(HEADER_LENGTH))
-        responses = await repository.infer(model, infer_request)
-        try:
-            results = [r async for r in responses]
-        finally:
-            await aclose(responses)
+        results = await _collect(request, await repository.infer(model, infer_request))
         if len(results) != 1:
             raise invalid_argument(
                 f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
@@ -362,11 +403,7 @@ def create_http_app(
     async def generate(name: str, request: Request, version: str = ""):
         model = repository.get_ready(name, version)
         doc = _parse_json(await _read_body(request, max_body_bytes))
-        responses = await repository.infer(model, _generate_inputs(model, doc))
-        try:
-            results = [r async for r in responses]
-        finally:
-            await aclose(responses)
+        results = await _collect(request, await repository.infer(model, _generate_inputs(model, doc)))
         if len(results) != 1:
             raise invalid_argument(f"model '{model.name}' sent {len(results)} responses; use generate_stream")
         return JSONResponse(_generate_json(model, results[0]))
@@ -385,10 +422,8 @@ def create_http_app(
                     yield b"data: " + json.dumps(_generate_json(model, response)).encode() + b"\n\n"
             except Exception as e:
                 yield b"data: " + json.dumps({"error": from_exception(e).message}).encode() + b"\n\n"
-            finally:
-                await aclose(responses)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _EventStream(events(), responses)
 
     # Registered before the model routes, so /v2/models/stats is not read as a model name.
     async def not_supported(request: Request):

@@ -38,7 +38,15 @@ from paved.engine.protocol import (
     TokenPrompt,
 )
 from paved.kserve.errors import invalid_argument
-from paved.kserve.repository import InferRequest, InferResponse, ModelState, ServedModel, aclose
+from paved.kserve.repository import (
+    Admission,
+    Closing,
+    InferRequest,
+    InferResponse,
+    ModelState,
+    ServedModel,
+    aclose,
+)
 from paved.kserve.sampling import options_from_parameters, parse_parameters
 from paved.kserve.tensors import TensorSpec
 
@@ -106,9 +114,10 @@ class LlmModel(ServedModel):
     max_batch_size = 0  # the engine batches; like the vLLM backend, Triton-level batching is off
     decoupled = True
 
-    def __init__(self, engine: Engine, card: ModelCard):
+    def __init__(self, engine: Engine, card: ModelCard, admission: Admission | None = None):
         self.engine = engine
         self.card = card
+        self.admission = admission
         self.name = card.id
         if card.kind == "embed":
             self.inputs, self.outputs = _EMBED_INPUTS, _EMBED_OUTPUTS
@@ -171,7 +180,13 @@ class LlmModel(ServedModel):
             sampling=sampling,
             stream=stream,
         )
-        outputs = await self.engine.generate(engine_request)
+        ticket = self.admission(self.card.id, sampling.n) if self.admission is not None else None
+        try:
+            outputs = await self.engine.generate(engine_request)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         state = _State(
             n=sampling.n,
             flags=flags,
@@ -179,25 +194,28 @@ class LlmModel(ServedModel):
             top=sampling.logprobs or 0,
             prefix=prompt if prepend else "",
         )
-        return self._responses(outputs, state, stream)
+        # Closing the responses closes the engine stream (aborting the request if unfinished)
+        # and releases the admission ticket, whether or not they were ever iterated.
+        return Closing(
+            self._responses(outputs, state, stream),
+            lambda: aclose(outputs),
+            ticket.release if ticket is not None else None,
+        )
 
     async def _responses(
         self, outputs: AsyncIterator[GenerateOutput], state: _State, stream: bool
     ) -> AsyncIterator[InferResponse]:
-        try:
-            finished = False
-            async for output in outputs:
-                state.absorb(output)
-                finished = output.finished
-                if stream:
-                    yield InferResponse(state.flush_delta(), final=finished)
-            if not stream:
-                yield InferResponse(state.flush_total(), final=True)
-            elif not finished:
-                # The engine ended the stream without marking it finished: close it for the client.
-                yield InferResponse(state.flush_delta(), final=True)
-        finally:
-            await aclose(outputs)
+        finished = False
+        async for output in outputs:
+            state.absorb(output)
+            finished = output.finished
+            if stream:
+                yield InferResponse(state.flush_delta(), final=finished)
+        if not stream:
+            yield InferResponse(state.flush_total(), final=True)
+        elif not finished:
+            # The engine ended the stream without marking it finished: close it for the client.
+            yield InferResponse(state.flush_delta(), final=True)
 
     # ---- embeddings ----------------------------------------------------------------------
     async def _embed(self, request: InferRequest) -> AsyncIterator[InferResponse]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2
@@ -177,13 +177,28 @@ class ServedModel(abc.ABC):
         """
 
 
+class Ticket(Protocol):
+    def release(self) -> None: ...
+
+
+# Admission control shared with another frontend: (model id, sequences) -> a ticket released
+# when the request ends, or EngineOverloadedError (-> UNAVAILABLE / 503).
+Admission = Callable[[str, int], Ticket]
+
+
 class ModelRepository:
     """Classic models owned by the server plus the models of the engines it fronts."""
 
-    def __init__(self, engines: Sequence[Engine] = (), classic: Sequence[ServedModel] = ()):
+    def __init__(
+        self,
+        engines: Sequence[Engine] = (),
+        classic: Sequence[ServedModel] = (),
+        admission: Admission | None = None,
+    ):
         from paved.kserve.llm import LlmModel  # llm imports this module
 
         self._llm_cls = LlmModel
+        self.admission = admission
         self.engines = list(engines)
         self.classic = {m.name: m for m in classic}
         if len(self.classic) != len(classic):
@@ -232,7 +247,7 @@ class ModelRepository:
                     raise ValueError(f"model name {card.id!r} is served by an engine and as a classic model")
                 current = self._llm.get(card.id)
                 if current is None or current.card != card or current.engine is not engine:
-                    self._llm[card.id] = self._llm_cls(engine, card)
+                    self._llm[card.id] = self._llm_cls(engine, card, self.admission)
         for name in set(self._llm) - seen:
             del self._llm[name]
 
@@ -242,6 +257,9 @@ class ModelRepository:
             self._refresh_llm()
             model = self._llm.get(name)
         if model is None:
+            if not all(e.ready() for e in self.engines):
+                # An engine still booting (or down) may be the one serving it: retry later.
+                raise unavailable(f"model '{name}' is not available: engines are still loading")
             raise not_found(f"Request for unknown model: '{name}' is not found")
         if version not in ("", MODEL_VERSION):
             raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
@@ -266,13 +284,44 @@ class ModelRepository:
         return _select(responses, request.outputs)
 
 
-async def _select(responses: AsyncIterator[InferResponse], names: list[str]) -> AsyncIterator[InferResponse]:
-    try:
+def _select(responses: AsyncIterator[InferResponse], names: list[str]) -> AsyncIterator[InferResponse]:
+    async def select():
         async for response in responses:
             response.outputs = {n: v for n, v in response.outputs.items() if n in names}
             yield response
-    finally:
-        await aclose(responses)
+
+    return Closing(select(), responses.aclose if hasattr(responses, "aclose") else None)
+
+
+class Closing:
+    """An async iterator whose `aclose` always runs its cleanups, even if it was never iterated.
+
+    (An async generator that never started skips its `finally` on `aclose`; a response
+    stream abandoned before its first item must still abort the engine request.)
+    """
+
+    def __init__(self, iterator: AsyncIterator, *cleanups: Callable[[], Any] | None):
+        self._iterator = iterator
+        self._cleanups = [c for c in cleanups if c is not None]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._iterator.__anext__()
+
+    async def aclose(self) -> None:
+        cleanups, self._cleanups = self._cleanups, []
+        try:
+            await aclose(self._iterator)
+        finally:
+            for cleanup in cleanups:
+                try:
+                    result = cleanup()
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception:
+                    logger.exception("cleaning up a finished request failed")
 
 
 async def aclose(iterator: Any) -> None:

@@ -113,7 +113,10 @@ def _int(params: dict, key: str, source: str, *, minimum: int, maximum: int | No
 
 def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str) -> SamplingOptions:
     """Validate Triton vLLM-backend sampling parameters for `card` (raises INVALID_ARGUMENT)."""
+    # Imported here: the remote engine imports this module for the client side, and engines
+    # must not pull in the OpenAI frontend (which imports engines).
     from paved.frontend.errors import APIError
+    from paved.frontend.openai_api import _sampling as openai_sampling
     from paved.frontend.schemas import SamplingFields
     from paved.frontend.structured import resolve
 
@@ -159,30 +162,19 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
 
     try:
         request = SamplingFields.model_validate({"model": card.id, **fields})
-        constraint = resolve(request, card).constraint
+        resolved = resolve(request, card)
     except ValidationError as e:
         raise invalid_argument(_validation_message(e, source)) from e
     except APIError as e:
         where = f"{source}.{e.param}: " if e.param else f"{source}: "
         raise invalid_argument(where + e.message) from e
-    logit_bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
-    return SamplingOptions(
+    # The OpenAI frontend's own mapping, so both APIs turn the same fields into the same options.
+    return openai_sampling(
+        request,
         max_tokens=max_tokens if "max_tokens" in params else 16,
-        n=request.n,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        seed=request.seed,
-        stop=tuple(request.stop_list()),
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-        logit_bias=logit_bias,
         logprobs=logprobs,
-        min_tokens=request.min_tokens,
-        ignore_eos=request.ignore_eos,
-        constraint=constraint,
+        prompt_logprobs=None,
+        resolved=resolved,
     )
 
 

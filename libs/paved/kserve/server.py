@@ -25,7 +25,7 @@ import uvicorn
 from paved.engine.protocol import Engine
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, create_grpc_server
 from paved.kserve.http_server import create_http_app
-from paved.kserve.repository import ModelRepository, ServedModel
+from paved.kserve.repository import Admission, ModelRepository, ServedModel
 from paved.kserve.xgboost_model import XGBoostModel
 
 logger = logging.getLogger(__name__)
@@ -63,10 +63,11 @@ class KServeServer:
         grpc_port: int | None = 8001,
         http_port: int | None = 8000,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        admission: Admission | None = None,
     ):
         if grpc_port is None and http_port is None:
             raise ValueError("KServe needs a gRPC port, an HTTP port, or both")
-        self.repository = ModelRepository(engines, classic_models)
+        self.repository = ModelRepository(engines, classic_models, admission)
         self.host = host
         self._grpc_port_wanted = grpc_port
         self._http_port_wanted = http_port
@@ -139,9 +140,14 @@ async def serve_kserve(
     host: str = "0.0.0.0",
     model_dirs: Sequence[str] = (),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    admission: Admission | None = None,
 ) -> KServeServer:
     """Start KServe v2 over `engines` (their models, by ModelCard id) plus XGBoost model
-    directories; returns the running server (call `stop()` on shutdown)."""
+    directories; returns the running server (call `stop()` on shutdown).
+
+    `admission`, if given, admits each LLM request first (e.g. the OpenAI frontend's
+    `lambda model, n: registry.admit(registry.get(model), n)`), so both APIs share one bound.
+    """
     classic = [XGBoostModel.from_directory(d) for d in model_dirs]
     server = KServeServer(
         engines,
@@ -150,6 +156,7 @@ async def serve_kserve(
         grpc_port=grpc_port,
         http_port=http_port,
         max_message_bytes=max_message_bytes,
+        admission=admission,
     )
     await server.start()
     return server

@@ -1,0 +1,593 @@
+"""A remote engine: one model served by a KServe v2 gRPC server running Triton's vLLM backend.
+
+`KServeEngine.from_uri("kserve://scoring:8001", "llama")` lets the OpenAI frontend front a
+remote Model Scoring Service (Triton + vLLM, or paved's own KServe server) through the Engine
+protocol. Every request is one ModelStreamInfer call with the vLLM backend's tensors; its
+sampling options, constraints included, travel in `sampling_parameters` in the form the
+backend parses (`structured_outputs` as JSON text; paved specs in `extra_args`, read by paved's
+logits processor when installed in the remote vLLM). This is the `response_format` path
+Triton's own OpenAI frontend lacks: a constraint is sent, or the request is refused.
+
+What the tensor interface cannot carry is refused with InvalidRequestError, never faked:
+token-id prompts, prompt logprobs, max_tokens=0 scoring. Chat prompts and `tokenize` need the
+model's tokenizer locally (`?tokenizer=DIR`), as Triton's OpenAI frontend needs one too.
+Output deltas carry text, logprobs and finish reasons; token ids are not among the
+backend's outputs, so `ChoiceDelta.token_ids` stays empty (the server's `num_output_tokens`
+counts feed the engine's generated-tokens metric).
+
+The model's description comes from its ModelConfig: a paved server publishes max_model_len,
+constraint backends and logprob limit there (`paved.*` parameters); for a plain Triton server
+pass them in the URI (`?max_model_len=4096&constraint_backends=xgrammar`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from prometheus_client import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from paved.engine.protocol import (
+    ChatPrompt,
+    ChoiceDelta,
+    EmbedRequest,
+    EmbedResult,
+    EngineError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    GenerateOutput,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelCard,
+    ModelNotFoundError,
+    TextPrompt,
+    TokenLogprob,
+    TokenPrompt,
+    TopLogprob,
+)
+from paved.kserve.grpc_server import ERROR_CODE_PARAMETER
+from paved.kserve.llm import PARAM_CONSTRAINT_BACKENDS, PARAM_KIND, PARAM_MAX_LOGPROBS, PARAM_MAX_MODEL_LEN
+from paved.kserve.sampling import parameters_from_options
+from paved.kserve.tensors import from_raw, serialize_bytes
+
+logger = logging.getLogger(__name__)
+
+SCHEME = "kserve"
+_URI_OPTIONS = {
+    "tokenizer",
+    "max_model_len",
+    "constraint_backends",
+    "max_logprobs",
+    "kind",
+    "connect_timeout_s",
+}
+_BACKENDS = ("paved", "xgrammar")
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "abort"}
+_HEALTH_INTERVAL_S = 5.0
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class _Aborted(Exception):
+    """The call was cancelled by `KServeEngine.abort`."""
+
+
+def _status_error(e: grpc.aio.AioRpcError, target: str) -> EngineError:
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ModelNotFoundError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return InvalidRequestError(f"the request is too large for the remote server: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return EngineUnavailableError(f"remote KServe server {target}: {details or code.name}")
+    return EngineError(f"remote KServe server {target}: {code.name}: {details}")
+
+
+def _inband_error(response: service_pb2.ModelStreamInferResponse, target: str) -> EngineError:
+    """An error a stream delivered in-band. paved's server names its status code; Triton's does
+    not, and its errors are then reported as engine failures rather than guessed at."""
+    message = response.error_message
+    params = response.infer_response.parameters
+    code = params[ERROR_CODE_PARAMETER].string_param if ERROR_CODE_PARAMETER in params else ""
+    if code == "INVALID_ARGUMENT":
+        return InvalidRequestError(message)
+    if code == "NOT_FOUND":
+        return ModelNotFoundError(message)
+    if code == "UNAVAILABLE":
+        if "queue" in message.lower():
+            return EngineOverloadedError(message)
+        return EngineUnavailableError(message)
+    return EngineError(f"remote KServe server {target}: {message}")
+
+
+def _tensor(request: service_pb2.ModelInferRequest, name: str, datatype: str, value: Any) -> None:
+    request.inputs.add(name=name, datatype=datatype, shape=[1])
+    if datatype == "BYTES":
+        request.raw_input_contents.append(serialize_bytes(np.array([value], dtype=object)))
+    else:
+        request.raw_input_contents.append(np.array([value], dtype=np.bool_).tobytes())
+
+
+def _outputs(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
+    raw = response.raw_output_contents
+    out = {}
+    for i, tensor in enumerate(response.outputs):
+        if i < len(raw):
+            out[tensor.name] = from_raw(tensor.name, tensor.datatype, tensor.shape, raw[i])
+    return out
+
+
+def _logprobs(text: bytes, top: int) -> list[TokenLogprob] | None:
+    """vLLM's per-position {token_id: {logprob, rank, decoded_token}} (chosen token first)."""
+    positions = json.loads(text)
+    if positions is None:
+        return None
+    result = []
+    for position in positions:
+        entries = [(int(k), v) for k, v in position.items()]
+        if not entries:
+            continue
+        chosen_id, chosen = entries[0]
+        alternatives = sorted(
+            (e for e in entries if e[1].get("rank") is not None and e[1]["rank"] <= top),
+            key=lambda e: e[1]["rank"],
+        )
+        result.append(
+            TokenLogprob(
+                token=chosen.get("decoded_token") or "",
+                token_id=chosen_id,
+                logprob=float(chosen["logprob"]),
+                top=[
+                    TopLogprob(v.get("decoded_token") or "", tid, float(v["logprob"]))
+                    for tid, v in alternatives
+                ],
+            )
+        )
+    return result
+
+
+class KServeEngine:
+    """One remote model over KServe v2 gRPC."""
+
+    def __init__(
+        self,
+        target: str,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        max_model_len: int | None = None,
+        constraint_backends: Sequence[str] | None = None,
+        max_logprobs: int | None = None,
+        kind: str | None = None,
+        connect_timeout_s: float = 120.0,
+    ):
+        if constraint_backends is not None and set(constraint_backends) - set(_BACKENDS):
+            raise ValueError(
+                f"constraint_backends must be drawn from {_BACKENDS}, got {list(constraint_backends)}"
+            )
+        if kind not in (None, "generate", "embed"):
+            raise ValueError(f"kind must be 'generate' or 'embed', got {kind!r}")
+        self.target = target
+        self.model = model
+        self._tokenizer_path = tokenizer
+        self._overrides = {
+            "max_model_len": max_model_len,
+            "constraint_backends": tuple(constraint_backends) if constraint_backends is not None else None,
+            "max_logprobs": max_logprobs,
+            "kind": kind,
+        }
+        self.connect_timeout_s = connect_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+        self._card: ModelCard | None = None
+        self._tokenizer = None
+        self._ready = False
+        self._health: asyncio.Task | None = None
+        self._calls: dict[str, grpc.aio.StreamStreamCall] = {}
+        self._counts = {"ok": 0, "error": 0, "cancelled": 0}
+        self._generated_tokens = 0
+
+    @classmethod
+    def from_uri(cls, uri: str, model: str, **overrides: Any) -> KServeEngine:
+        """`kserve://HOST:PORT[?tokenizer=DIR&max_model_len=N&constraint_backends=paved,xgrammar
+        &max_logprobs=N&kind=generate|embed&connect_timeout_s=S]`; keyword overrides win."""
+        parts = urllib.parse.urlsplit(uri)
+        if parts.scheme != SCHEME or not parts.hostname or parts.port is None or parts.path not in ("", "/"):
+            raise ValueError(f"expected {SCHEME}://HOST:PORT[?options], got {uri!r}")
+        query = urllib.parse.parse_qs(parts.query, strict_parsing=False, keep_blank_values=True)
+        unknown = sorted(set(query) - _URI_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} in {uri!r}; known: {sorted(_URI_OPTIONS)}")
+        options: dict[str, Any] = {k: v[-1] for k, v in query.items()}
+        for key in ("max_model_len", "max_logprobs"):
+            if key in options:
+                options[key] = int(options[key])
+        if "connect_timeout_s" in options:
+            options["connect_timeout_s"] = float(options["connect_timeout_s"])
+        if "constraint_backends" in options:
+            options["constraint_backends"] = [b for b in options["constraint_backends"].split(",") if b]
+        options.update(overrides)
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return cls(f"{host}:{parts.port}", model, **options)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._card is not None:
+            return  # already started (a registry may start every engine it is given)
+        self._channel = grpc.aio.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                # Long generations idle between tokens; keepalives stop middleboxes dropping them.
+                ("grpc.keepalive_time_ms", 30_000),
+            ],
+        )
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        if self._tokenizer_path:
+            self._tokenizer = await asyncio.to_thread(self._load_tokenizer, self._tokenizer_path)
+        await self._wait_model_ready()
+        config = (
+            await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=self.model), timeout=30)
+        ).config
+        self._card = self._describe(config)
+        self._ready = True
+        self._health = asyncio.create_task(self._watch_health(), name=f"kserve-health-{self.model}")
+        logger.info(
+            "remote model %s at %s ready (max_model_len %d, constraint backends: %s)",
+            self.model,
+            self.target,
+            self._card.max_model_len,
+            ", ".join(self._card.constraint_backends) or "none",
+        )
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+
+    async def _wait_model_ready(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        last = "no answer"
+        while True:
+            try:
+                response = await self._stub.ModelReady(
+                    service_pb2.ModelReadyRequest(name=self.model), timeout=5
+                )
+                if response.ready:
+                    return
+                last = f"model {self.model!r} is not ready"
+            except grpc.aio.AioRpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= deadline:
+                raise EngineUnavailableError(
+                    f"remote KServe server {self.target}: model {self.model!r} not ready after "
+                    f"{self.connect_timeout_s:.0f} s ({last})"
+                )
+            await asyncio.sleep(0.5)
+
+    def _describe(self, config) -> ModelCard:
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        inputs = {t.name for t in config.input}
+        kind = (
+            self._overrides["kind"]
+            or params.get(PARAM_KIND)
+            or ("embed" if "embedding_request" in inputs and "text_input" not in inputs else "generate")
+        )
+        max_model_len = self._overrides["max_model_len"] or int(params.get(PARAM_MAX_MODEL_LEN, "0"))
+        if not max_model_len and self._tokenizer is not None:
+            max_model_len = int(getattr(self._tokenizer, "model_max_length", 0) or 0)
+            if max_model_len > 10**7:  # transformers' "unset" sentinel
+                max_model_len = 0
+        if not max_model_len:
+            raise ValueError(
+                f"remote model {self.model!r} does not publish its context length; "
+                "add ?max_model_len=N to the URI"
+            )
+        backends = self._overrides["constraint_backends"]
+        if backends is None:
+            if PARAM_CONSTRAINT_BACKENDS in params:
+                backends = tuple(b for b in params[PARAM_CONSTRAINT_BACKENDS].split(",") if b)
+            else:
+                # Triton's vLLM backend builds StructuredOutputsParams (xgrammar) from sampling_parameters.
+                backends = ("xgrammar",) if kind == "generate" else ()
+        max_logprobs = self._overrides["max_logprobs"] or int(params.get(PARAM_MAX_LOGPROBS, "20"))
+        return ModelCard(
+            id=self.model,
+            kind=kind,
+            max_model_len=max_model_len,
+            created=int(time.time()),
+            owned_by=f"kserve://{self.target}",
+            constraint_backends=tuple(backends),
+            max_logprobs=max_logprobs,
+        )
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(_HEALTH_INTERVAL_S)
+            try:
+                response = await self._stub.ModelReady(
+                    service_pb2.ModelReadyRequest(name=self.model), timeout=5
+                )
+                ready = response.ready
+            except grpc.aio.AioRpcError:
+                ready = False
+            if ready != self._ready:
+                logger.warning(
+                    "remote model %s at %s is %s", self.model, self.target, "ready" if ready else "NOT ready"
+                )
+            self._ready = ready
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        for call in list(self._calls.values()):
+            call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def models(self) -> Sequence[ModelCard]:
+        return [self._card] if self._card is not None else []
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _check(self, model: str) -> ModelCard:
+        if model != self.model:
+            raise ModelNotFoundError(f"model {model!r} is not served by this engine")
+        if self._card is None or self._stub is None:
+            raise EngineUnavailableError(f"model {model!r}: remote engine not started")
+        if not self._ready:
+            raise EngineUnavailableError(f"model {model!r}: remote KServe server {self.target} is not ready")
+        return self._card
+
+    def _prompt_text(self, prompt, param: str) -> str:
+        if isinstance(prompt, TextPrompt):
+            return prompt.text
+        if isinstance(prompt, ChatPrompt):
+            if self._tokenizer is None:
+                raise InvalidRequestError(
+                    "chat prompts need the model's chat template; "
+                    "start the KServe engine with ?tokenizer=DIR",
+                    param=param,
+                )
+            kwargs: dict[str, Any] = {
+                "add_generation_prompt": prompt.add_generation_prompt,
+                "tokenize": False,
+            }
+            if prompt.tools:
+                kwargs["tools"] = list(prompt.tools)
+            try:
+                return self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs)
+            except Exception as e:
+                raise InvalidRequestError(
+                    f"the model's chat template rejected the messages: {e}", param=param
+                ) from e
+        raise InvalidRequestError(
+            "token-id prompts are not supported by the KServe v2 vLLM interface (text_input is text)",
+            param=param,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        card = self._check(request.model)
+        if card.kind != "generate":
+            raise InvalidRequestError(
+                f"model {request.model!r} is an embedding model; it cannot generate", param="model"
+            )
+        param = "messages" if isinstance(request.prompt, ChatPrompt) else "prompt"
+        text = self._prompt_text(request.prompt, param)
+        s = request.sampling
+        if s.max_tokens == 0:
+            raise InvalidRequestError("max_tokens=0 (prompt scoring) is not supported by the KServe engine")
+        params = parameters_from_options(s)
+        prompt_ids = None
+        if self._tokenizer is not None and (s.max_tokens is None or request.echo):
+            prompt_ids = self._tokenizer.encode(
+                text, add_special_tokens=not isinstance(request.prompt, ChatPrompt)
+            )
+            if s.max_tokens is None:
+                # A real Triton backend wants a number; bound it by what the context leaves.
+                params["max_tokens"] = max(card.max_model_len - len(prompt_ids), 1)
+
+        infer = service_pb2.ModelInferRequest(model_name=self.model, id=request.request_id)
+        _tensor(infer, "text_input", "BYTES", text.encode())
+        _tensor(infer, "stream", "BOOL", request.stream)
+        _tensor(infer, "sampling_parameters", "BYTES", json.dumps(params).encode())
+        _tensor(infer, "exclude_input_in_output", "BOOL", True)
+        _tensor(infer, "return_num_input_tokens", "BOOL", True)
+        _tensor(infer, "return_num_output_tokens", "BOOL", True)
+        _tensor(infer, "return_finish_reason", "BOOL", True)
+        if s.logprobs is not None:
+            _tensor(infer, "return_logprobs", "BOOL", True)
+
+        call = self._stub.ModelStreamInfer()
+        self._calls[request.request_id] = call
+        try:
+            await call.write(infer)
+            await call.done_writing()
+            # Admission: the first response (or the error that replaces it).
+            first = await self._read(call)
+        except BaseException:
+            self._calls.pop(request.request_id, None)
+            call.cancel()
+            self._counts["error"] += 1
+            raise
+        if first is None:
+            self._calls.pop(request.request_id, None)
+            raise EngineError(f"remote KServe server {self.target} closed the stream without a response")
+        return self._stream(request, call, first, text, prompt_ids)
+
+    async def _read(self, call) -> service_pb2.ModelInferResponse | None:
+        try:
+            message = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _status_error(e, self.target) from e
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError from a call cancelled by `abort`; only the
+            # caller's own cancellation may propagate as such.
+            if call.cancelled() and not asyncio.current_task().cancelling():
+                raise _Aborted() from None
+            raise
+        if message is grpc.aio.EOF:
+            return None
+        if message.error_message:
+            raise _inband_error(message, self.target)
+        return message.infer_response
+
+    async def _stream(
+        self, request: GenerateRequest, call, response, prompt_text: str, prompt_ids: list[int] | None
+    ) -> AsyncIterator[GenerateOutput]:
+        s = request.sampling
+        first = True
+        finished = False
+        try:
+            while response is not None:
+                outputs = _outputs(response)
+                final = (
+                    response.parameters["triton_final_response"].bool_param
+                    if ("triton_final_response" in response.parameters)
+                    else False
+                )
+                texts = outputs.get("text_output", np.empty(0, dtype=object))
+                reasons = outputs.get("finish_reason")
+                logprobs = outputs.get("logprobs")
+                counts = outputs.get("num_output_tokens")
+                choices = []
+                for i in range(len(texts)):
+                    reason = reasons[i].decode() if reasons is not None and i < len(reasons) else "None"
+                    choices.append(
+                        ChoiceDelta(
+                            index=i,
+                            text=texts[i].decode(),
+                            logprobs=_logprobs(logprobs[i], s.logprobs or 0)
+                            if logprobs is not None
+                            else None,
+                            finish_reason=_FINISH.get(reason)
+                            if reason != "None"
+                            else ("stop" if final else None),
+                        )
+                    )
+                if counts is not None:
+                    self._generated_tokens += int(counts.sum())
+                output = GenerateOutput(choices=choices, finished=final)
+                if first:
+                    first = False
+                    if "num_input_tokens" in outputs:
+                        output.prompt_tokens = int(outputs["num_input_tokens"].reshape(-1)[0])
+                    if request.echo:
+                        output.prompt_text = prompt_text
+                        output.prompt_token_ids = prompt_ids
+                finished = final
+                yield output
+                if final:
+                    break
+                try:
+                    response = await self._read(call)
+                except _Aborted:
+                    # Aborted by request id: the choices end like an engine-side abort.
+                    finished = True
+                    yield GenerateOutput(
+                        [ChoiceDelta(i, finish_reason="abort") for i in range(s.n)], finished=True
+                    )
+                    break
+            if not finished:
+                raise EngineError(
+                    f"remote KServe server {self.target} ended the stream before the final response"
+                )
+            self._counts["ok"] += 1
+        except GeneratorExit:
+            self._counts["cancelled"] += 1
+            raise
+        except BaseException:
+            self._counts["error"] += 1
+            raise
+        finally:
+            self._calls.pop(request.request_id, None)
+            if not finished:
+                # Cancelling the call is how a KServe client aborts: the server aborts the engine request.
+                call.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        call = self._calls.pop(request_id, None)
+        if call is not None:
+            call.cancel()
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult:
+        card = self._check(request.model)
+        if card.kind != "embed":
+            raise InvalidRequestError(f"model {request.model!r} does not produce embeddings", param="model")
+
+        async def one(i: int, prompt) -> tuple[list[float], int]:
+            body: dict[str, Any] = {
+                "input": prompt.text if isinstance(prompt, TextPrompt) else list(prompt.token_ids)
+            }
+            if request.dimensions is not None:
+                body["pooling_params"] = {"dimensions": [request.dimensions]}
+            infer = service_pb2.ModelInferRequest(model_name=self.model, id=f"{request.request_id}-{i}")
+            _tensor(infer, "embedding_request", "BYTES", json.dumps(body).encode())
+            _tensor(infer, "return_num_input_tokens", "BOOL", True)
+            call = self._stub.ModelStreamInfer()
+            try:
+                await call.write(infer)
+                await call.done_writing()
+                response = await self._read(call)
+            finally:
+                call.cancel()
+            if response is None:
+                raise EngineError(f"remote KServe server {self.target} sent no embedding for input {i}")
+            outputs = _outputs(response)
+            vector = json.loads(outputs["text_output"].reshape(-1)[0])
+            count = int(outputs["num_input_tokens"].reshape(-1)[0]) if "num_input_tokens" in outputs else 0
+            return vector, count
+
+        for prompt in request.inputs:
+            if not isinstance(prompt, TextPrompt | TokenPrompt):
+                raise InvalidRequestError("embedding inputs must be text or token ids", param="input")
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(request.inputs)))
+        return EmbedResult(embeddings=[v for v, _ in results], prompt_tokens=sum(c for _, c in results))
+
+    async def tokenize(self, model: str, text: str, *, add_special_tokens: bool) -> list[int]:
+        self._check(model)
+        if self._tokenizer is None:
+            raise InvalidRequestError(
+                "tokenize needs the model's tokenizer; start the KServe engine with ?tokenizer=DIR"
+            )
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def metrics(self) -> Iterable[Metric]:
+        requests = CounterMetricFamily(
+            "paved_kserve_engine_requests",
+            "Requests sent to the remote KServe server, by outcome",
+            labels=["model", "outcome"],
+        )
+        for outcome, count in self._counts.items():
+            requests.add_metric([self.model, outcome], count)
+        up = GaugeMetricFamily(
+            "paved_kserve_engine_ready", "1 while the remote model answers ready", labels=["model"]
+        )
+        up.add_metric([self.model], 1.0 if self._ready else 0.0)
+        tokens = CounterMetricFamily(
+            "paved_kserve_engine_generation_tokens",
+            "Tokens generated remotely (num_output_tokens)",
+            labels=["model"],
+        )
+        tokens.add_metric([self.model], self._generated_tokens)
+        in_flight = GaugeMetricFamily(
+            "paved_kserve_engine_in_flight", "Open generation streams", labels=["model"]
+        )
+        in_flight.add_metric([self.model], len(self._calls))
+        return [requests, tokens, up, in_flight]
