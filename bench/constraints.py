@@ -269,16 +269,23 @@ def row_prefixes(tokens: list[bytes], batch: int) -> list[tuple[list[int], str]]
 # Timing
 
 
-def median_time(fn, warmup: int, reps: int, min_s: float) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    deadline = time.perf_counter() + min_s
-    while len(times) < reps or (time.perf_counter() < deadline and len(times) < 50 * reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def interleaved_medians(fns: dict, warmup: int, reps: int, min_s: float) -> dict[str, float]:
+    """Median seconds per call of each function. Calls go round-robin (one call of each per
+    round), so every method sees the same background load on a shared machine; rounds go on
+    until each has `reps` samples and the cell has run for `min_s` per method."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    deadline = time.perf_counter() + min_s * len(fns)
+    rounds = 0
+    while rounds < reps or (time.perf_counter() < deadline and rounds < 50 * reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth(quick: bool) -> float:
@@ -547,27 +554,35 @@ def bench_batch(b, tokens, oc, index, xg, compiled, pv, constraint, timing, chec
     names = ("outlines-core", "xgrammar", "paved") if pv else ("outlines-core", "xgrammar")
     masks = {name: np.zeros((b, words), dtype=np.int32) for name in names}
     rng = np.random.default_rng(0)
-    res: dict[str, float] = {}
-    logits = rng.standard_normal((b, vocab_size), dtype=np.float32)
-    res["python"] = 1e6 * median_time(lambda: py.apply(logits), *timing)
-    res["outlines-core"] = 1e6 * median_time(lambda: Outlines.fill(guides, masks["outlines-core"]), *timing)
-    res["xgrammar"] = 1e6 * median_time(lambda: xg.fill(matchers, masks["xgrammar"]), *timing)
+    logits_py = rng.standard_normal((b, vocab_size), dtype=np.float32)
+    fns = {
+        "python": lambda: py.apply(logits_py),
+        "outlines-core": lambda: Outlines.fill(guides, masks["outlines-core"]),
+        "xgrammar": lambda: xg.fill(matchers, masks["xgrammar"]),
+    }
     if pv:
         states = pv.states(constraint, prefixes)
-        res["paved"] = 1e6 * median_time(lambda: pv.masker.fill_bitmask(states, masks["paved"]), *timing)
-        res["paved cold"] = 1e6 * statistics.median(
-            pv.cold_step(prefixes, words) for _ in range(timing[1] // 2)
-        )
-        logits = rng.standard_normal((b, vocab_size), dtype=np.float32)
-        res["paved apply"] = 1e6 * median_time(lambda: pv.masker.apply(states, logits), *timing)
+        logits_pv = rng.standard_normal((b, vocab_size), dtype=np.float32)
+        fns["paved"] = lambda: pv.masker.fill_bitmask(states, masks["paved"])
+        fns["paved apply"] = lambda: pv.masker.apply(states, logits_pv)
+    res = {name: 1e6 * t for name, t in interleaved_medians(fns, *timing).items()}
+    if pv:
+        cold = [pv.cold_step(prefixes, words) for _ in range(max(1, timing[1] // 2))]
+        res["paved cold"] = 1e6 * statistics.median(cold)
         # apply must mask exactly what fill_bitmask allows.
         bits = np.unpackbits(masks["paved"].view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        if not np.array_equal(np.isfinite(logits), bits.astype(bool)):
+        if not np.array_equal(np.isfinite(logits_pv), bits.astype(bool)):
             print("  WARNING: paved apply and fill_bitmask disagree", flush=True)
     check = None
     if check_rows_at_b:
         rows = sorted({i * b // 8 for i in range(8)})
         check = check_rows(tokens, prefixes, masks, rows)
+        # Every row, as a bit count (xgrammar sets the padding bits past V, so mask them off).
+        valid = np.packbits(np.arange(words * 32) < vocab_size, bitorder="little").view(np.int32)
+        for anchor, c in check.items():
+            diff = (masks["paved"] ^ masks[anchor]) & valid
+            c["all_rows"] = b
+            c["all_rows_differences"] = int(np.unpackbits(diff.view(np.uint8)).sum())
         check["xgrammar vs outlines-core differences"] = sum(
             len(
                 bits_to_set(masks["xgrammar"][r], vocab_size)
@@ -620,7 +635,8 @@ def run_vocab(label: str, tokens: list[bytes], eos_ids: list[int], batches, args
         if isinstance(c, dict):
             print(
                 f"  check paved vs {anchor} on {c['rows']} rows: {c['differences']} differing tokens, "
-                f"{c['documented']} documented, {c['unexplained']} unexplained"
+                f"{c['documented']} documented, {c['unexplained']} unexplained; "
+                f"all {c['all_rows']} rows: {c['all_rows_differences']} differing (row, token) pairs"
             )
             for e in c["examples"]:
                 print(f"    {e}")
