@@ -43,11 +43,16 @@ CatalogueTrie::CatalogueTrie(const std::vector<std::string>& items) {
   first_item_.push_back(num_items());
   // Children come after their parent in preorder, so a reverse scan sees them first.
   nearest_.assign(end_.size(), 0);
+  deepest_.assign(end_.size(), 0);
   for (int32_t n = num_nodes() - 1; n >= 0; --n) {
-    if (terminal(n)) continue;
-    int32_t best = INT32_MAX;
-    for (int32_t c = n + 1; c < end(n); c = end(c)) best = std::min(best, nearest(c) + 1);
+    int32_t best = terminal(n) ? 0 : INT32_MAX;
+    int32_t deepest = depth(n);
+    for (int32_t c = n + 1; c < end(n); c = end(c)) {
+      best = std::min(best, nearest(c) + 1);
+      deepest = std::max(deepest, this->deepest(c));
+    }
     nearest_[static_cast<size_t>(n)] = static_cast<uint16_t>(best);
+    deepest_[static_cast<size_t>(n)] = static_cast<uint16_t>(deepest);
   }
 }
 
@@ -142,7 +147,8 @@ ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vect
       trie_({}),
       k_(k),
       separator_(std::move(separator)),
-      distinct_(distinct),
+      // With one item nothing can repeat: distinct adds nothing.
+      distinct_(distinct && k > 1),
       cache_(this->vocab().num_words()) {
   if (items.empty()) throw ConstraintError("the catalogue is empty");
   if (items.size() > kMaxCatalogueItems)
@@ -201,6 +207,10 @@ ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vect
     for (int32_t r = 0; r < trie_.num_items(); ++r) by_length_[static_cast<size_t>(r)] = r;
     std::stable_sort(by_length_.begin(), by_length_.end(),
                      [&](int32_t a, int32_t b) { return trie_.item_len(a) < trie_.item_len(b); });
+    shortest_prefix_.assign(static_cast<size_t>(k) + 1, 0);
+    for (int i = 0; i < k; ++i)
+      shortest_prefix_[static_cast<size_t>(i) + 1] =
+          shortest_prefix_[static_cast<size_t>(i)] + trie_.item_len(by_length_[static_cast<size_t>(i)]);
     tree_leaves_ = 1;
     while (tree_leaves_ < trie_.num_items()) tree_leaves_ *= 2;
     length_tree_.assign(2 * static_cast<size_t>(tree_leaves_), UINT16_MAX);
@@ -209,6 +219,20 @@ ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vect
     for (int32_t i = tree_leaves_ - 1; i > 0; --i)
       length_tree_[static_cast<size_t>(i)] =
           std::min(length_tree_[2 * static_cast<size_t>(i)], length_tree_[2 * static_cast<size_t>(i) + 1]);
+    // Vocab trie nodes with the separator's first byte somewhere below (children first in a
+    // reverse preorder scan).
+    const VocabTrie& vtrie = this->vocab().trie();
+    const VocabTrie::Node* nodes = vtrie.nodes();
+    const auto sep0 = static_cast<uint8_t>(separator_[0]);
+    separator_below_.assign(static_cast<size_t>(vtrie.num_nodes()), 0);
+    for (int32_t i = vtrie.num_nodes() - 1; i >= 0; --i) {
+      for (int32_t c = i + 1; c < nodes[i].skip; c = nodes[c].skip) {
+        if (nodes[c].byte == sep0 || separator_below_[static_cast<size_t>(c)]) {
+          separator_below_[static_cast<size_t>(i)] = 1;
+          break;
+        }
+      }
+    }
   }
 }
 
@@ -315,8 +339,26 @@ int32_t ChoiceConstraint::MinLengthExcluding(int32_t lo, int32_t hi, std::vector
   return best;
 }
 
+int64_t ChoiceConstraint::ShortestUnusedBound(int32_t m, int32_t u) const {
+  if (!distinct_) return int64_t{m} * min_item_len_;  // repeats allowed: the shortest item m times
+  // Of the m + u shortest items at least m are unused, and they are no longer than the m
+  // longest of those.
+  return shortest_prefix_[static_cast<size_t>(m + u)] - shortest_prefix_[static_cast<size_t>(u)];
+}
+
 int64_t ChoiceConstraint::DistanceBound(Position p) const {
-  return (int64_t{p.left} + 1) * (max_item_len_ + static_cast<int64_t>(separator_.size()));
+  const auto sep = static_cast<int64_t>(separator_.size());
+  // Landing inside a separator with m items to go after it, or in an item (`finish` bytes at
+  // most from its end) with m items to go after it.
+  const auto in_separator = [&](int32_t m) { return sep + ShortestUnusedBound(m, k_ - m) + (m - 1) * sep; };
+  const auto in_item = [&](int64_t finish, int32_t m) {
+    return finish + ShortestUnusedBound(m, k_ - 1 - m) + m * sep;
+  };
+  int64_t bound = IsTrieNode(p.pos) ? in_item(trie_.deepest(p.pos) - trie_.depth(p.pos), p.left)
+                                    : in_separator(p.left);
+  // Tokens that cross a separator (both bounds grow with m, so the next item bounds the rest).
+  if (p.left > 0) bound = std::max({bound, in_separator(p.left), in_item(max_item_len_, p.left - 1)});
+  return bound;
 }
 
 void ChoiceConstraint::Walk(Position p, const std::vector<int32_t>* used, int64_t limit, uint32_t* out,
@@ -364,28 +406,77 @@ void ChoiceConstraint::Walk(Position p, const std::vector<int32_t>* used, int64_
   if (max_landing != nullptr) *max_landing = max_d;
 }
 
+std::shared_ptr<const CachedMask> ChoiceConstraint::BaseMask(Position p, int64_t limit) const {
+  const Position capped{p.pos, std::min(p.left, left_cap_)};
+  auto base = cache_.GetOrCompute(
+      (static_cast<uint64_t>(p.pos) << 32) | static_cast<uint32_t>(capped.left), [&](CachedMask* m) {
+        Walk(capped, nullptr, kNoLimit, m->words.data(), &m->max_landing_distance);
+        if (IsTrieNode(p.pos) && trie_.terminal(p.pos) && capped.left == 0) SetEosBits(vocab(), m->words.data());
+      });
+  // Distances grow by one list unit per separator beyond the cap.
+  const int64_t offset = int64_t{p.left - capped.left} * (static_cast<int64_t>(separator_.size()) + min_item_len_);
+  return limit >= base->max_landing_distance + offset ? base : nullptr;
+}
+
+void ChoiceConstraint::RemoveRepeats(Position p, const std::vector<int32_t>& used, uint32_t* out) const {
+  const VocabTrie& vtrie = vocab().trie();
+  thread_local std::vector<Step> path;
+  thread_local std::vector<int32_t> local;
+  const auto depth_slots = static_cast<size_t>(vtrie.max_depth()) + 1;
+  if (path.size() < depth_slots) {
+    path.resize(depth_slots);
+    local.resize(depth_slots);
+  }
+  UsedSet view(used, local.data());
+  const VocabTrie::Node* nodes = vtrie.nodes();
+  const int32_t* token_ids = vtrie.token_ids();
+  path[0] = {p.pos, p.left, -1, 0};
+  for (int32_t i = 0; i < vtrie.num_nodes();) {
+    const VocabTrie::Node& node = nodes[i];
+    const Step& from = path[node.depth - 1];
+    const Step s = Next(from, node.byte, &view);
+    if (s.pos < 0) {
+      // Dead only because of the distinct rules: every token below is a repeat.
+      if (Next(from, node.byte, nullptr).pos >= 0) {
+        for (int32_t k = node.token_begin; k < nodes[node.skip].token_begin; ++k)
+          out[token_ids[k] >> 5] &= ~(1u << (token_ids[k] & 31));
+      }
+      i = node.skip;
+      continue;
+    }
+    path[node.depth] = s;
+    if (IsTrieNode(s.pos) && !separator_below_[static_cast<size_t>(i)]) {
+      // Below here tokens stay inside this item: only used items under it could matter.
+      view.num_local = s.local;
+      if (view.CountIn(trie_.first_item(s.pos), trie_.items_end(s.pos)) == 0) {
+        i = node.skip;
+        continue;
+      }
+    }
+    ++i;
+  }
+}
+
 const uint32_t* ChoiceConstraint::Mask(Position p, const std::vector<int32_t>& used, int64_t limit,
                                        uint32_t* scratch, std::shared_ptr<const CachedMask>* hold) const {
   const bool accepting = Accepting(p, used);
+  const size_t bytes = static_cast<size_t>(vocab().num_words()) * 4;
   if (limit < 0) {  // only EOS fits in the budget
-    std::memset(scratch, 0, static_cast<size_t>(vocab().num_words()) * 4);
+    std::memset(scratch, 0, bytes);
     if (accepting) SetEosBits(vocab(), scratch);
     return scratch;
   }
   if (!distinct_) {
-    const Position capped{p.pos, std::min(p.left, left_cap_)};
-    auto full = cache_.GetOrCompute((static_cast<uint64_t>(p.pos) << 32) | static_cast<uint32_t>(capped.left),
-                                    [&](CachedMask* m) {
-                                      Walk(capped, nullptr, kNoLimit, m->words.data(), &m->max_landing_distance);
-                                      if (accepting) SetEosBits(vocab(), m->words.data());
-                                    });
-    // Distances grow by one list unit per separator beyond the cap.
-    const int64_t offset = int64_t{p.left - capped.left} * (static_cast<int64_t>(separator_.size()) + min_item_len_);
-    if (limit >= full->max_landing_distance + offset) {
-      *hold = std::move(full);
+    if (auto base = BaseMask(p, limit)) {
+      *hold = std::move(base);
       return (*hold)->words.data();
     }
     Walk(p, nullptr, limit, scratch, nullptr);
+  } else if (limit >= DistanceBound(p)) {
+    // The budget cannot cut: the cached non-distinct mask minus the repeats.
+    std::memcpy(scratch, BaseMask(p, kNoLimit)->words.data(), bytes);
+    RemoveRepeats(p, used, scratch);
+    for (int32_t id : vocab().eos_ids()) scratch[id >> 5] &= ~(1u << (id & 31));
   } else {
     Walk(p, &used, limit, scratch, nullptr);
   }

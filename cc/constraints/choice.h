@@ -4,9 +4,10 @@
 // The catalogue is a byte trie; the automaton position is a trie node or a position inside the
 // separator, plus the number of separators still to come. Masks of the non-distinct modes are
 // cached per (position, separators left, capped at what one token can cross). Distinct lists
-// are not regular (the used set is per request): their masks are computed per step by a vocab
-// trie walk pruned by the catalogue trie, skipping completed-item repeats and subtrees whose
-// items are all used.
+// are not regular (the used set is per request): their mask is the cached non-distinct mask
+// minus the tokens that would repeat an item, found by a walk that only enters vocab subtrees
+// leading toward a used item or across a separator; near the end of the budget the mask is
+// computed by a full walk instead.
 //
 // Restrictions (ConstraintError at compile time): items must be non-empty for k > 1 and at most
 // kMaxItemBytes; the separator must be non-empty for k > 1; an item followed by the separator
@@ -47,6 +48,8 @@ class CatalogueTrie {
   int32_t items_end(int32_t node) const { return first_item_[static_cast<size_t>(end(node))]; }
   // Bytes from `node` to the nearest item end below it.
   int32_t nearest(int32_t node) const { return nearest_[static_cast<size_t>(node)]; }
+  // Length of the longest item in the subtree of `node`.
+  int32_t deepest(int32_t node) const { return deepest_[static_cast<size_t>(node)]; }
   int32_t item_len(int32_t rank) const { return item_len_[static_cast<size_t>(rank)]; }
 
  private:
@@ -56,6 +59,7 @@ class CatalogueTrie {
   std::vector<uint8_t> terminal_;
   std::vector<int32_t> first_item_;  // num_nodes() + 1 entries
   std::vector<uint16_t> nearest_;
+  std::vector<uint16_t> deepest_;
   std::vector<uint16_t> item_len_;
 };
 
@@ -94,9 +98,18 @@ class ChoiceConstraint final : public Constraint {
   int64_t Distance(Position p, const UsedSet* used) const;
   int64_t DistinctDistance(Position p, const UsedSet& used) const;
   int32_t MinLengthExcluding(int32_t lo, int32_t hi, std::vector<int32_t>* excluded) const;
-  // Largest distance a token can lead to from `p`: with a limit at least this, no token is
-  // dropped for the budget.
+  // An upper bound of the distance of any position a token leads to from `p` (in either
+  // mode): with a limit at least this, no token is dropped for the budget.
   int64_t DistanceBound(Position p) const;
+  // Upper bound of the total length of the `m` shortest unused items when `u` are used.
+  int64_t ShortestUnusedBound(int32_t m, int32_t u) const;
+  // The cached non-distinct mask of `p` (EOS included when accepting), or nullptr if the
+  // budget `limit` would drop some of its tokens.
+  std::shared_ptr<const CachedMask> BaseMask(Position p, int64_t limit) const;
+  // Clears from a non-distinct mask of `p` the tokens that repeat a used item or lead into a
+  // subtree of used items. Only explores vocab subtrees where that can happen: toward a used
+  // item, or containing the separator (the start of another item).
+  void RemoveRepeats(Position p, const std::vector<int32_t>& used, uint32_t* out) const;
   // Mask of `p` into `out` (EOS excluded); `used` (distinct mode) enables the distinct rules.
   void Walk(Position p, const std::vector<int32_t>* used, int64_t limit, uint32_t* out, int64_t* max_landing) const;
 
@@ -108,10 +121,14 @@ class ChoiceConstraint final : public Constraint {
   int32_t max_item_len_;
   // Separators one token can cross, plus one: cache keys cap `left` at this.
   int32_t left_cap_;
-  // Distinct mode: item ranks by (length, rank), and a min segment tree of item lengths.
+  // Distinct mode: item ranks by (length, rank), prefix sums of the first k lengths in that
+  // order, and a min segment tree of item lengths by rank.
   std::vector<int32_t> by_length_;
+  std::vector<int64_t> shortest_prefix_;
   std::vector<uint16_t> length_tree_;
   int32_t tree_leaves_ = 0;
+  // Per vocab trie node: some token continues with the separator's first byte below it.
+  std::vector<uint8_t> separator_below_;
   mutable MaskCache cache_;
 };
 

@@ -1,6 +1,8 @@
 #include "cc/constraints/token_bitmask.h"
 
 #include <cmath>
+#include <limits>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -54,6 +56,22 @@ TEST(ApplyBitmaskRows, MasksOnlyDisallowedTokensOfSelectedRows) {
     EXPECT_EQ(std::isinf(logits[t]), !allowed) << "token " << t;
     EXPECT_EQ(logits[vocab + t], 1.0f);
     EXPECT_EQ(logits[2 * vocab + t], 1.0f);
+  }
+}
+
+TEST(ApplyMaskRow, MatchesBitByBitReferenceOnMixedWords) {
+  for (const int64_t vocab : {32, 100, 1000, 4133}) {
+    std::mt19937 rng(static_cast<uint32_t>(vocab));
+    std::vector<uint32_t> mask(static_cast<size_t>(BitmaskWords(vocab)));
+    for (uint32_t& w : mask) w = rng() % 4 == 0 ? ~0u : rng() % 3 == 0 ? 0u : rng();
+    std::vector<float> row(static_cast<size_t>(vocab));
+    for (size_t t = 0; t < row.size(); ++t) row[t] = static_cast<float>(t) - 50.0f;
+    std::vector<float> expected = row;
+    for (int64_t t = 0; t < vocab; ++t)
+      if (((mask[static_cast<size_t>(t >> 5)] >> (t & 31)) & 1u) == 0)
+        expected[static_cast<size_t>(t)] = -std::numeric_limits<float>::infinity();
+    ApplyMaskRow(row.data(), mask.data(), vocab);
+    EXPECT_EQ(row, expected) << "vocab " << vocab;
   }
 }
 
