@@ -48,6 +48,8 @@ from paved.launcher.storage import Downloader, MiB, TransferConfig, make_s3_clie
 
 log = logging.getLogger("paved.launcher")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# "ValueError: ...", also behind a log prefix ("(Worker pid=1) ERROR ... [file.py:12] ...").
+_EXCEPTION_LINE = re.compile(r"(?:^|[\s\]])((?:[A-Za-z_][\w.]*)?(?:Error|Exception): .+)$")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
 
 
@@ -234,7 +236,7 @@ class Launcher:
         self.entry_points: list[dict] = []
         self.gate: Gate | None = None
         self.child: asyncio.subprocess.Process | None = None
-        self.child_tail: collections.deque[str] = collections.deque(maxlen=60)
+        self.child_tail: collections.deque[str] = collections.deque(maxlen=500)
         self._stop = asyncio.Event()
         self._stop_signal: str | None = None
 
@@ -443,10 +445,16 @@ class Launcher:
             self.child_tail.append(line.decode(errors="replace").rstrip())
 
     def _child_reason(self) -> str:
+        """The exceptions in the child's last output lines, root cause first ("A -> B -> C"):
+        vLLM's final error often only says "see root cause above"."""
         lines = [ln for ln in self.child_tail if ln.strip()]
-        errors = [ln for ln in lines if re.search(r"\b\w*(Error|Exception)\b", ln)]
+        errors: list[str] = []
+        for ln in lines:
+            m = _EXCEPTION_LINE.search(ln)
+            if m and m.group(1) not in errors:
+                errors.append(m.group(1))
         if errors:
-            return errors[-1].strip()
+            return " -> ".join(errors if len(errors) <= 3 else [errors[0], *errors[-2:]])
         return " | ".join(lines[-3:]) or "no output"
 
     async def _wait_ready(self, spec: ChildSpec) -> bool:

@@ -1,0 +1,246 @@
+"""The launcher's start gate and drain, with a small real HTTP server as the child.
+
+The child behaves like the paved frontend: it listens at once, answers /health/ready 503
+until it is "loaded", streams /slow, and on SIGTERM finishes in-flight requests then exits.
+Each test runs the real launcher CLI (`python -m paved.launcher.main`) on a local package.
+"""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from paved.launcher.build import build_package
+from paved.launcher.gate import free_port
+from paved.launcher.testing import LauncherProcess
+
+CHILD = r"""
+import os, signal, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+port, ready_after, mode = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+start = time.monotonic()
+print(f"fake engine: loading {sys.argv[4]}", flush=True)
+if mode == "fail":
+    time.sleep(ready_after)
+    print("Traceback (most recent call last):", flush=True)
+    print("RuntimeError: CUDA out of memory while loading weights", flush=True)
+    sys.exit(3)
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.handle_get()
+        # Like uvicorn: once draining, a connection ends after its in-flight response.
+        if draining.is_set():
+            self.close_connection = True
+    def handle_get(self):
+        if self.path == "/health/ready":
+            ok = time.monotonic() - start >= ready_after and not draining.is_set()
+            body = b"ready" if ok else b"loading"
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self.path.startswith("/slow"):
+            n = int(self.path.split("=")[1])
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(n):
+                chunk = f"tok{i}\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                time.sleep(0.1)
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+draining = threading.Event()
+server = ThreadingHTTPServer(("127.0.0.1", port), H)
+server.daemon_threads = False
+def on_term(*_):
+    if mode == "stubborn":
+        print("fake engine: ignoring SIGTERM", flush=True)
+        return
+    draining.set()
+    threading.Thread(target=server.shutdown).start()
+signal.signal(signal.SIGTERM, on_term)
+server.serve_forever()
+server.server_close()  # joins the request threads: in-flight requests finish
+print("fake engine: drained", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pkg")
+    hf = d / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    build_package(str(hf), str(d / "pkg"), "fake", "1")
+    (d / "child.py").write_text(CHILD)
+    return d
+
+
+class PortWatch:
+    """Tries to connect to a port every 20 ms; records whether it ever accepted."""
+
+    def __init__(self, port):
+        self.port, self.accepted_at, self._stop = port, None, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                self.accepted_at = self.accepted_at or time.monotonic()
+            except OSError:
+                pass
+            time.sleep(0.02)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
+def _launch(tmp_path, package, *, ready_after=1.5, mode="ok", extra=()):
+    port, admin = free_port(), free_port()
+    child = f"{{python}} {package / 'child.py'} {{http_port}} {ready_after} {mode} {{model_dir}}"
+    args = [
+        str(package / "pkg"), "--cache-dir", str(tmp_path / "cache"), "--port", str(port),
+        "--admin-port", str(admin), "--child-cmd", child, *extra,
+    ]  # fmt: skip
+    return LauncherProcess(args, str(tmp_path / "launcher.log")), port, admin
+
+
+def _get(port, path, timeout=5):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _wait_admin(admin, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return _get(admin, "/status")
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("admin port never answered")
+
+
+def test_public_port_opens_only_when_ready_and_relays(tmp_path, package):
+    proc, port, admin = _launch(tmp_path, package, ready_after=2.0)
+    watch = PortWatch(port)
+    try:
+        _wait_admin(admin)
+        status, body = _get(admin, "/health/ready")
+        assert status == 503, body
+        # Ready only once the child is: until then the public port refuses connections.
+        m = proc.wait_line(r"paved launcher: ready: fake:1 on http 127\.0\.0\.1:(\d+)", 60)
+        assert m, proc.stderr()
+        ready_seen = time.monotonic()
+        assert int(m.group(1)) == port
+        assert watch.accepted_at is None or watch.accepted_at >= ready_seen - 0.5
+        assert _get(admin, "/health/ready")[0] == 200
+        st = json.loads(_get(admin, "/status")[1])
+        assert st["phase"] == "ready" and st["package"]["model_id"] == "fake"
+        assert st["timings_s"]["ready"] >= 2.0
+        # Relayed to the child, chunked streaming included.
+        assert _get(port, "/health/ready") == (200, b"ready")
+        assert _get(port, "/slow?n=3")[1] == b"tok0\ntok1\ntok2\n"
+    finally:
+        watch.stop()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, package):
+    proc, port, _ = _launch(tmp_path, package, ready_after=0.5)
+    assert proc.wait_line(r"paved launcher: ready", 60), proc.stderr()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/slow?n=20")  # ~2 s of streaming
+    resp = conn.getresponse()
+    first = resp.readline()
+    assert first == b"tok0\n"
+    t0 = time.monotonic()
+    proc.proc.send_signal(signal.SIGTERM)
+    # New connections are refused promptly while the old one keeps streaming.
+    refused = False
+    while time.monotonic() - t0 < 1.5 and not refused:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            time.sleep(0.05)
+        except OSError:
+            refused = True
+    assert refused, "the public port still accepts connections while draining"
+    rest = resp.read()
+    assert first + rest == b"".join(f"tok{i}\n".encode() for i in range(20))
+    assert proc.wait(30) == 0, proc.stderr()
+    log = proc.stderr()
+    assert "phase: draining" in log and "fake engine: drained" in log and "phase: stopped" in log
+
+
+def test_engine_start_failure_exits_1_with_reason_and_port_never_opened(tmp_path, package):
+    proc, port, _ = _launch(tmp_path, package, ready_after=1.0, mode="fail")
+    watch = PortWatch(port)
+    try:
+        code = proc.wait(60)
+    finally:
+        watch.stop()
+    err = proc.stderr()
+    assert code == 1, err
+    assert "start failed: the engine failed to start (exit code 3)" in err
+    assert "RuntimeError: CUDA out of memory while loading weights" in err.splitlines()[-1]
+    assert watch.accepted_at is None, "the public port was opened"
+
+
+def test_drain_deadline_kills_a_stuck_engine_and_exits_1(tmp_path, package):
+    proc, _port, _admin = _launch(
+        tmp_path,
+        package,
+        ready_after=0.2,
+        mode="stubborn",
+        extra=("--drain-timeout", "1", "--stop-grace", "1"),
+    )
+    assert proc.wait_line(r"paved launcher: ready", 60), proc.stderr()
+    t0 = time.monotonic()
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 1
+    assert 1.5 < time.monotonic() - t0 < 10
+    assert "did not stop within 2s; killed" in proc.stderr()
+
+
+def test_sigterm_while_starting_stops_the_child_and_exits_0(tmp_path, package):
+    proc, _, admin = _launch(tmp_path, package, ready_after=60)
+    _wait_admin(admin)
+    deadline = time.monotonic() + 60
+    while (st := json.loads(_get(admin, "/status")[1]))["phase"] != "starting":
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+    assert st["child_pid"]
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.stderr()
+    with pytest.raises(ProcessLookupError):
+        os.kill(st["child_pid"], 0)
+
+
+def test_bad_usage_exits_2(tmp_path):
+    proc = LauncherProcess(["x", "--workers", "0"], str(tmp_path / "l.log"))
+    assert proc.wait(30) == 2

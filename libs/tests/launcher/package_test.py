@@ -1,0 +1,118 @@
+"""model.json validation and the package builder, on the tiny model fixture."""
+
+import hashlib
+import json
+import os
+import tarfile
+
+import pytest
+
+from paved.launcher.build import build_package, main
+from paved.launcher.package import PackageError, parse_model_json
+from paved.testing.fixtures import TINY_MODEL_FILES, tiny_model_dir
+
+SHA = "0" * 64
+
+
+def _files(path, size=1, sha=SHA):
+    return [{"path": path, "sha256": sha, "size": size}]
+
+
+def _raw(**over):
+    raw = {
+        "model_id": "m",
+        "version": "1",
+        "weights": {"uri": "weights", "files": [{"path": "config.json", "sha256": SHA, "size": 2}]},
+        "tokenizer": {"uri": "tokenizer", "files": [{"path": "tokenizer.json", "sha256": SHA, "size": 2}]},
+    }
+    raw.update(over)
+    return json.dumps(raw)
+
+
+def test_minimal_package_validates_with_defaults():
+    p = parse_model_json(_raw())
+    assert p.mode == "embedded" and p.plugins == () and p.engine_args == {}
+    assert p.digest() == parse_model_json(_raw()).digest()
+    assert p.digest() != parse_model_json(_raw(version="2")).digest()
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        (
+            {"weights": {"uri": "w", "files": [{"path": "../config.json", "sha256": SHA, "size": 1}]}},
+            "relative",
+        ),
+        ({"weights": {"uri": "w", "files": [{"path": "/etc/passwd", "sha256": SHA, "size": 1}]}}, "relative"),
+        ({"weights": {"uri": "w", "files": [{"path": "config.json", "sha256": "abc", "size": 1}]}}, "sha256"),
+        ({"weights": {"uri": "w", "files": [{"path": "config.json", "sha256": SHA, "size": -1}]}}, "size"),
+        ({"weights": {"uri": "w", "files": [{"path": "x.bin", "sha256": SHA, "size": 1}]}}, "config.json"),
+        (
+            {"tokenizer": {"uri": "t", "files": [{"path": "config.json", "sha256": SHA, "size": 1}]}},
+            "both weights and tokenizer",
+        ),
+        ({"mode": "sidecar"}, "mode"),
+        ({"surprise": 1}, "surprise"),
+        ({"plugins": [{"uri": "plugins/x.zip", "sha256": SHA, "size": 1}]}, ".whl"),
+        ({"model_id": "a b"}, "model_id"),
+    ],
+)
+def test_invalid_packages_are_rejected_with_the_field_named(over, needle):
+    with pytest.raises(PackageError) as e:
+        parse_model_json(_raw(**over), "s3://b/p/model.json")
+    assert needle in str(e.value)
+    assert "s3://b/p/model.json" in str(e.value)
+
+
+def test_absolute_artifact_uris_are_allowed():
+    p = parse_model_json(
+        _raw(
+            weights={
+                "uri": "s3://other/weights/",
+                "files": [{"path": "config.json", "sha256": SHA, "size": 2}],
+            }
+        )
+    )
+    assert p.weights.uri == "s3://other/weights"
+
+
+def test_build_from_the_tiny_fixture_dir_and_tarball(tmp_path):
+    src = tiny_model_dir()
+    pkg = build_package(src, str(tmp_path / "pkg"), "tiny", "1", {"max_model_len": 512})
+    roles = {f.path: a.uri for a, f in pkg.model_files()}
+    assert set(roles) == set(TINY_MODEL_FILES)
+    assert roles["tokenizer.json"] == "tokenizer" and roles["model.safetensors"] == "weights"
+    for artifact, f in pkg.model_files():
+        data = (tmp_path / "pkg" / artifact.uri / f.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.size
+        with open(os.path.join(src, f.path), "rb") as fh:
+            assert data == fh.read()
+    on_disk = parse_model_json((tmp_path / "pkg" / "model.json").read_bytes())
+    assert on_disk.digest() == pkg.digest()
+
+    build_package(src, str(tmp_path / "a.tar"), "tiny", "1")
+    build_package(src, str(tmp_path / "b.tar"), "tiny", "1")
+    assert (tmp_path / "a.tar").read_bytes() == (tmp_path / "b.tar").read_bytes(), "not reproducible"
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        names = tar.getnames()
+    assert names[0] == "model.json" and "weights/model.safetensors" in names
+
+
+def test_cli_rejects_a_folder_without_config(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    assert (
+        main(
+            [
+                "--hf-dir",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "o"),
+                "--model-id",
+                "x",
+                "--version",
+                "1",
+            ]
+        )
+        == 2
+    )
+    assert "config.json" in capsys.readouterr().err
