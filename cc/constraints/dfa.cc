@@ -129,7 +129,9 @@ class NfaBuilder {
         return Join(branches);
       }
       case Ast::Kind::kRepeat:
-        return BuildRepeat(n.children[0], n.min, n.max);
+        return BuildRepeat(n.children[0], n.children.size() > 1 ? n.children[1] : -1, n.min, n.max);
+      case Ast::Kind::kSubsequence:
+        return BuildSubsequence(n);
     }
     throw std::logic_error("unknown Ast node kind");
   }
@@ -161,32 +163,111 @@ class NfaBuilder {
     return Join(branches);
   }
 
-  Frag BuildRepeat(int child, int min, int max) {
+  // `child` repeated [min, max] times, with `separator` (if >= 0) between repetitions.
+  Frag BuildRepeat(int child, int separator, int min, int max) {
+    if (min == 0 && max != 0) {
+      const Frag some = BuildRepeat(child, separator, 1, max);
+      const int32_t none = NewState(Nfa::kEpsilon);
+      return Join({some, {none, none}});
+    }
     Frag whole{NewState(Nfa::kEpsilon), -1};
     whole.end = whole.start;
     const auto append = [&](Frag next) {
       Patch(whole, next.start);
       whole.end = next.end;
     };
-    for (int i = 0; i < min; ++i) append(BuildNode(child));
-    if (max == Ast::kUnbounded) {
+    const auto append_separator = [&] {
+      if (separator >= 0) append(BuildNode(separator));
+    };
+    int32_t last_start = -1;  // start of the last mandatory repetition
+    for (int i = 0; i < min; ++i) {
+      if (i > 0) append_separator();
       const Frag body = BuildNode(child);
+      last_start = body.start;
+      append(body);
+    }
+    if (max == Ast::kUnbounded) {
+      // Loop back into the last repetition (through a separator): one instance serves them all.
       const int32_t end = NewState(Nfa::kEpsilon);
-      const int32_t loop = NewState(Nfa::kSplit, 0, 0, body.start, end);
-      Patch(body, loop);
+      int32_t again = last_start;
+      if (separator >= 0) {
+        const Frag sep = BuildNode(separator);
+        Patch(sep, last_start);
+        again = sep.start;
+      }
+      const int32_t loop = NewState(Nfa::kSplit, 0, 0, again, end);
       append({loop, end});
     } else if (max > min) {
       // Nested optionals x(x(x)?)? keep the NFA linear and the DFA small.
       const int32_t end = NewState(Nfa::kEpsilon);
       int32_t tail = end;
       for (int i = 0; i < max - min; ++i) {
-        const Frag body = BuildNode(child);
+        Frag body = BuildNode(child);
         Patch(body, tail);
+        if (separator >= 0) {
+          const Frag sep = BuildNode(separator);
+          Patch(sep, body.start);
+          body.start = sep.start;
+        }
         tail = NewState(Nfa::kSplit, 0, 0, body.start, end);
       }
       append({tail, end});
     }
     return whole;
+  }
+
+  // Epsilon edges from `from` to every state of `targets`, as a chain of splits.
+  void FanOut(int32_t from, const std::vector<int32_t>& targets) {
+    if (targets.empty()) return;
+    int32_t next = targets.back();
+    for (size_t i = targets.size() - 1; i-- > 0;) next = NewState(Nfa::kSplit, 0, 0, targets[i], next);
+    nfa_.states[static_cast<size_t>(from)].out = next;
+  }
+
+  // One instance of each member, entered from the start (no separator) or from the end of an
+  // earlier member (through one separator instance per member), skipping only optional ones.
+  Frag BuildSubsequence(const Ast::Node& n) {
+    const size_t count = n.children.size() - 1;
+    const int separator = n.children.back();
+    const int32_t start = NewState(Nfa::kEpsilon);
+    const int32_t end = NewState(Nfa::kEpsilon);
+    std::vector<int32_t> entry(count), exit(count);
+    for (size_t i = 0; i < count; ++i) {
+      const Frag member = BuildNode(n.children[i]);
+      entry[i] = member.start;
+      exit[i] = NewState(Nfa::kEpsilon);
+      Patch(member, exit[i]);
+    }
+    // Members reachable next after member `last` (count for the start): every following one
+    // up to and including the first required one; `end` too if none is required.
+    const auto successors = [&](size_t first) {
+      std::vector<int32_t> out;
+      size_t i = first;
+      for (; i < count; ++i) {
+        out.push_back(entry[i]);
+        if (n.required[i]) break;
+      }
+      return std::pair<std::vector<int32_t>, bool>(out, i == count);
+    };
+    {
+      auto [next, may_end] = successors(0);
+      if (may_end) next.push_back(end);
+      FanOut(start, next);
+    }
+    for (size_t j = 0; j < count; ++j) {
+      auto [next, may_end] = successors(j + 1);
+      std::vector<int32_t> targets;
+      if (!next.empty()) {
+        const Frag sep = BuildNode(separator);
+        const int32_t after_sep = NewState(Nfa::kEpsilon);
+        Patch(sep, after_sep);
+        FanOut(after_sep, next);
+        targets.push_back(sep.start);
+      }
+      if (may_end) targets.push_back(end);
+      FanOut(exit[j], targets);
+    }
+    return {start, end};
   }
 
   const Ast& ast_;

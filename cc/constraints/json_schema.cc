@@ -220,13 +220,9 @@ class SchemaLowering {
   int Bracketed(char open, int body, char close) {
     return ast_->Concat({ast_->Bytes(std::string(1, open)), Ws(), body, Ws(), ast_->Bytes(std::string(1, close))});
   }
-  // item (sep item){min-1, max-1}, or empty when min == 0; max < 0 is unbounded.
+  // item (sep item)..., [min, max] items; max < 0 is unbounded.
   int List(int item, int min, int max) {
-    if (max == 0) return ast_->Empty();
-    const int rest_min = min > 0 ? min - 1 : 0;
-    const int rest_max = max < 0 ? Ast::kUnbounded : max - 1;
-    const int list = ast_->Concat({item, ast_->Repeat(ast_->Concat({ItemSep(), item}), rest_min, rest_max)});
-    return min == 0 ? ast_->Optional(list) : list;
+    return ast_->List(item, ItemSep(), min, max < 0 ? Ast::kUnbounded : max);
   }
 
   // --- values ---------------------------------------------------------------------------
@@ -343,6 +339,8 @@ class SchemaLowering {
       }
       case Ast::Kind::kRepeat:
         return ast_->Repeat(JsonEscaped(n.children[0]), n.min, n.max);
+      case Ast::Kind::kSubsequence:  // never produced by the regex parser
+        break;
     }
     return node;
   }
@@ -448,30 +446,16 @@ class SchemaLowering {
         required.insert(name.text);
       }
     }
-    struct Member {
-      int node;  // "key": value
-      bool required;
-    };
-    std::vector<Member> members;
+    std::vector<int> members;  // "key": value, in document order
+    std::vector<bool> is_required;
     if (props) {
       for (const auto& [key, sub] : props->members) {
         const int value = Lower(sub, path + ".properties." + key, depth + 1);
-        members.push_back({ast_->Concat({ast_->Bytes(EncodeJsonString(key)), KeySep(), value}), required.count(key) > 0});
+        members.push_back(ast_->Concat({ast_->Bytes(EncodeJsonString(key)), KeySep(), value}));
+        is_required.push_back(required.count(key) > 0);
       }
     }
-    // Optional members make the comma placement depend on what came before: after[i] is the
-    // members from i on once something was emitted (each preceded by a separator), first[i]
-    // the same when nothing was emitted yet. Shared subtrees keep this O(n^2) at worst.
-    const size_t n = members.size();
-    std::vector<int> after(n + 1), first(n + 1);
-    after[n] = first[n] = ast_->Empty();
-    for (size_t i = n; i-- > 0;) {
-      const int with_sep = ast_->Concat({ItemSep(), members[i].node});
-      after[i] = ast_->Concat({members[i].required ? with_sep : ast_->Optional(with_sep), after[i + 1]});
-      const int starting_here = ast_->Concat({members[i].node, after[i + 1]});
-      first[i] = members[i].required ? starting_here : ast_->Alt({starting_here, first[i + 1]});
-    }
-    return Bracketed('{', first[0], '}');
+    return Bracketed('{', ast_->Subsequence(std::move(members), std::move(is_required), ItemSep()), '}');
   }
 
   int Array(const JsonValue& schema, const std::string& path, int depth) {

@@ -140,29 +140,38 @@ int Ast::Add(Node node) {
   return static_cast<int>(nodes_.size() - 1);
 }
 
-int Ast::Empty() { return Add(Node{Kind::kEmpty, {}, {}, {}, 0, 0}); }
+int Ast::Empty() { return Add(Node{Kind::kEmpty, {}, {}, {}, {}, 0, 0}); }
 
 int Ast::Bytes(std::string bytes) {
   if (bytes.empty()) return Empty();
-  return Add(Node{Kind::kBytes, std::move(bytes), {}, {}, 0, 0});
+  return Add(Node{Kind::kBytes, std::move(bytes), {}, {}, {}, 0, 0});
 }
 
-int Ast::Chars(CharSet chars) { return Add(Node{Kind::kChars, {}, std::move(chars), {}, 0, 0}); }
+int Ast::Chars(CharSet chars) { return Add(Node{Kind::kChars, {}, std::move(chars), {}, {}, 0, 0}); }
 
 int Ast::Concat(std::vector<int> children) {
   if (children.empty()) return Empty();
   if (children.size() == 1) return children[0];
-  return Add(Node{Kind::kConcat, {}, {}, std::move(children), 0, 0});
+  return Add(Node{Kind::kConcat, {}, {}, std::move(children), {}, 0, 0});
 }
 
 int Ast::Alt(std::vector<int> children) {
   if (children.size() == 1) return children[0];
-  return Add(Node{Kind::kAlt, {}, {}, std::move(children), 0, 0});
+  return Add(Node{Kind::kAlt, {}, {}, std::move(children), {}, 0, 0});
 }
 
 int Ast::Repeat(int child, int min, int max) {
   if (min == 1 && max == 1) return child;
-  return Add(Node{Kind::kRepeat, {}, {}, {child}, min, max});
+  return Add(Node{Kind::kRepeat, {}, {}, {child}, {}, min, max});
+}
+
+int Ast::List(int item, int separator, int min, int max) {
+  return Add(Node{Kind::kRepeat, {}, {}, {item, separator}, {}, min, max});
+}
+
+int Ast::Subsequence(std::vector<int> members, std::vector<bool> required, int separator) {
+  members.push_back(separator);
+  return Add(Node{Kind::kSubsequence, {}, {}, std::move(members), std::move(required), 0, 0});
 }
 
 }  // namespace paved::constraints

@@ -65,7 +65,13 @@ class Ast {
     kChars,   // one code point from `chars`
     kConcat,  // children in sequence
     kAlt,     // any one child
-    kRepeat,  // child repeated [min, max] times; max == kUnbounded for no upper bound
+    // children[0] repeated [min, max] times (max == kUnbounded for no upper bound), with
+    // children[1], if present, between consecutive repetitions.
+    kRepeat,
+    // children[0..n-1] in order, each present or skipped (those with required[i] present),
+    // consecutive present ones separated by children[n]; e.g. JSON object members. The
+    // compiler instantiates each member once (a regex for it would need O(n^2) copies).
+    kSubsequence,
   };
   static constexpr int kUnbounded = -1;
 
@@ -74,6 +80,7 @@ class Ast {
     std::string bytes;
     CharSet chars;
     std::vector<int> children;
+    std::vector<bool> required;  // kSubsequence
     int min = 0;
     int max = 0;
   };
@@ -85,6 +92,9 @@ class Ast {
   int Alt(std::vector<int> children);
   int Repeat(int child, int min, int max);
   int Optional(int child) { return Repeat(child, 0, 1); }
+  // item (separator item)..., [min, max] items in all.
+  int List(int item, int separator, int min, int max);
+  int Subsequence(std::vector<int> members, std::vector<bool> required, int separator);
 
   const Node& node(int id) const { return nodes_[static_cast<size_t>(id)]; }
   size_t size() const { return nodes_.size(); }
