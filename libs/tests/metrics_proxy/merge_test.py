@@ -1,0 +1,214 @@
+"""The metrics proxy over real multiprocess files (written by real prometheus_client processes)
+and real upstream HTTP servers: healthy, down, slow, garbage, HTTP 500, clashing names."""
+
+import gzip
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from paved.launcher.gate import free_port
+from paved.metrics.proxy import MetricsProxy, Upstream, split_families
+from paved.metrics.server import make_server
+
+WRITER = """
+import os, sys
+from prometheus_client import Counter, Gauge, Histogram
+n = int(sys.argv[1])
+c = Counter("vllm:prompt_tokens", "Prompt tokens.", ["model_name"])
+c.labels("tiny").inc(10 * n)
+g = Gauge("vllm:num_requests_running", "Running.", ["model_name"], multiprocess_mode="livesum")
+g.labels("tiny").set(n)
+k = Gauge("vllm:kv_cache_usage_perc", "KV usage.", ["model_name"], multiprocess_mode="mostrecent")
+k.labels("tiny").set(0.25 * n)
+h = Histogram("vllm:e2e_request_latency_seconds", "Latency.", ["model_name"], buckets=[0.1, 1.0])
+h.labels("tiny").observe(0.5)
+"""
+
+TRITON = """# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="llm",version="1"} 7
+# HELP nv_gpu_utilization GPU utilization rate [0.0 - 1.0)
+# TYPE nv_gpu_utilization gauge
+nv_gpu_utilization{gpu_uuid="GPU-0"} 0.5
+# HELP vllm:prompt_tokens a clash with the engine's family
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="x"} 99
+plain_untyped 3
+"""
+
+
+class _Upstreams:
+    """Real HTTP servers on loopback, one behaviour per path."""
+
+    def __init__(self):
+        bodies = {"/triton": TRITON, "/garbage": "this is {not prometheus\n\x00\x01"}
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if self.path == "/slow":
+                    time.sleep(3)
+                if self.path == "/error":
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                body = bodies.get(self.path, "ok 1\n").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    u = _Upstreams()
+    yield u
+    u.server.shutdown()
+
+
+@pytest.fixture()
+def prom_dir(tmp_path):
+    d = tmp_path / "prom"
+    d.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d), "PYTHONPATH": os.pathsep.join(sys.path)}
+    for n in (1, 2):
+        subprocess.run([sys.executable, "-c", WRITER, str(n)], env=env, check=True)
+    return d
+
+
+def _parse(body: bytes) -> dict:
+    text = body.decode()
+    for directive in ("# HELP ", "# TYPE "):
+        names = [ln.split()[2] for ln in text.splitlines() if ln.startswith(directive)]
+        assert len(names) == len(set(names)), f"duplicate {directive.strip()}: {names}"
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(families, name, sample=None, **labels):
+    for s in families[name].samples:
+        if (sample is None or s.name == sample) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((name, sample, labels))
+
+
+def test_engine_and_upstream_merged_with_first_source_winning(prom_dir, upstreams):
+    proxy = MetricsProxy(str(prom_dir), [Upstream("triton", upstreams.url("/triton"))])
+    fams = _parse(proxy.render())
+    # Engine: two processes merged the way MultiProcessCollector does.
+    assert _value(fams, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model_name="tiny") == 30
+    assert _value(fams, "vllm:num_requests_running", model_name="tiny") == 3  # livesum
+    assert _value(fams, "vllm:kv_cache_usage_perc", model_name="tiny") in (0.25, 0.5)  # most recent
+    assert _value(fams, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == 2
+    # Upstream: passed through unchanged (Triton's counter keeps its name, no _total added).
+    text = proxy.render().decode()
+    assert 'nv_inference_count{model="llm",version="1"} 7' in text
+    assert 'nv_gpu_utilization{gpu_uuid="GPU-0"} 0.5' in text and "plain_untyped 3" in text
+    # Clash: the engine had vllm:prompt_tokens first; the upstream's family is dropped, counted.
+    assert 'model_name="x"' not in text
+    assert _value(fams, "paved_metrics_proxy_dropped_families", source="triton") >= 1
+    assert _value(fams, "paved_metrics_proxy_up", source="engine") == 1
+    assert _value(fams, "paved_metrics_proxy_up", source="triton") == 1
+    assert _value(fams, "paved_metrics_proxy_scrape_duration_seconds", source="triton") > 0
+
+
+def test_failing_upstreams_are_up_0_and_everything_else_still_served(prom_dir, upstreams):
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
+    proxy = MetricsProxy(
+        str(prom_dir),
+        [
+            Upstream("down", dead),
+            Upstream("slow", upstreams.url("/slow")),
+            Upstream("garbage", upstreams.url("/garbage")),
+            Upstream("error", upstreams.url("/error")),
+            Upstream("triton", upstreams.url("/triton")),
+        ],
+        timeout_s=1.0,
+    )
+    t0 = time.monotonic()
+    fams = _parse(proxy.render())
+    assert time.monotonic() - t0 < 2.5, "a slow upstream held the scrape past its timeout"
+    for name in ("down", "slow", "garbage", "error"):
+        assert _value(fams, "paved_metrics_proxy_up", source=name) == 0, name
+    assert _value(fams, "paved_metrics_proxy_up", source="triton") == 1
+    reasons = {
+        s.labels["source"]: s.labels["reason"] for s in fams["paved_metrics_proxy_upstream_errors"].samples
+    }
+    assert reasons == {"down": "connect", "slow": "timeout", "garbage": "parse", "error": "http_status"}
+    assert "vllm:prompt_tokens" in fams and "nv_inference_count" in fams
+
+
+def test_corrupt_db_file_is_skipped_and_counted(prom_dir):
+    (prom_dir / "counter_999.db").write_bytes(b"\xff" * 64)
+    (prom_dir / "gauge_all_998.db").write_bytes(b"")
+    proxy = MetricsProxy(str(prom_dir))
+    fams = _parse(proxy.render())
+    assert _value(fams, "paved_metrics_proxy_corrupt_files") == 2
+    assert _value(fams, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model_name="tiny") == 30
+    fams = _parse(proxy.render())
+    assert (
+        _value(fams, "paved_metrics_proxy_corrupt_file_skips", "paved_metrics_proxy_corrupt_file_skips_total")
+        == 4
+    )
+
+
+def test_missing_multiproc_dir_is_up_0_not_an_error(tmp_path):
+    fams = _parse(MetricsProxy(str(tmp_path / "nope")).render())
+    assert _value(fams, "paved_metrics_proxy_up", source="engine") == 0
+
+
+def test_split_families_keeps_blocks_verbatim():
+    blocks = split_families(TRITON + "# TYPE nv_gpu_utilization gauge\nnv_gpu_utilization 1\n")
+    names = [b.name for b in blocks]
+    assert names == [
+        "nv_inference_count",
+        "nv_gpu_utilization",
+        "vllm:prompt_tokens",
+        "plain_untyped",
+        "nv_gpu_utilization",
+    ]
+    assert blocks[0].lines[-1] == 'nv_inference_count{model="llm",version="1"} 7'
+
+
+def test_http_server_serves_gzip_and_200_always(prom_dir, upstreams):
+    proxy = MetricsProxy(str(prom_dir), [Upstream("garbage", upstreams.url("/garbage"))])
+    server = make_server(proxy, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Encoding"] == "gzip"
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            fams = _parse(gzip.decompress(r.read()))
+        assert _value(fams, "paved_metrics_proxy_up", source="garbage") == 0
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert "vllm:prompt_tokens" in _parse(r.read())
+    finally:
+        server.shutdown()
+        proxy.close()
+
+
+def test_upstream_spec_parsing():
+    assert Upstream.parse("triton=http://h:8002/metrics") == Upstream("triton", "http://h:8002/metrics")
+    assert Upstream.parse("http://h:8002/metrics").name == "h:8002"
+    with pytest.raises(ValueError):
+        Upstream.parse("triton=ftp://h/metrics")
+    with pytest.raises(ValueError):
+        MetricsProxy(None, [Upstream("engine", "http://h/m")])
