@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bitset>
+#include <map>
+#include <tuple>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -152,15 +154,25 @@ class NfaBuilder {
   Frag BuildChars(const CharSet& chars) {
     std::vector<ByteSequence> sequences;
     for (const CharSet::Range& r : chars.ranges()) Utf8Sequences(r.lo, r.hi, &sequences);
-    std::vector<Frag> branches;
-    branches.reserve(sequences.size());
+    // Sequences are built from their last byte, sharing identical tails (e.g. every 3-byte
+    // character ends in [80-BF][80-BF]): fewer NFA states and far fewer raw DFA states.
+    const int32_t end = NewState(Nfa::kEpsilon);
+    std::map<std::tuple<uint8_t, uint8_t, int32_t>, int32_t> tails;
+    std::vector<int32_t> firsts;
+    firsts.reserve(sequences.size());
     for (const ByteSequence& seq : sequences) {
-      const int32_t end = NewState(Nfa::kEpsilon);
       int32_t next = end;
-      for (size_t i = seq.size(); i-- > 0;) next = NewState(Nfa::kRange, seq[i].first, seq[i].second, next);
-      branches.push_back({next, end});
+      for (size_t i = seq.size(); i-- > 1;) {
+        const auto key = std::make_tuple(seq[i].first, seq[i].second, next);
+        auto it = tails.find(key);
+        if (it == tails.end()) it = tails.emplace(key, NewState(Nfa::kRange, seq[i].first, seq[i].second, next)).first;
+        next = it->second;
+      }
+      firsts.push_back(NewState(Nfa::kRange, seq[0].first, seq[0].second, next));
     }
-    return Join(branches);
+    const int32_t start = NewState(Nfa::kEpsilon);
+    FanOut(start, firsts);
+    return {start, end};
   }
 
   // `child` repeated [min, max] times, with `separator` (if >= 0) between repetitions.
@@ -301,10 +313,16 @@ class Determinizer {
           buckets[static_cast<size_t>(c)].push_back(st.out);
       }
       for (size_t c = 0; c < C; ++c) {
-        // Intern may grow sets_, so the transition index is computed first.
-        const size_t slot = d * C + c;
-        const int32_t target = buckets[c].empty() ? Dfa::kDead : Intern(Closure(buckets[c]));
-        dfa_.transitions[slot] = target;
+        int32_t target;
+        if (buckets[c].empty()) {
+          target = Dfa::kDead;
+        } else if (c > 0 && buckets[c] == buckets[c - 1]) {
+          target = dfa_.transitions[d * C + c - 1];  // neighbouring classes often agree
+        } else {
+          target = Intern(Closure(buckets[c]));
+        }
+        // Intern may grow transitions, so the slot is indexed only now.
+        dfa_.transitions[d * C + c] = target;
       }
     }
     dfa_.num_states = static_cast<int32_t>(sets_.size());

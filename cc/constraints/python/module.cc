@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,15 +28,17 @@ namespace {
 using StatePtr = std::shared_ptr<State>;
 
 // Checks a writeable, aligned, C-contiguous array of dtype T with the given shape.
+// (An initializer_list keeps the per-step call allocation-free.)
 template <typename T>
-void CheckArray(const py::array& a, const char* name, const char* dtype, std::vector<int64_t> shape) {
+void CheckArray(const py::array& a, const char* name, const char* dtype, std::initializer_list<int64_t> shape) {
   if (!py::isinstance<py::array_t<T>>(a))
     throw py::value_error(std::string(name) + " must be a " + dtype + " array");
   bool ok = a.ndim() == static_cast<py::ssize_t>(shape.size());
-  for (size_t i = 0; ok && i < shape.size(); ++i) ok = a.shape(static_cast<py::ssize_t>(i)) == shape[i];
+  py::ssize_t dim = 0;
+  for (auto it = shape.begin(); ok && it != shape.end(); ++it) ok = a.shape(dim++) == *it;
   if (!ok) {
     std::string want = "[";
-    for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
+    for (auto it = shape.begin(); it != shape.end(); ++it) want += (it != shape.begin() ? ", " : "") + std::to_string(*it);
     throw py::value_error(std::string(name) + " shape must be " + want + "]");
   }
   if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
@@ -229,7 +232,7 @@ PYBIND11_MODULE(_paved_constraints, m) {
       .def(
           "fill_bitmask_row",
           [](const State& s, py::array row) {
-            CheckArray<int32_t>(row, "row", "int32", {s.vocab().num_words()});
+            CheckArray<int32_t>(row, "row", "int32", {int64_t{s.vocab().num_words()}});
             auto* out = static_cast<uint32_t*>(row.mutable_data());
             py::gil_scoped_release release;
             s.FillMask(out);
@@ -248,7 +251,7 @@ PYBIND11_MODULE(_paved_constraints, m) {
           "fill_bitmask",
           [](BatchMasker& masker, const py::sequence& states, py::array bitmask) {
             CheckArray<int32_t>(bitmask, "bitmask", "int32",
-                                {static_cast<int64_t>(py::len(states)), masker.num_words()});
+                                {static_cast<int64_t>(py::len(states)), int64_t{masker.num_words()}});
             auto* out = static_cast<int32_t*>(bitmask.mutable_data());
             RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.FillBitmask(rows, n, out); });
           },
@@ -257,7 +260,7 @@ PYBIND11_MODULE(_paved_constraints, m) {
           "apply",
           [](BatchMasker& masker, const py::sequence& states, py::array logits) {
             CheckArray<float>(logits, "logits", "float32",
-                              {static_cast<int64_t>(py::len(states)), masker.vocab_size()});
+                              {static_cast<int64_t>(py::len(states)), int64_t{masker.vocab_size()}});
             auto* out = static_cast<float*>(logits.mutable_data());
             RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.Apply(rows, n, out); });
           },
