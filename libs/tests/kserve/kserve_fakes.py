@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import tempfile
 import threading
@@ -169,12 +170,13 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
 
 
 def xgb_model_dir() -> str:
-    """//models/xgb from the runfiles; outside Bazel, generated once into a temp dir."""
-    srcdir = os.environ.get("TEST_SRCDIR")
-    if srcdir:
-        config = os.path.join(srcdir, "paved", "models", "xgb", "config.json")
-        if os.path.exists(config):
-            return os.path.dirname(os.path.realpath(config))
+    """//models/xgb from the runfiles; outside Bazel (plain pytest), generated once into a temp dir."""
+    from paved.frontend.runfiles import runfile
+
+    try:
+        return os.path.dirname(runfile("models/xgb/config.json"))
+    except FileNotFoundError:
+        pass
     out = os.path.join(tempfile.gettempdir(), "paved-kserve-test-xgb")
     if not os.path.exists(os.path.join(out, "config.json")):
         here = os.path.dirname(os.path.abspath(__file__))
@@ -184,8 +186,6 @@ def xgb_model_dir() -> str:
         spec.loader.exec_module(module)
         os.makedirs(out, exist_ok=True)
         module.train(100, 6).save_model(os.path.join(out, "model.ubj"))
-        import json
-
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(module.config("xgb_scorer"), f)
     return out

@@ -572,3 +572,66 @@ def test_busy_port_fails_at_start(loop, server):
 
     with pytest.raises(OSError):
         loop.run(start())
+
+
+def test_http_client_disconnect_aborts_the_engine_request(server, engine):
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/{LLM}"
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hang"]}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/infer", json=body, timeout=0.5)
+    admitted = engine.requests[-1].request_id
+    assert wait_for(lambda: admitted in engine.aborted), engine.aborted
+
+    with httpx.Client(timeout=10) as client:
+        with client.stream(
+            "POST", f"{url}/generate_stream", json={"text_input": "hang", "stream": True}
+        ) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        admitted = engine.requests[-1].request_id
+    assert wait_for(lambda: admitted in engine.aborted), engine.aborted
+
+
+class _Admission:
+    """A one-slot admission bound, like the OpenAI frontend's registry."""
+
+    def __init__(self):
+        self.in_flight = 0
+
+    def __call__(self, model: str, sequences: int):
+        from paved.engine.protocol import EngineOverloadedError
+
+        if self.in_flight + sequences > 1:
+            raise EngineOverloadedError(f"model {model!r} is at capacity")
+        self.in_flight += sequences
+        admission = self
+
+        class Ticket:
+            def release(self):
+                admission.in_flight -= sequences
+
+        return Ticket()
+
+
+def test_shared_admission_bound(loop):
+    admission = _Admission()
+
+    async def start():
+        server = KServeServer(
+            [FakeEngine()], [], host="127.0.0.1", grpc_port=0, http_port=None, admission=admission
+        )
+        await server.start()
+        return server
+
+    server = loop.run(start())
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        client.infer(LLM, llm_inputs(grpcclient, "q", params={"max_tokens": 1}))
+        assert admission.in_flight == 0  # released when the response ended
+        error = grpc_error(lambda: client.infer(LLM, llm_inputs(grpcclient, "q", params={"n": 2})))
+        assert error.status() == "StatusCode.UNAVAILABLE" and "capacity" in error.message()
+        responses = stream(client, [(llm_inputs(grpcclient, "hang", stream=True), {})], cancel_after=1)
+        assert len(responses) == 1
+        assert wait_for(lambda: admission.in_flight == 0)  # released by the cancellation too
+    finally:
+        client.close()
+        loop.run(server.stop(grace_s=1))

@@ -1,0 +1,237 @@
+"""Unit tests of the KServe pieces that need no server: tensors, batcher, sampling mapping,
+model-directory validation."""
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from libs.tests.kserve.kserve_fakes import xgb_model_dir
+from paved.engine.protocol import Constraint, InvalidRequestError, ModelCard, SamplingOptions
+from paved.kserve import tensors
+from paved.kserve.batcher import DynamicBatcher
+from paved.kserve.errors import KServeError
+from paved.kserve.sampling import options_from_parameters, parameters_from_options
+from paved.kserve.xgboost_model import ModelConfigError, XGBoostModel
+
+CARD = ModelCard("m", "generate", 512, 0, constraint_backends=("paved", "xgrammar"), max_logprobs=5)
+
+
+# ---- tensors --------------------------------------------------------------------------------------
+def test_bytes_round_trip_and_truncation():
+    values = np.array([b"", b"abc", "h\u00e9".encode()], dtype=object)
+    raw = tensors.serialize_bytes(values)
+    assert tensors.from_raw("t", "BYTES", [3], raw).tolist() == values.tolist()
+    for bad in (raw[:-1], raw + b"x", raw[:2]):
+        with pytest.raises(KServeError) as info:
+            tensors.from_raw("t", "BYTES", [3], bad)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'t'" in info.value.message
+
+
+def test_fixed_size_raw_and_json():
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    assert np.array_equal(tensors.from_raw("x", "INT32", [2, 3], tensors.to_raw(x, "INT32")), x)
+    with pytest.raises(KServeError, match="expected 24"):
+        tensors.from_raw("x", "INT32", [2, 3], b"\0" * 20)
+    assert np.array_equal(tensors.from_json("x", "INT32", [2, 3], [[0, 1, 2], [3, 4, 5]]), x)
+    assert tensors.to_json(x, "INT32") == [0, 1, 2, 3, 4, 5]
+    for data, needle in (([1, 2], "expected 6"), ([1.5] * 6, "integers"), ([True] * 6, "numbers")):
+        with pytest.raises(KServeError, match=needle):
+            tensors.from_json("x", "INT32", [2, 3], data)
+    with pytest.raises(KServeError, match="does not fit UINT8"):
+        tensors.from_json("x", "UINT8", [1], [300])
+    with pytest.raises(KServeError, match="BF16"):
+        tensors.from_raw("x", "BF16", [1], b"\0\0")
+
+
+def test_tensor_spec_checks_batch_and_wildcards():
+    spec = tensors.TensorSpec("in", "FP32", (-1, 4))
+    spec.check("m", "FP32", [8, 3, 4], max_batch_size=8)
+    with pytest.raises(KServeError, match="batch-size must be <= 8"):
+        spec.check("m", "FP32", [9, 3, 4], max_batch_size=8)
+    with pytest.raises(KServeError, match=r"Expected \[-1, -1, 4\], got \[2, 3, 5\]"):
+        spec.check("m", "FP32", [2, 3, 5], max_batch_size=8)
+    with pytest.raises(KServeError, match="data-type is 'INT64'"):
+        spec.check("m", "INT64", [1, 3, 4], max_batch_size=8)
+
+
+# ---- batcher --------------------------------------------------------------------------------------
+def test_batcher_coalesces_waiting_requests_in_order():
+    calls = []
+    gate = threading.Event()
+
+    def run(batch):
+        calls.append(batch[:, 0].tolist())
+        gate.wait(5)
+        return batch * 2
+
+    async def main():
+        batcher = DynamicBatcher(run, name="m", max_batch_size=8, max_queue_delay_s=0.0)
+        first = asyncio.ensure_future(batcher.submit(np.array([[0.0]])))
+        await asyncio.sleep(0.05)  # the first call is running (and blocked) now
+        rest = [asyncio.ensure_future(batcher.submit(np.array([[float(i)]] * 2))) for i in range(1, 4)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        results = await asyncio.gather(first, *rest)
+        await batcher.close()
+        return results, dict(batcher.batches)
+
+    results, batches = asyncio.run(main())
+    assert calls == [[0.0], [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]]
+    assert [r.ravel().tolist() for r in results] == [[0.0], [2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]
+    assert batches == {1: 1, 6: 1}
+
+
+def test_batcher_waits_for_the_preferred_size_up_to_the_delay():
+    async def main(delay):
+        batcher = DynamicBatcher(
+            lambda b: b, name="m", max_batch_size=8, max_queue_delay_s=delay, preferred_batch_sizes=[4]
+        )
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        futures = []
+        for i in range(4):
+            futures.append(asyncio.ensure_future(batcher.submit(np.array([[i]]))))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*futures)
+        elapsed = loop.time() - start
+        await batcher.close()
+        return dict(batcher.batches), elapsed
+
+    batches, elapsed = asyncio.run(main(1.0))
+    assert batches == {4: 1} and elapsed < 0.5  # dispatched on reaching the preferred size
+    batches, _ = asyncio.run(main(0.0))
+    assert sum(batches.values()) > 1  # no delay: whatever is waiting goes at once
+
+
+def test_batcher_queue_limit_and_cancellation():
+    gate = threading.Event()
+
+    def run(batch):
+        gate.wait(5)
+        return batch
+
+    async def main():
+        batcher = DynamicBatcher(run, name="m", max_batch_size=1, max_queue_size=2)
+        running = asyncio.ensure_future(batcher.submit(np.array([[0]])))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(batcher.submit(np.array([[i]]))) for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(KServeError) as info:
+            await batcher.submit(np.array([[3]]))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "queue" in info.value.message
+        queued[0].cancel()
+        await asyncio.sleep(0.01)
+        gate.set()
+        assert (await queued[1]).tolist() == [[2]] and (await running).tolist() == [[0]]
+        await batcher.close()
+        return dict(batcher.batches)
+
+    assert asyncio.run(main()) == {1: 2}  # the cancelled request never ran
+
+
+# ---- sampling mapping -----------------------------------------------------------------------------
+def test_vllm_backend_parameters_map_onto_sampling_options():
+    options = options_from_parameters(
+        {
+            "temperature": "0.7",
+            "top_p": 0.9,
+            "top_k": "-1",
+            "max_tokens": "12",
+            "stop": ["\n"],
+            "seed": 3,
+            "ignore_eos": "false",
+            "logit_bias": {"5": -1},
+            "logprobs": 2,
+            "skip_special_tokens": True,
+        },
+        CARD,
+        "sampling_parameters",
+    )
+    assert options == SamplingOptions(
+        max_tokens=12,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        seed=3,
+        stop=["\n"],
+        logit_bias={5: -1.0},
+        logprobs=2,
+    )
+    assert options_from_parameters({}, CARD, "p").max_tokens == 16  # vLLM's default
+    assert options_from_parameters({"max_tokens": None}, CARD, "p").max_tokens is None
+    with pytest.raises(KServeError, match=r"p.logprobs must be in \[0, 5\]"):
+        options_from_parameters({"logprobs": 6}, CARD, "p")
+
+
+def test_parameters_from_options_round_trip():
+    for constraint in (
+        Constraint("xgrammar", "json_schema", {"type": "object"}),
+        Constraint("xgrammar", "json_object"),
+        Constraint("xgrammar", "choice", ["a", "b"]),
+        Constraint("xgrammar", "grammar", 'root ::= "a"'),
+        Constraint("paved", "paved", {"type": "regex", "pattern": "[0-9]+"}),
+    ):
+        options = SamplingOptions(max_tokens=5, temperature=0.5, stop=("x",), seed=1, constraint=constraint)
+        params = json.loads(json.dumps(parameters_from_options(options)))
+        if constraint.backend == "xgrammar":
+            # The form Triton's vLLM backend parses: JSON text for StructuredOutputsParams(**...).
+            assert isinstance(params["structured_outputs"], str)
+        back = options_from_parameters(params, CARD, "p")
+        assert (back.max_tokens, back.temperature, tuple(back.stop), back.seed) == (5, 0.5, ("x",), 1)
+        assert back.constraint is not None
+        if constraint.backend == "paved" or constraint.kind in ("choice", "grammar"):
+            assert back.constraint == constraint
+    with pytest.raises(InvalidRequestError):
+        parameters_from_options(SamplingOptions(prompt_logprobs=1))
+
+
+# ---- model directories ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"backend": "onnxruntime"}, "backend must be 'xgboost'"),
+        ({"input": [{"name": "x", "data_type": "TYPE_INT32", "dims": [32]}]}, "TYPE_FP32"),
+        ({"parameters": {"colour": {"string_value": "red"}}}, "colour"),
+        ({"dynamic_batching": None, "sequence_batching": {}}, "sequence_batching"),
+        ({"dynamic_batching": {"preferred_batch_size": [128]}}, "preferred_batch_size"),
+        (
+            {
+                "max_batch_size": 0,
+                "input": [{"name": "input__0", "data_type": "TYPE_FP32", "dims": [-1, 32]}],
+                "output": [{"name": "output__0", "data_type": "TYPE_FP32", "dims": [-1, 3]}],
+            },
+            "dynamic_batching needs max_batch_size",
+        ),
+        ({"bogus_field": 1}, "bogus_field"),
+    ],
+)
+def test_bad_model_configs_fail_with_the_reason(tmp_path, change, needle):
+    source = xgb_model_dir()
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.update(change)
+    config = {k: v for k, v in config.items() if v is not None}
+    shutil.copy(os.path.join(source, "model.ubj"), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=needle):
+        XGBoostModel.from_directory(str(tmp_path))
+
+
+def test_output_dims_are_checked_against_the_booster_at_load(tmp_path):
+    source = xgb_model_dir()
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["output"][0]["dims"] = [4]
+    shutil.copy(os.path.join(source, "model.ubj"), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = XGBoostModel.from_directory(str(tmp_path))
+    with pytest.raises(ModelConfigError, match="3 score"):
+        asyncio.run(model.load())
+    state, reason = model.state()
+    assert state == "UNAVAILABLE" and "3 score" in reason
