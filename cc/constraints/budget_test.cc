@@ -84,5 +84,21 @@ TEST(Budget, VocabWithoutSingleByteTokensUsesTokenDistances) {
   EXPECT_THROW(CompileRegex(vocab, "b"), ConstraintError);  // no token sequence spells "b"
 }
 
+TEST(Budget, TokensIntoStatesNoTokenCanCompleteAreNeverAllowed) {
+  // "abd" leads to a state that needs an "e", which no token has; "a" to one that needs a
+  // token starting with "b".
+  const auto vocab = std::make_shared<Vocab>(std::vector<std::string>{"a", "ab", "abd", "c"}, std::vector<int32_t>{4}, 5);
+  const auto c = CompileRegex(vocab, "ab(c|de)");
+  for (const std::optional<int64_t> budget : {std::optional<int64_t>(), std::optional<int64_t>(10)}) {
+    auto s = c->NewState(budget);
+    EXPECT_EQ(s->AllowedTokens(), (std::vector<int32_t>{1}));
+    EXPECT_FALSE(s->Advance(0));
+    EXPECT_FALSE(s->Advance(2));
+    EXPECT_TRUE(s->Advance(1));
+    EXPECT_TRUE(s->Advance(3));
+    EXPECT_TRUE(s->Advance(4));
+  }
+}
+
 }  // namespace
 }  // namespace paved::constraints

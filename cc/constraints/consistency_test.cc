@@ -41,7 +41,7 @@ TEST(Consistency, MaskBitIffAdvanceSucceeds) {
   const auto vocab = testing::ByteVocab({"Up, ", "Up, Up", ", U", "s, The", "The ", "Alien", "ab", "\":", "{\"",
                                          "12", "\"a", "e\"", "\",\"", "true"});
   const std::vector<std::string> titles = {"Alien", "Aliens", "The Thing", "The Fly", "Up", "Heat", "Her"};
-  const std::vector<std::shared_ptr<Constraint>> constraints = {
+  std::vector<std::shared_ptr<Constraint>> constraints = {
       CompileRegex(vocab, "(ab|a[b-d]+)\\d{1,3}(\\.\\d+)?"),
       CompileJsonSchema(vocab,
                         R"({"type":"object","properties":{"a":{"type":"string","maxLength":4},
@@ -52,6 +52,10 @@ TEST(Consistency, MaskBitIffAdvanceSucceeds) {
       CompileChoice(vocab, titles, 3, ", ", false),
       CompileChoice(vocab, titles, 4, ", ", true),
   };
+  // A vocabulary without single-byte tokens: exact token-level distances.
+  const auto sparse = std::make_shared<Vocab>(std::vector<std::string>{"a", "ab", "abd", "c", "bb", "b", "de"},
+                                              std::vector<int32_t>{7}, 9);
+  constraints.push_back(CompileRegex(sparse, "a(bb)*(c|de)|abd?e"));
   for (const auto& c : constraints) {
     for (uint32_t seed = 0; seed < 6; ++seed) {
       SCOPED_TRACE("kind " + c->stats().kind + " seed " + std::to_string(seed));

@@ -83,7 +83,7 @@ class DfaState final : public State {
   }
   bool AdvanceBytes(std::string_view bytes, int64_t limit) override {
     const int32_t next = c_->dfa().Walk(state_, bytes);
-    if (next < 0 || c_->distance(next) > limit) return false;
+    if (next < 0 || c_->distance(next) == kUnreachable || c_->distance(next) > limit) return false;
     state_ = next;
     return true;
   }
