@@ -402,8 +402,10 @@ async def rank(body: schemas.RankRequest, request: Request):
 
     The context and each candidate are tokenized separately and concatenated, so every
     candidate is scored on the same context tokens (no merge across the boundary). All
-    candidates go to the engine at once and share one batched prefill; prefix caching
-    reuses the context's KV where the engine supports it. Results are sorted best first.
+    candidates are admitted together and the engine schedules them as one batched prefill
+    (one token is sampled and dropped per candidate). Results are sorted best first.
+    vLLM recomputes the context per candidate: prompt logprobs need every position's
+    logits, so such requests skip prefix-cache reads.
     """
     state = _state(request)
     served = _generative(state, body.model)

@@ -110,11 +110,14 @@ def test_health_and_metrics(server, client):
 
 
 def test_not_ready_while_loading():
+    gate = threading.Event()
+
     class Slow(FakeEngine):
         async def start(self):
             import asyncio
 
-            await asyncio.sleep(0.5)
+            while not gate.is_set():
+                await asyncio.sleep(0.01)
             await super().start()
 
     with serve_in_thread(create_app(ModelRegistry([Slow()]))) as url:
@@ -123,6 +126,7 @@ def test_not_ready_while_loading():
         response = post(url, "/v1/chat/completions", CHAT)
         assert_error(response, 503, "loading")
         assert response.headers["retry-after"]
+        gate.set()
         _wait_ready(url)
 
 

@@ -60,8 +60,14 @@ class ServerProcess:
         for line in self.proc.stdout:
             match = self.URL.search(line)
             if match:
+                # Keep draining stdout (vLLM logs there): a full pipe would block the server.
+                threading.Thread(target=self._drain, daemon=True).start()
                 return match.group(1).decode()
         raise RuntimeError(f"server exited before printing its URL:\n{self.tail()}")
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.log.write(line)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
