@@ -1,6 +1,7 @@
 #include "cc/constraints/choice.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -141,23 +142,20 @@ class ChoiceState final : public State {
 
 }  // namespace
 
-ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vector<std::string> items, int k,
-                                   std::string separator, bool distinct)
-    : Constraint(std::move(vocab)),
-      trie_({}),
-      k_(k),
-      separator_(std::move(separator)),
-      // With one item nothing can repeat: distinct adds nothing.
-      distinct_(distinct && k > 1),
-      cache_(this->vocab().num_words()) {
+namespace {
+
+// Size limits, non-empty items/separator for lists, and the single-byte tokens that the
+// distances count in.
+void CheckCatalogue(const std::vector<std::string>& items, int k, const std::string& separator,
+                    const Vocab& vocab) {
   if (items.empty()) throw ConstraintError("the catalogue is empty");
   if (items.size() > kMaxCatalogueItems)
     throw ConstraintError("the catalogue has " + std::to_string(items.size()) + " items, over the limit of " +
                           std::to_string(kMaxCatalogueItems));
   if (k < 1 || k > kMaxListItems)
     throw ConstraintError("k must be in [1, " + std::to_string(kMaxListItems) + "], got " + std::to_string(k));
-  if (k > 1 && separator_.empty()) throw ConstraintError("the separator must not be empty when k > 1");
-  if (separator_.size() > kMaxItemBytes) throw ConstraintError("the separator is too long");
+  if (k > 1 && separator.empty()) throw ConstraintError("the separator must not be empty when k > 1");
+  if (separator.size() > kMaxItemBytes) throw ConstraintError("the separator is too long");
   size_t total = 0;
   std::array<bool, 256> used_bytes{};
   for (size_t i = 0; i < items.size(); ++i) {
@@ -173,27 +171,39 @@ ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vect
     throw ConstraintError("the catalogue is " + std::to_string(total) + " bytes, over the limit of " +
                           std::to_string(kMaxCatalogueBytes));
   if (k > 1)
-    for (char c : separator_) used_bytes[static_cast<uint8_t>(c)] = true;
+    for (char c : separator) used_bytes[static_cast<uint8_t>(c)] = true;
   for (int b = 0; b < 256; ++b) {
-    if (used_bytes[static_cast<size_t>(b)] && !this->vocab().has_byte_token(static_cast<uint8_t>(b)))
+    if (used_bytes[static_cast<size_t>(b)] && !vocab.has_byte_token(static_cast<uint8_t>(b)))
       throw ConstraintError("catalogue constraints need a single-byte token for every byte of the items and "
                             "separator; the vocabulary has none for byte " + std::to_string(b));
   }
+}
+
+}  // namespace
+
+ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vector<std::string> items, int k,
+                                   std::string separator, bool distinct)
+    : Constraint(std::move(vocab)),
+      k_(k),
+      separator_(std::move(separator)),
+      // With one item nothing can repeat: distinct adds nothing.
+      distinct_(distinct && k > 1),
+      cache_(this->vocab().num_words()) {
+  CheckCatalogue(items, k, separator_, this->vocab());
   std::sort(items.begin(), items.end());
   items.erase(std::unique(items.begin(), items.end()), items.end());
   if (distinct_ && static_cast<size_t>(k) > items.size())
     throw ConstraintError("k=" + std::to_string(k) + " distinct items requested but the catalogue has only " +
                           std::to_string(items.size()) + " distinct items");
   trie_ = CatalogueTrie(items);
-  if (k > 1) {
-    for (int32_t n = 0; n < trie_.num_nodes(); ++n) {
-      const int32_t child = trie_.terminal(n) ? trie_.Child(n, static_cast<uint8_t>(separator_[0])) : -1;
-      if (child >= 0)
-        throw ConstraintError("catalogue items \"" + items[static_cast<size_t>(trie_.first_item(n))] + "\" and \"" +
-                              items[static_cast<size_t>(trie_.first_item(child))] +
-                              "\" are ambiguous with the separator: an item followed by the separator's "
-                              "first byte is a prefix of another item");
-    }
+  // Next() assumes that at an item's end the separator cannot also continue another item.
+  for (int32_t n = 0; k > 1 && n < trie_.num_nodes(); ++n) {
+    const int32_t child = trie_.terminal(n) ? trie_.Child(n, static_cast<uint8_t>(separator_[0])) : -1;
+    if (child >= 0)
+      throw ConstraintError("catalogue items \"" + items[static_cast<size_t>(trie_.first_item(n))] + "\" and \"" +
+                            items[static_cast<size_t>(trie_.first_item(child))] +
+                            "\" are ambiguous with the separator: an item followed by the separator's "
+                            "first byte is a prefix of another item");
   }
   min_item_len_ = INT32_MAX;
   max_item_len_ = 0;
@@ -202,35 +212,36 @@ ChoiceConstraint::ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vect
     max_item_len_ = std::max(max_item_len_, trie_.item_len(r));
   }
   left_cap_ = separator_.empty() ? 1 : this->vocab().trie().max_depth() / static_cast<int32_t>(separator_.size()) + 1;
-  if (distinct_) {
-    by_length_.resize(static_cast<size_t>(trie_.num_items()));
-    for (int32_t r = 0; r < trie_.num_items(); ++r) by_length_[static_cast<size_t>(r)] = r;
-    std::stable_sort(by_length_.begin(), by_length_.end(),
-                     [&](int32_t a, int32_t b) { return trie_.item_len(a) < trie_.item_len(b); });
-    shortest_prefix_.assign(static_cast<size_t>(k) + 1, 0);
-    for (int i = 0; i < k; ++i)
-      shortest_prefix_[static_cast<size_t>(i) + 1] =
-          shortest_prefix_[static_cast<size_t>(i)] + trie_.item_len(by_length_[static_cast<size_t>(i)]);
-    tree_leaves_ = 1;
-    while (tree_leaves_ < trie_.num_items()) tree_leaves_ *= 2;
-    length_tree_.assign(2 * static_cast<size_t>(tree_leaves_), UINT16_MAX);
-    for (int32_t r = 0; r < trie_.num_items(); ++r)
-      length_tree_[static_cast<size_t>(tree_leaves_ + r)] = static_cast<uint16_t>(trie_.item_len(r));
-    for (int32_t i = tree_leaves_ - 1; i > 0; --i)
-      length_tree_[static_cast<size_t>(i)] =
-          std::min(length_tree_[2 * static_cast<size_t>(i)], length_tree_[2 * static_cast<size_t>(i) + 1]);
-    // Vocab trie nodes with the separator's first byte somewhere below (children first in a
-    // reverse preorder scan).
-    const VocabTrie& vtrie = this->vocab().trie();
-    const VocabTrie::Node* nodes = vtrie.nodes();
-    const auto sep0 = static_cast<uint8_t>(separator_[0]);
-    separator_below_.assign(static_cast<size_t>(vtrie.num_nodes()), 0);
-    for (int32_t i = vtrie.num_nodes() - 1; i >= 0; --i) {
-      for (int32_t c = i + 1; c < nodes[i].skip; c = nodes[c].skip) {
-        if (nodes[c].byte == sep0 || separator_below_[static_cast<size_t>(c)]) {
-          separator_below_[static_cast<size_t>(i)] = 1;
-          break;
-        }
+  if (distinct_) BuildDistinctIndex();
+}
+
+void ChoiceConstraint::BuildDistinctIndex() {
+  by_length_.resize(static_cast<size_t>(trie_.num_items()));
+  for (int32_t r = 0; r < trie_.num_items(); ++r) by_length_[static_cast<size_t>(r)] = r;
+  std::stable_sort(by_length_.begin(), by_length_.end(),
+                   [&](int32_t a, int32_t b) { return trie_.item_len(a) < trie_.item_len(b); });
+  shortest_prefix_.assign(static_cast<size_t>(k_) + 1, 0);
+  for (int i = 0; i < k_; ++i)
+    shortest_prefix_[static_cast<size_t>(i) + 1] =
+        shortest_prefix_[static_cast<size_t>(i)] + trie_.item_len(by_length_[static_cast<size_t>(i)]);
+  tree_leaves_ = 1;
+  while (tree_leaves_ < trie_.num_items()) tree_leaves_ *= 2;
+  length_tree_.assign(2 * static_cast<size_t>(tree_leaves_), UINT16_MAX);
+  for (int32_t r = 0; r < trie_.num_items(); ++r)
+    length_tree_[static_cast<size_t>(tree_leaves_ + r)] = static_cast<uint16_t>(trie_.item_len(r));
+  for (int32_t i = tree_leaves_ - 1; i > 0; --i)
+    length_tree_[static_cast<size_t>(i)] =
+        std::min(length_tree_[2 * static_cast<size_t>(i)], length_tree_[2 * static_cast<size_t>(i) + 1]);
+  // Children come after their parent in preorder: a reverse scan sees them first.
+  const VocabTrie& vtrie = vocab().trie();
+  const VocabTrie::Node* nodes = vtrie.nodes();
+  const auto sep0 = static_cast<uint8_t>(separator_[0]);
+  separator_below_.assign(static_cast<size_t>(vtrie.num_nodes()), 0);
+  for (int32_t i = vtrie.num_nodes() - 1; i >= 0; --i) {
+    for (int32_t c = i + 1; c < nodes[i].skip; c = nodes[c].skip) {
+      if (nodes[c].byte == sep0 || separator_below_[static_cast<size_t>(c)]) {
+        separator_below_[static_cast<size_t>(i)] = 1;
+        break;
       }
     }
   }
@@ -244,13 +255,13 @@ ChoiceConstraint::Step ChoiceConstraint::Next(const Step& from, uint8_t byte, Us
     s.pos = trie_.Child(from.pos, byte);
     if (s.pos < 0 && trie_.terminal(from.pos) && from.left > 0 && byte == static_cast<uint8_t>(separator_[0])) {
       s.done = trie_.first_item(from.pos);
-      s.pos = sep_len == 1 ? 0 : trie_.num_nodes() + 1;
+      s.pos = sep_len == 1 ? kRoot : trie_.num_nodes() + 1;
       if (sep_len == 1) --s.left;
     }
   } else {
     const int32_t matched = from.pos - trie_.num_nodes();
     if (byte == static_cast<uint8_t>(separator_[static_cast<size_t>(matched)])) {
-      s.pos = matched + 1 == sep_len ? 0 : from.pos + 1;
+      s.pos = matched + 1 == sep_len ? kRoot : from.pos + 1;
       if (matched + 1 == sep_len) --s.left;
     }
   }

@@ -34,6 +34,7 @@ namespace paved::constraints {
 // items of a subtree are the contiguous ranks [first_item(n), first_item(end(n))).
 class CatalogueTrie {
  public:
+  CatalogueTrie() = default;
   explicit CatalogueTrie(const std::vector<std::string>& sorted_unique_items);
 
   int32_t num_nodes() const { return static_cast<int32_t>(end_.size()); }
@@ -65,10 +66,10 @@ class CatalogueTrie {
 
 class ChoiceConstraint final : public Constraint {
  public:
-  // A position in the output: trie node or separator progress, and separators still to come.
+  // A position in the output.
   struct Position {
-    int32_t pos;
-    int32_t left;
+    int32_t pos;   // a catalogue trie node, or num_nodes + j: j bytes of a separator matched
+    int32_t left;  // separators still to come (items still to complete after this one)
   };
 
   ChoiceConstraint(std::shared_ptr<const Vocab> vocab, std::vector<std::string> items, int k,
@@ -77,7 +78,7 @@ class ChoiceConstraint final : public Constraint {
   int64_t min_tokens() const override;
   ConstraintStats stats() const override;
 
-  Position start() const { return {0, k_ - 1}; }
+  Position start() const { return {kRoot, k_ - 1}; }
   bool Accepting(Position p, const std::vector<int32_t>& used) const;
   // See State::AutomatonMask. `used`: sorted ranks of completed items (distinct mode).
   const uint32_t* Mask(Position p, const std::vector<int32_t>& used, int64_t limit, uint32_t* scratch,
@@ -92,7 +93,9 @@ class ChoiceConstraint final : public Constraint {
  private:
   struct Step;
   class UsedSet;
+  static constexpr int32_t kRoot = 0;  // the trie root: the start of an item
 
+  void BuildDistinctIndex();
   bool IsTrieNode(int32_t pos) const { return pos < trie_.num_nodes(); }
   Step Next(const Step& from, uint8_t byte, UsedSet* used) const;
   int64_t Distance(Position p, const UsedSet* used) const;

@@ -77,14 +77,7 @@ class SchemaLowering {
     }
     if (schema.type != Type::kObject) Fail("a schema must be an object or a boolean", path);
 
-    std::vector<std::string> keywords;  // the non-annotation keywords present
-    for (const auto& [key, value] : schema.members) {
-      if (Annotations().count(key)) continue;
-      if (!SupportedKeywords().count(key)) Fail("unsupported JSON Schema keyword '" + key + "'", path);
-      keywords.push_back(key);
-    }
-    const auto has = [&](const char* k) { return schema.Find(k) != nullptr; };
-
+    const std::vector<std::string> keywords = CheckKeywords(schema, path);
     if (const JsonValue* ref = schema.Find("$ref")) {
       RequireAlone(keywords, "$ref", path);
       return LowerRef(*ref, path, depth);
@@ -110,30 +103,8 @@ class SchemaLowering {
       for (const JsonValue& v : e->items) values.push_back(Literal(v));
       return ast_->Alt(std::move(values));
     }
-
-    std::vector<std::string> types;
-    if (const JsonValue* t = schema.Find("type")) {
-      if (t->type == Type::kString) {
-        types.push_back(t->text);
-      } else if (t->type == Type::kArray && !t->items.empty()) {
-        for (const JsonValue& name : t->items) {
-          if (name.type != Type::kString) Fail("'type' must be a string or a list of strings", path);
-          types.push_back(name.text);
-        }
-      } else {
-        Fail("'type' must be a string or a non-empty list of strings", path);
-      }
-    } else if (has("properties") || has("required") || has("additionalProperties")) {
-      types.push_back("object");
-    } else if (has("items") || has("minItems") || has("maxItems")) {
-      types.push_back("array");
-    } else if (has("minLength") || has("maxLength") || has("pattern") || has("format")) {
-      types.push_back("string");
-    } else if (has("minimum") || has("maximum") || has("exclusiveMinimum") || has("exclusiveMaximum")) {
-      types.push_back("number");
-    } else {
-      return AnyValue(kAnyJsonDepth);
-    }
+    const std::vector<std::string> types = Types(schema, path);
+    if (types.empty()) return AnyValue(kAnyJsonDepth);
     std::vector<int> alternatives;
     for (const std::string& type : types) alternatives.push_back(LowerType(schema, type, path, depth));
     return ast_->Alt(std::move(alternatives));
@@ -142,6 +113,41 @@ class SchemaLowering {
  private:
   [[noreturn]] static void Fail(const std::string& what, const std::string& path) {
     throw ConstraintError(what + " at " + path);
+  }
+
+  // The non-annotation keywords of `schema`; an error for any unsupported one.
+  static std::vector<std::string> CheckKeywords(const JsonValue& schema, const std::string& path) {
+    std::vector<std::string> keywords;
+    for (const auto& member : schema.members) {
+      const std::string& key = member.first;
+      if (Annotations().count(key)) continue;
+      if (!SupportedKeywords().count(key)) Fail("unsupported JSON Schema keyword '" + key + "'", path);
+      keywords.push_back(key);
+    }
+    return keywords;
+  }
+
+  // The instance types: "type" (a name or a list), else inferred from the keywords present;
+  // empty for a schema that accepts any value.
+  static std::vector<std::string> Types(const JsonValue& schema, const std::string& path) {
+    const auto has = [&](const char* k) { return schema.Find(k) != nullptr; };
+    const JsonValue* t = schema.Find("type");
+    if (t == nullptr) {
+      if (has("properties") || has("required") || has("additionalProperties")) return {"object"};
+      if (has("items") || has("minItems") || has("maxItems")) return {"array"};
+      if (has("minLength") || has("maxLength") || has("pattern") || has("format")) return {"string"};
+      if (has("minimum") || has("maximum") || has("exclusiveMinimum") || has("exclusiveMaximum")) return {"number"};
+      return {};
+    }
+    if (t->type == Type::kString) return {t->text};
+    if (t->type != Type::kArray || t->items.empty())
+      Fail("'type' must be a string or a non-empty list of strings", path);
+    std::vector<std::string> types;
+    for (const JsonValue& name : t->items) {
+      if (name.type != Type::kString) Fail("'type' must be a string or a non-empty list of strings", path);
+      types.push_back(name.text);
+    }
+    return types;
   }
 
   static void RequireAlone(const std::vector<std::string>& keywords, const char* keyword,
