@@ -24,7 +24,8 @@
 //
 // Whitespace: "compact" (none: {"a":1,"b":[1,2]}), "standard" (Python json.dumps style:
 // {"a": 1, "b": [1, 2]}), or "free" (up to kFreeWhitespaceMax of space, \t, \n, \r wherever JSON
-// allows whitespace inside the value; none before or after it).
+// allows whitespace inside the value, twice that inside an empty object or array; none before
+// or after the value).
 #ifndef PAVED_CC_CONSTRAINTS_JSON_SCHEMA_H_
 #define PAVED_CC_CONSTRAINTS_JSON_SCHEMA_H_
 

@@ -176,8 +176,11 @@ PYBIND11_MODULE(_paved_constraints, m) {
       py::arg("schema_json"), "Raise ValueError if the JSON Schema is invalid, unsupported or too large.");
 
   py::class_<Vocab, std::shared_ptr<Vocab>>(m, "Vocab", "A tokenizer vocabulary: token id -> bytes, and EOS ids.")
-      .def(py::init(&MakeVocab), py::arg("token_bytes"), py::arg("eos_token_ids"), py::arg("vocab_size") = py::none())
-      .def_property_readonly("size", &Vocab::size);
+      .def(py::init(&MakeVocab), py::arg("token_bytes"), py::arg("eos_token_ids"), py::arg("vocab_size") = py::none(),
+           "token_bytes[id] is the token's bytes (b'' for special tokens); vocab_size (default "
+           "len(token_bytes)) may be larger, e.g. a model's padded vocabulary. Ids without bytes are never "
+           "allowed, except EOS ids in accepting states.")
+      .def_property_readonly("size", &Vocab::size, "The (padded) vocabulary size V.");
 
   py::class_<Constraint, std::shared_ptr<Constraint>>(
       m, "Constraint", "An immutable compiled constraint, thread-safe and shared across requests.")
@@ -187,7 +190,7 @@ PYBIND11_MODULE(_paved_constraints, m) {
             py::gil_scoped_release release;
             return CompileRegex(std::move(vocab), pattern);
           },
-          py::arg("vocab"), py::arg("pattern"))
+          py::arg("vocab"), py::arg("pattern"), "Full-match regex (see cc/constraints/README.md for the subset).")
       .def_static(
           "json_schema",
           [](std::shared_ptr<Vocab> vocab, const std::string& schema_json, const std::string& whitespace) {
@@ -195,7 +198,8 @@ PYBIND11_MODULE(_paved_constraints, m) {
             py::gil_scoped_release release;
             return CompileJsonSchema(std::move(vocab), schema_json, ws);
           },
-          py::arg("vocab"), py::arg("schema_json"), py::arg("whitespace") = "compact")
+          py::arg("vocab"), py::arg("schema_json"), py::arg("whitespace") = "compact",
+          "JSON text valid for the schema; whitespace is 'compact', 'standard' or 'free'.")
       .def_static(
           "choice",
           [](std::shared_ptr<Vocab> vocab, std::vector<std::string> items, int k, std::string separator,
@@ -204,14 +208,16 @@ PYBIND11_MODULE(_paved_constraints, m) {
             return CompileChoice(std::move(vocab), std::move(items), k, std::move(separator), distinct);
           },
           py::arg("vocab"), py::arg("items"), py::arg("k") = 1, py::arg("separator") = ", ",
-          py::arg("distinct") = false)
+          py::arg("distinct") = false, "Exactly k catalogue items joined by separator, optionally all distinct.")
       .def(
           "new_state",
           [](const Constraint& c, std::optional<int64_t> max_tokens) {
             return std::shared_ptr<State>(c.NewState(max_tokens));
           },
-          py::arg("max_tokens") = py::none())
-      .def("stats", &Stats);
+          py::arg("max_tokens") = py::none(),
+          "A per-request state. With max_tokens, the output always ends with EOS within that many tokens; "
+          "raises ValueError if max_tokens < stats()['min_tokens'].")
+      .def("stats", &Stats, "Automaton size, shortest output (min_tokens) and mask cache counters.");
 
   py::class_<State, std::shared_ptr<State>>(m, "State", "Per-request automaton state (not thread-safe).")
       .def(
@@ -222,13 +228,13 @@ PYBIND11_MODULE(_paved_constraints, m) {
                                     std::to_string(s.vocab().size()) + ")");
             return s.Advance(static_cast<int32_t>(token_id));
           },
-          py::arg("token_id"))
-      .def("reset", &State::Reset)
+          py::arg("token_id"), "Consume token_id if allowed; False (state unchanged) otherwise.")
+      .def("reset", &State::Reset, "Back to the start with nothing generated (preemption replay).")
       .def_property_readonly("is_accepting", &State::is_accepting)
       .def_property_readonly("is_finished", &State::is_finished)
       .def_property_readonly("num_generated", &State::num_generated)
       .def_property_readonly("max_tokens", &State::max_tokens)
-      .def("allowed_tokens", &State::AllowedTokens)
+      .def("allowed_tokens", &State::AllowedTokens, "Allowed token ids, ascending.")
       .def(
           "fill_bitmask_row",
           [](const State& s, py::array row) {
@@ -237,7 +243,7 @@ PYBIND11_MODULE(_paved_constraints, m) {
             py::gil_scoped_release release;
             s.FillMask(out);
           },
-          py::arg("row"));
+          py::arg("row"), "Write the allowed-token bitmask into an int32 array of ceil(V/32) words.");
 
   py::class_<BatchMasker>(m, "BatchMasker", "Fills masks for a whole batch with a persistent thread pool.")
       .def(py::init([](int64_t vocab_size, int64_t num_threads) {
@@ -246,7 +252,8 @@ PYBIND11_MODULE(_paved_constraints, m) {
              if (num_threads < 1 || num_threads > 256) throw ConstraintError("num_threads must be in [1, 256]");
              return std::make_unique<BatchMasker>(static_cast<int32_t>(vocab_size), static_cast<int>(num_threads));
            }),
-           py::arg("vocab_size"), py::arg("num_threads") = 2)
+           py::arg("vocab_size"), py::arg("num_threads") = 2,
+           "num_threads counts the calling thread; the others are persistent workers.")
       .def(
           "fill_bitmask",
           [](BatchMasker& masker, const py::sequence& states, py::array bitmask) {
@@ -255,7 +262,8 @@ PYBIND11_MODULE(_paved_constraints, m) {
             auto* out = static_cast<int32_t*>(bitmask.mutable_data());
             RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.FillBitmask(rows, n, out); });
           },
-          py::arg("states"), py::arg("bitmask"))
+          py::arg("states"), py::arg("bitmask"),
+          "Fill int32 bitmask [len(states), ceil(V/32)]; rows whose state is None allow every token.")
       .def(
           "apply",
           [](BatchMasker& masker, const py::sequence& states, py::array logits) {
@@ -264,5 +272,6 @@ PYBIND11_MODULE(_paved_constraints, m) {
             auto* out = static_cast<float*>(logits.mutable_data());
             RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.Apply(rows, n, out); });
           },
-          py::arg("states"), py::arg("logits"));
+          py::arg("states"), py::arg("logits"),
+          "Set -inf in float32 logits [len(states), V] where not allowed; rows whose state is None are untouched.");
 }
