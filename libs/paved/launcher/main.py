@@ -449,10 +449,20 @@ class Launcher:
         vLLM's final error often only says "see root cause above"."""
         lines = [ln for ln in self.child_tail if ln.strip()]
         errors: list[str] = []
-        for ln in lines:
+        for i, ln in enumerate(lines):
             m = _EXCEPTION_LINE.search(ln)
-            if m and m.group(1) not in errors:
-                errors.append(m.group(1))
+            if not m:
+                continue
+            error = m.group(1)
+            # A multi-line message (pydantic's ValidationError): keep its first detail line.
+            if (
+                i + 1 < len(lines)
+                and lines[i + 1][:1].isspace()
+                and not lines[i + 1].lstrip().startswith("File ")
+            ):
+                error += ": " + lines[i + 1].strip()[:400]
+            if error not in errors:
+                errors.append(error)
         if errors:
             return " -> ".join(errors if len(errors) <= 3 else [errors[0], *errors[-2:]])
         return " | ".join(lines[-3:]) or "no output"

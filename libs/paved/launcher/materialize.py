@@ -220,25 +220,23 @@ class Materializer:
         return m
 
     def _needs(self, uri: str, package: ModelPackage, from_tar: bool) -> list[_Need]:
+        """One entry per distinct blob, located by an absolute uri or a package-relative path."""
         needs: dict[str, _Need] = {}
 
-        def add(rel_base: str, rel: str, sha: str, size: int, label: str) -> None:
+        def add(sha: str, size: int, label: str, where: str) -> None:
             if sha in needs:
                 return
-            if is_absolute_uri(rel_base):
-                needs[sha] = _Need(sha, size, label, uri=join_uri(rel_base, rel))
+            if is_absolute_uri(where):
+                needs[sha] = _Need(sha, size, label, uri=where)
             elif from_tar:
-                needs[sha] = _Need(sha, size, label, member=join_uri(rel_base, rel))
+                needs[sha] = _Need(sha, size, label, member=where)
             else:
-                needs[sha] = _Need(sha, size, label, uri=join_uri(join_uri(uri, rel_base), rel))
+                needs[sha] = _Need(sha, size, label, uri=join_uri(uri, where))
 
         for artifact, entry in package.model_files():
-            add(artifact.uri, entry.path, entry.sha256, entry.size, entry.path)
+            add(entry.sha256, entry.size, entry.path, join_uri(artifact.uri, entry.path))
         for wheel in package.plugins:
-            if is_absolute_uri(wheel.uri):
-                add(os.path.dirname(wheel.uri), wheel.filename, wheel.sha256, wheel.size, wheel.filename)
-            else:
-                add(".", wheel.uri, wheel.sha256, wheel.size, wheel.filename)
+            add(wheel.sha256, wheel.size, wheel.filename, wheel.uri)
         return list(needs.values())
 
     def _obtain(self, needs: list[_Need], tar: tarfile.TarFile | None) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from paved.launcher.build import build_package, upload_package
 from paved.launcher.cache import Cache
 from paved.launcher.materialize import ChecksumError, Materializer
 from paved.launcher.storage import Downloader, TransferConfig, make_s3_client
-from paved.launcher.testing import CREDENTIALS, FlakyProxy, MotoServer, subprocess_env
+from paved.launcher.testing import CREDENTIALS, FlakyProxy, MotoServer, make_wheel, subprocess_env
 from paved.testing.fixtures import tiny_model_dir
 
 for _k, _v in CREDENTIALS.items():
@@ -35,13 +35,15 @@ def s3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_pkg(tmp_path_factory, s3):
-    """The tiny model plus a 3 MiB random shard (split into ranged parts with 1 MiB parts)."""
+    """The tiny model plus a 3 MiB random shard (split into ranged parts with 1 MiB parts) and
+    a plugin wheel."""
     hf = tmp_path_factory.mktemp("hf")
     for name in os.listdir(tiny_model_dir()):
         os.symlink(os.path.join(tiny_model_dir(), name), hf / name)
     (hf / "extra.bin").write_bytes(os.urandom(3 * MiB + 12345))
+    wheel = make_wheel(str(tmp_path_factory.mktemp("wheels")), "p", "1", {"p.py": "x = 1\n"}, {})
     out = tmp_path_factory.mktemp("pkg") / "tiny"
-    pkg = build_package(str(hf), str(out), "tiny", "1", {"max_model_len": 512})
+    pkg = build_package(str(hf), str(out), "tiny", "1", {"max_model_len": 512}, plugin_wheels=(wheel,))
     upload_package(str(out), "s3://models/tiny/1", s3.client())
     return pkg, out
 
@@ -73,6 +75,10 @@ def test_cold_then_warm_start_without_network(tmp_path, s3, tiny_pkg, caplog):
     # Exactly the package's files, byte for byte, in one HF directory.
     expected = {f.path: f.sha256 for _, f in pkg.model_files()}
     assert _dir_digest(cold.model_dir) == expected
+    # The wheel, fetched from the package's plugins/ prefix, is installed beside the model.
+    with open(os.path.join(cold.plugin_dir, "p.py")) as fh:
+        assert fh.read() == "x = 1\n"
+    assert os.path.isfile(os.path.join(cold.plugin_dir, "p-1.dist-info", "METADATA"))
     # The 3 MiB shard went as 4 ranged GETs; every other file as one GET.
     gets = s3.requests("GET", "/models/tiny/1/")
     assert sum(1 for _, p, _ in gets if p.endswith("extra.bin")) == 4
