@@ -77,7 +77,6 @@ class State {
   int64_t num_generated() const { return num_generated_; }
   std::optional<int64_t> max_tokens() const { return max_tokens_; }
   const Vocab& vocab() const { return constraint_->vocab(); }
-  const Constraint& constraint() const { return *constraint_; }
 
   // The allowed-token mask (vocab().num_words() words): either a cached mask, kept alive by
   // *hold, or `scratch` filled in. Allocation-free once the automaton state's mask is cached.

@@ -271,10 +271,6 @@ const JsonValue* JsonValue::Find(const std::string& key) const {
   return nullptr;
 }
 
-bool JsonValue::is_integer() const {
-  return type == Type::kNumber && text.find_first_of(".eE") == std::string::npos;
-}
-
 JsonValue ParseJson(const std::string& text) { return JsonParser(text).ParseDocument(); }
 
 std::string SerializeJson(const JsonValue& value, const std::string& item_sep, const std::string& key_sep) {

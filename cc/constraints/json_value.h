@@ -19,7 +19,6 @@ struct JsonValue {
   std::vector<std::pair<std::string, JsonValue>> members;
 
   const JsonValue* Find(const std::string& key) const;
-  bool is_integer() const;  // a number without fraction or exponent
 };
 
 // Throws ConstraintError with the byte offset of the first error. Duplicate keys are errors.

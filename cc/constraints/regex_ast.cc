@@ -106,12 +106,6 @@ CharSet CharSet::Intersect(const CharSet& other) const {
   return out;
 }
 
-bool CharSet::Contains(uint32_t cp) const {
-  auto it = std::upper_bound(ranges_.begin(), ranges_.end(), cp,
-                             [](uint32_t v, const Range& r) { return v < r.lo; });
-  return it != ranges_.begin() && std::prev(it)->hi >= cp;
-}
-
 void CharSet::Normalize() {
   // Cut out the surrogate block first, then sort and merge overlapping or adjacent ranges.
   std::vector<Range> cut;

@@ -47,7 +47,6 @@ class CharSet {
   CharSet Complement() const;
   CharSet Minus(const CharSet& other) const { return Intersect(other.Complement()); }
   CharSet Intersect(const CharSet& other) const;
-  bool Contains(uint32_t cp) const;
   bool empty() const { return ranges_.empty(); }
   const std::vector<Range>& ranges() const { return ranges_; }
 
