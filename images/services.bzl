@@ -7,6 +7,6 @@ SERVICES = {
     "launcher": "//services/launcher:launch",
     # Needs `visibility = ["//images:__pkg__"]` (or a public package) in services/frontend/BUILD.bazel:
     # "frontend": "//services/frontend:serve",
-    # "metrics_proxy": "//services/metrics_proxy:serve",
+    "metrics_proxy": "//services/metrics_proxy:serve",
     # "control_plane": "//services/control_plane:serve",
 }
