@@ -105,7 +105,15 @@ class _Engine:
         orig_prompt_len, budget = memory.first_seen(params, prompt_len, budget)
         prefix = list(prompt_ids[orig_prompt_len:]) if prompt_ids and prompt_len > orig_prompt_len else []
         constraint = self.cache.get(specs.spec_key(spec), spec)
-        return TrackedRequest(constraint.new_state(budget), prefix)
+        try:
+            state = constraint.new_state(budget)
+        except ValueError as e:
+            # The budget cannot fit even the shortest valid output. Enforce the constraint
+            # without budget-awareness: the output is cut at max_tokens and reported as
+            # finish_reason "length", as for any request that asks for too few tokens.
+            logger.warning("paved constraint: %s; enforcing it without a budget", e)
+            state = constraint.new_state(None)
+        return TrackedRequest(state, prefix)
 
     def mask(self, logits: torch.Tensor, states: list) -> None:
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
