@@ -14,7 +14,8 @@ One 32-feature row per request, from a lean KServe v2 client (raw gRPC stub):
   overhead   concurrency 1: median gRPC request latency vs median in-process
              `Booster.inplace_predict` of the same row (ratio = gRPC / in-process);
   batching   concurrency C (default 32): requests/s batched vs unbatched
-             (batching_gain_c32 = batched / unbatched); the server reports its batch sizes.
+             (batching_gain_c32 = batched / unbatched); the server reports its batch sizes;
+  ceiling    the same through `DynamicBatcher` in this process, without any transport.
 Every response is checked against in-process predictions (exact float32 equality). Runs are
 interleaved and the median of --repeats is reported; the machine's load average is printed,
 since on a shared machine it moves the absolute numbers. With --json the last stdout line
@@ -138,6 +139,42 @@ def _in_process_latency(booster, x: np.ndarray, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _in_process_batching(
+    booster, x: np.ndarray, config: dict, concurrency: int, total: int
+) -> dict[str, float]:
+    """Predictions/s through `DynamicBatcher` alone (no transport), coalescing on vs off: the
+    ceiling the gRPC numbers are measured against."""
+    from paved.kserve.batcher import DynamicBatcher
+
+    batching = config["dynamic_batching"]
+
+    async def run(coalesce: bool) -> float:
+        batcher = DynamicBatcher(
+            booster.inplace_predict,
+            name="bench",
+            max_batch_size=config["max_batch_size"],
+            max_queue_delay_s=batching["max_queue_delay_microseconds"] / 1e6,
+            preferred_batch_sizes=batching["preferred_batch_size"],
+            coalesce=coalesce,
+        )
+        next_index = 0
+
+        async def worker() -> None:
+            nonlocal next_index
+            while next_index < total:
+                i = next_index % len(x)
+                next_index += 1
+                await batcher.submit(x[i : i + 1])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+        await batcher.close()
+        return total / seconds
+
+    return {"batched": asyncio.run(run(True)), "unbatched": asyncio.run(run(False))}
+
+
 def measure(source: str, args: argparse.Namespace) -> dict:
     """Overhead and batching numbers for one model directory (its own server process)."""
     import xgboost
@@ -190,9 +227,10 @@ def measure(source: str, args: argparse.Namespace) -> dict:
     in_process_us = _in_process_latency(booster, x, 1000) * 1e6
     sizes = batches.get("batched", {})
     with open(os.path.join(source, "config.json")) as f:
-        name = json.load(f)["name"]
+        config = json.load(f)
+    local = _in_process_batching(booster, x, config, c, max(args.requests // 2, 400))
     return {
-        "model": name,
+        "model": config["name"],
         "trees": booster.num_boosted_rounds() * len(expected[0]),
         "in_process_predict_p50_us": round(in_process_us, 1),
         "grpc_p50_us": round(results["grpc_p50_us"], 1),
@@ -204,6 +242,9 @@ def measure(source: str, args: argparse.Namespace) -> dict:
         f"unbatched_p99_ms_c{c}": round(results["unbatched_p99_ms"], 2),
         f"batching_gain_c{c}": round(results["batched_rps"] / results["unbatched_rps"], 2),
         "mean_batch_rows": round(sum(k * v for k, v in sizes.items()) / max(sum(sizes.values()), 1), 1),
+        f"in_process_batched_per_s_c{c}": round(local["batched"], 1),
+        f"in_process_unbatched_per_s_c{c}": round(local["unbatched"], 1),
+        f"in_process_batching_gain_c{c}": round(local["batched"] / local["unbatched"], 2),
     }
 
 
@@ -246,6 +287,12 @@ def main() -> int:
             f"  concurrency {c}: batched {batched:.0f} req/s (p99 {r[f'batched_p99_ms_c{c}']} ms, mean batch "
             f"{r['mean_batch_rows']} rows), unbatched {unbatched:.0f} req/s "
             f"(p99 {r[f'unbatched_p99_ms_c{c}']} ms) -> batching gain x{r[f'batching_gain_c{c}']}",
+            flush=True,
+        )
+        print(
+            f"  without transport (DynamicBatcher in process, c={c}): "
+            f"{r[f'in_process_batched_per_s_c{c}']:.0f} vs {r[f'in_process_unbatched_per_s_c{c}']:.0f} "
+            f"predictions/s -> x{r[f'in_process_batching_gain_c{c}']}",
             flush=True,
         )
     head = per_model[0]
