@@ -70,8 +70,10 @@ def build_package(
     engine_args: dict[str, Any] | None = None,
     mode: str = "embedded",
     plugin_wheels: tuple[str, ...] = (),
+    link: bool = False,
 ) -> ModelPackage:
-    """Write a package directory (or tarball if `out` ends in .tar/.tar.gz/.tgz)."""
+    """Write a package directory (or tarball if `out` ends in .tar/.tar.gz/.tgz). With `link`,
+    a package directory hardlinks the source files where it can instead of copying them."""
     hf_dir = os.path.realpath(hf_dir)
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
@@ -111,6 +113,12 @@ def build_package(
         for rel, src in placed:
             dest = os.path.join(out, *rel.split("/"))
             os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if link:
+                try:
+                    os.link(src, dest)
+                    continue
+                except OSError:
+                    pass
             shutil.copyfile(src, dest)
         with open(os.path.join(out, MODEL_JSON), "wb") as f:
             f.write(manifest)
