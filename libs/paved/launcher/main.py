@@ -120,8 +120,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--admin-port", type=int, help="control-plane port: /health/live, /health/ready, /status")
     e.add_argument(
         "--child-cmd",
-        help="serve with this command instead; placeholders {python} {model_dir} {model_id} {http_port} "
-        "{grpc_port}; it must answer --ready-path with 200 once ready",
+        help="serve with this command instead; placeholders {python} {model_dir} {model_id} {config} "
+        "(the frontend's JSON config) {http_port} {grpc_port}; it must answer --ready-path with 200 "
+        "once ready",
     )
     e.add_argument("--ready-path", help="readiness path of the child (default /health/ready; vLLM: /health)")
     e.add_argument(
@@ -184,21 +185,22 @@ def child_spec(args: argparse.Namespace, m: Materialized, state_dir: str) -> Chi
         if not args.child_cmd or "{grpc_port}" not in args.child_cmd:
             raise LaunchError("--grpc-port needs a --child-cmd that serves gRPC on {grpc_port}")
         ports["grpc"] = free_port()
+    # The paved frontend's config file (also what `paved.kserve.main --llm-config` reads).
+    config = os.path.join(state_dir, "frontend.json")
+    with open(config, "w") as f:
+        json.dump(_frontend_config(m, ports["http"], args.drain_timeout), f, indent=2)
     if args.child_cmd:
         values = {
             "python": sys.executable,
             "model_dir": m.model_dir,
             "model_id": m.package.model_id,
+            "config": config,
             "http_port": ports["http"],
             "grpc_port": ports.get("grpc", ""),
         }
         argv = [part.format(**values) for part in shlex.split(args.child_cmd)]
         return ChildSpec(argv, args.ready_path or "/health/ready", ports)
-    mode = args.mode or m.package.mode
-    if mode == "embedded":
-        config = os.path.join(state_dir, "frontend.json")
-        with open(config, "w") as f:
-            json.dump(_frontend_config(m, ports["http"], args.drain_timeout), f, indent=2)
+    if (args.mode or m.package.mode) == "embedded":
         argv = [sys.executable, "-m", "paved.frontend.server", "--config", config]
         return ChildSpec(argv, args.ready_path or "/health/ready", ports)
     argv = [

@@ -68,6 +68,15 @@ class H(BaseHTTPRequestHandler):
             self.end_headers()
 
 draining = threading.Event()
+if len(sys.argv) > 5:  # a second, non-HTTP port (gRPC's place): a TCP echo server
+    import socketserver
+    class Echo(socketserver.BaseRequestHandler):
+        def handle(self):
+            while data := self.request.recv(65536):
+                self.request.sendall(data)
+    echo = socketserver.ThreadingTCPServer(("127.0.0.1", int(sys.argv[5])), Echo)
+    echo.daemon_threads = True
+    threading.Thread(target=echo.serve_forever, daemon=True).start()
 server = ThreadingHTTPServer(("127.0.0.1", port), H)
 server.daemon_threads = False
 def on_term(*_):
@@ -120,6 +129,8 @@ class PortWatch:
 def _launch(tmp_path, package, *, ready_after=1.5, mode="ok", extra=()):
     port, admin = free_port(), free_port()
     child = f"{{python}} {package / 'child.py'} {{http_port}} {ready_after} {mode} {{model_dir}}"
+    if "--grpc-port" in extra:
+        child += " {grpc_port}"
     args = [
         str(package / "pkg"), "--cache-dir", str(tmp_path / "cache"), "--port", str(port),
         "--admin-port", str(admin), "--child-cmd", child, *extra,
@@ -169,6 +180,38 @@ def test_public_port_opens_only_when_ready_and_relays(tmp_path, package):
         watch.stop()
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr()
+
+
+def test_a_second_port_is_gated_and_relayed_too(tmp_path, package):
+    grpc = free_port()
+    proc, _, _ = _launch(tmp_path, package, ready_after=1.5, extra=("--grpc-port", str(grpc)))
+    watch = PortWatch(grpc)
+    try:
+        m = proc.wait_line(
+            r"paved launcher: ready: fake:1 on http 127\.0\.0\.1:\d+, grpc 127\.0\.0\.1:(\d+)", 60
+        )
+        assert m, proc.stderr()
+        ready_seen = time.monotonic()
+        assert int(m.group(1)) == grpc
+        assert watch.accepted_at is None or watch.accepted_at >= ready_seen - 0.5
+        with socket.create_connection(("127.0.0.1", grpc), timeout=5) as s:
+            s.sendall(b"\x00\x00\x12PRI * HTTP/2.0")  # any bytes: a TCP splice
+            got = b""
+            while len(got) < 17:
+                got += s.recv(100)
+        assert got == b"\x00\x00\x12PRI * HTTP/2.0"
+    finally:
+        watch.stop()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr()
+
+
+def test_grpc_port_needs_a_child_that_serves_it(tmp_path, package):
+    port = free_port()
+    args = [str(package / "pkg"), "--cache-dir", str(tmp_path / "c"), "--port", str(port), "--grpc-port", "0"]
+    proc = LauncherProcess(args, str(tmp_path / "l.log"))
+    assert proc.wait(60) == 1
+    assert "--grpc-port needs a --child-cmd" in proc.stderr()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, package):
