@@ -241,6 +241,8 @@ class Launcher:
         self.child_tail: collections.deque[str] = collections.deque(maxlen=500)
         self._stop = asyncio.Event()
         self._stop_signal: str | None = None
+        # fd of the metrics dir lock, held (open) for the launcher's life.
+        self._metrics_lock: int | None = None
 
     # -- control plane ---------------------------------------------------------------------
     def ready(self) -> bool:

@@ -248,8 +248,9 @@ class Materializer:
         progress = Progress(sum(n.size for n in todo), label="materialize", tty=self.progress_tty)
         fetched_bytes = fetched_files = 0
         try:
+            theirs = []
             with ExitStack() as locks:
-                mine, theirs = [], []
+                mine = []
                 for n in todo:
                     lock = cache.lock(f"blob-{n.sha256}")
                     if lock.acquire(blocking=False):
@@ -260,14 +261,15 @@ class Materializer:
                 b, f = self._fetch_verified(mine, tar, progress)
                 fetched_bytes += b
                 fetched_files += f
-                for n, lock in theirs:  # being fetched by another launcher: wait, then reuse
-                    lock.acquire(
-                        waiting=lambda n=n: log.info("%s: another launcher is fetching it; waiting", n.label)
-                    )
-                    locks.callback(lock.release)
+            # Our blobs are committed and their locks released before waiting for anyone else's
+            # (two launchers each waiting for the other's blob would deadlock otherwise).
+            for n, lock in theirs:
+                with lock.held(
+                    waiting=lambda n=n: log.info("%s: another launcher is fetching it; waiting", n.label)
+                ):
                     if cache.has_blob(n.sha256, n.size):
                         progress.add(n.size)
-                    else:
+                    else:  # the other launcher failed: fetch it ourselves
                         b, f = self._fetch_verified([n], tar, progress)
                         fetched_bytes += b
                         fetched_files += f
