@@ -139,7 +139,10 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
         )
     if "response_format" in fields:
         fields["response_format"] = _json_value(fields["response_format"], f"{source}.response_format")
-    xargs = dict(_json_value(params.get("extra_args") or {}, f"{source}.extra_args"))
+    xargs = _json_value(params.get("extra_args") or {}, f"{source}.extra_args")
+    if not isinstance(xargs, dict):
+        raise invalid_argument(f"{source}.extra_args must be an object")
+    xargs = dict(xargs)
     if PAVED_CONSTRAINT in params:
         if PAVED_CONSTRAINT in xargs:
             raise invalid_argument(f"{source}: paved_constraint given twice (top level and in extra_args)")

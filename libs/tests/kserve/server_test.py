@@ -506,8 +506,11 @@ def test_cancelled_stream_aborts_the_engine_request(gc, engine):
 
 
 def test_unary_deadline_aborts_the_engine_request(gc, engine):
-    error = grpc_error(lambda: gc.infer(LLM, llm_inputs(grpcclient, "hang"), client_timeout=0.3))
+    before = len(engine.requests)
+    # Long enough to be admitted even on a busy machine; "hang" never finishes by itself.
+    error = grpc_error(lambda: gc.infer(LLM, llm_inputs(grpcclient, "hang"), client_timeout=2))
     assert error.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert len(engine.requests) == before + 1
     admitted = engine.requests[-1].request_id
     assert wait_for(lambda: admitted in engine.aborted), engine.aborted
 
@@ -577,8 +580,10 @@ def test_busy_port_fails_at_start(loop, server):
 def test_http_client_disconnect_aborts_the_engine_request(server, engine):
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{LLM}"
     body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hang"]}]}
+    before = len(engine.requests)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/infer", json=body, timeout=0.5)
+        httpx.post(f"{url}/infer", json=body, timeout=2)
+    assert len(engine.requests) == before + 1
     admitted = engine.requests[-1].request_id
     assert wait_for(lambda: admitted in engine.aborted), engine.aborted
 
