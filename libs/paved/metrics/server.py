@@ -28,6 +28,9 @@ def make_server(proxy: MetricsProxy, host: str, port: int) -> ThreadingHTTPServe
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "paved-metrics-proxy"
+        # Headers and body leave in one write (flushed when the request is done), no Nagle delay.
+        wbufsize = 1 << 20
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt: str, *args: object) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
