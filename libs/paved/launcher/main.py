@@ -304,7 +304,11 @@ class Launcher:
         admin = None
         if args.admin_port is not None:
             admin = AdminServer(self.status, self.ready)
-            await admin.start(args.admin_host, args.admin_port)
+            try:
+                await admin.start(args.admin_host, args.admin_port)
+            except OSError as e:
+                print(f"launcher: start failed: cannot bind the admin port: {e}", file=sys.stderr, flush=True)
+                return EXIT_FAILED
             log.info("admin endpoints on http://%s:%d (/health/ready, /status)", *admin.address)
         state_dir = tempfile.mkdtemp(prefix="paved-launcher-")
         try:
@@ -313,7 +317,8 @@ class Launcher:
             self.reason = str(e)
             self._set_phase("failed")
             log.error("FAILED: %s", e)
-            print(f"launcher: start failed: {e}", file=sys.stderr, flush=True)
+            what = "failed" if "ready" in self.timings else "start failed"
+            print(f"launcher: {what}: {e}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         finally:
             await self._kill_child()

@@ -86,6 +86,12 @@ def on_term(*_):
     draining.set()
     threading.Thread(target=server.shutdown).start()
 signal.signal(signal.SIGTERM, on_term)
+if mode == "crash":  # serves, then dies on its own after a while
+    def crash():
+        time.sleep(ready_after + 1.0)
+        print("RuntimeError: engine core died unexpectedly", flush=True)
+        os._exit(7)
+    threading.Thread(target=crash, daemon=True).start()
 server.serve_forever()
 server.server_close()  # joins the request threads: in-flight requests finish
 print("fake engine: drained", flush=True)
@@ -252,6 +258,18 @@ def test_engine_start_failure_exits_1_with_reason_and_port_never_opened(tmp_path
     assert "start failed: the engine failed to start (exit code 3)" in err
     assert "RuntimeError: CUDA out of memory while loading weights" in err.splitlines()[-1]
     assert watch.accepted_at is None, "the public port was opened"
+
+
+def test_engine_dying_while_serving_exits_1(tmp_path, package):
+    proc, port, _ = _launch(tmp_path, package, ready_after=0.3, mode="crash")
+    assert proc.wait_line(r"paved launcher: ready", 60), proc.stderr()
+    assert proc.wait(30) == 1
+    last = proc.stderr().strip().splitlines()[-1]
+    assert last == (
+        "launcher: failed: the engine process exited (code 7): RuntimeError: engine core died unexpectedly"
+    ), last
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 def test_drain_deadline_kills_a_stuck_engine_and_exits_1(tmp_path, package):
