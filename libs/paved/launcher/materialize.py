@@ -14,6 +14,7 @@ match is fetched once more (a flip in transit), then the start fails; nothing pa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from paved.launcher import plugins
+from paved.launcher.build import sha256_file
 from paved.launcher.cache import Cache, FileLock
 from paved.launcher.package import MODEL_JSON, ModelPackage, is_absolute_uri, join_uri, parse_model_json
 from paved.launcher.progress import Progress, human_bytes
@@ -173,13 +175,18 @@ class Materializer:
         for _, entry in package.model_files():
             path = os.path.join(pdir, "model", entry.path)
             try:
-                if os.stat(path).st_size != entry.size:
-                    raise FileNotFoundError(path)
-                if self.verify and _sha256_file(path) != entry.sha256:
-                    raise FileNotFoundError(path)
+                st = os.stat(path)
             except FileNotFoundError:
-                log.warning("cache: package %s is damaged (%s); materializing it again", digest[:12], path)
-                return None
+                st = None
+            intact = st is not None and st.st_size == entry.size
+            if intact and (not self.verify or sha256_file(path) == entry.sha256):
+                continue
+            log.warning("cache: package %s is damaged (%s); materializing it again", digest[:12], path)
+            blob = self.cache.blob_path(entry.sha256)
+            with contextlib.suppress(FileNotFoundError):
+                if st is not None and os.stat(blob).st_ino == st.st_ino:
+                    os.unlink(blob)  # the blob itself is bad: fetch it again
+            return None
         return package
 
     # -- cold --------------------------------------------------------------------------------
@@ -399,12 +406,4 @@ def _extract_member(tar: tarfile.TarFile, need: _Need, dest: str, progress: Prog
             progress.add(len(chunk))
         out.flush()
         os.fsync(out.fileno())
-    return h.hexdigest()
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(4 << 20):
-            h.update(chunk)
     return h.hexdigest()

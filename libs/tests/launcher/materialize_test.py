@@ -216,3 +216,28 @@ def test_two_launchers_share_one_cache_and_one_download(tmp_path, s3, tiny_pkg):
             f.path
         )
     assert _dir_digest(results[0]["model_dir"]) == {f.path: f.sha256 for _, f in pkg.model_files()}
+
+
+def test_verify_rehashes_a_warm_package(tmp_path):
+    """Warm starts check sizes; --verify also catches a same-size corruption and repairs it."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    (hf / "w.bin").write_bytes(os.urandom(MiB))
+    build_package(str(hf), str(tmp_path / "pkg"), "m", "1")
+    first = _materializer(tmp_path / "cache", None).materialize(str(tmp_path / "pkg"))
+    path = os.path.join(first.model_dir, "w.bin")
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)[0]
+        f.seek(1000)
+        f.write(bytes([byte ^ 0xFF]))
+    assert _materializer(tmp_path / "cache", None).materialize(str(tmp_path / "pkg")).warm
+    m = _materializer(tmp_path / "cache", None)
+    m.verify = True
+    again = m.materialize(str(tmp_path / "pkg"))
+    assert not again.warm
+    with open(os.path.join(again.model_dir, "w.bin"), "rb") as f, open(hf / "w.bin", "rb") as g:
+        assert f.read() == g.read()
