@@ -20,7 +20,7 @@ def _digests(directory: str) -> dict[str, str]:
 
 def _generate(out: str) -> None:
     subprocess.run(
-        [sys.executable, "models/tiny/generate.py", "--corpus", "models/tiny/corpus.txt", "--out", out],
+        [sys.executable, "models/generate_tiny.py", "--corpus", "models/tiny/corpus.txt", "--out", out],
         check=True,
     )
 

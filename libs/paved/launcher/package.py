@@ -31,6 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from paved.images.lock import engine_override_error
+
 MODEL_JSON = "model.json"
 SCHEMA_VERSION = 1
 _SHA256 = r"^[0-9a-f]{64}$"
@@ -133,6 +135,10 @@ class ModelPackage(BaseModel):
         names = [w.filename for w in self.plugins]
         if len(set(names)) != len(names):
             raise ValueError(f"plugin wheel file names must be unique, got {names}")
+        # The engine (vLLM, torch, Triton) is pinned by the image lock, never by a package.
+        override = engine_override_error(names)
+        if override:
+            raise ValueError(override)
         return self
 
     def model_files(self) -> list[tuple[Artifact, FileEntry]]:

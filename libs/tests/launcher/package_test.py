@@ -55,6 +55,11 @@ def test_minimal_package_validates_with_defaults():
         ({"surprise": 1}, "surprise"),
         ({"plugins": [{"uri": "plugins/x.zip", "sha256": SHA, "size": 1}]}, ".whl"),
         ({"model_id": "a b"}, "model_id"),
+        # A package may add plugins, never pin its own engine (images/<flavour>.lock.toml does).
+        (
+            {"plugins": [{"uri": "plugins/vllm-0.10.0-py3-none-any.whl", "sha256": SHA, "size": 1}]},
+            "cannot override",
+        ),
     ],
 )
 def test_invalid_packages_are_rejected_with_the_field_named(over, needle):

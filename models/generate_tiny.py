@@ -5,7 +5,7 @@ byte is a pure function of this file and corpus.txt: numpy's PCG64 stream for th
 a tokenizer trained on the in-repo corpus, JSON written with sorted keys. The sizes are the
 smallest vLLM's CPU backend accepts (its attention needs a head size of at least 32).
 
-Usage: generate.py --corpus corpus.txt --out DIR
+Usage: generate_tiny.py --corpus corpus.txt --out DIR
 """
 
 import argparse
