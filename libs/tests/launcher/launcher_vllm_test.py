@@ -47,21 +47,34 @@ def _publish(s3, tmp_path, key, engine_args, plugins=()):
     return f"s3://models/{key}"
 
 
-def _never_accepts(port, stop):
-    accepted = []
+def _never_accepts(port, admin: int | None, stop):
+    """Probe the public port until `stop`; every accepted connection records the launcher's phase.
+
+    The launcher binds the public port and sets phase "ready" in one step of its event loop,
+    which also serves the admin endpoint, so a connection accepted before the engine was ready
+    shows up as a phase other than "ready" (the ready line on stdout comes later and is not a
+    usable cut-off on a loaded machine).
+    """
+    early = []
 
     def run():
         while not stop.is_set():
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                accepted.append(time.monotonic())
             except OSError:
-                pass
+                time.sleep(0.05)
+                continue
+            phase = "no admin port"
+            if admin is not None:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/status", timeout=10) as r:
+                    phase = json.load(r)["phase"]
+            if phase != "ready":
+                early.append((time.monotonic(), phase))
             time.sleep(0.05)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    return accepted, t
+    return early, t
 
 
 def test_cold_start_from_s3_serve_and_drain(tmp_path, s3):
@@ -85,7 +98,7 @@ def test_cold_start_from_s3_serve_and_drain(tmp_path, s3):
     ]  # fmt: skip
     proc = LauncherProcess(args, str(tmp_path / "launcher.log"), env)
     stop = threading.Event()
-    accepted, watcher = _never_accepts(port, stop)
+    accepted, watcher = _never_accepts(port, admin, stop)
     try:
         ready = proc.wait_line(r"paved launcher: ready: tiny:1 on http", 600)
         stop.set()
@@ -150,7 +163,7 @@ def test_engine_start_failure_exits_1_with_the_reason(tmp_path, s3):
     ]
     proc = LauncherProcess(args, str(tmp_path / "launcher.log"))
     stop = threading.Event()
-    accepted, watcher = _never_accepts(port, stop)
+    accepted, watcher = _never_accepts(port, None, stop)  # any accepted connection is a failure
     try:
         code = proc.wait(600)
     finally:
