@@ -23,6 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm  #
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.exceptions import GracefulHTTPError, VLLMClientError  # noqa: E402
+from vllm.inputs.engine import tokens_input  # noqa: E402
 from vllm.outputs import STREAM_FINISHED, RequestOutput  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
@@ -324,7 +325,8 @@ class VllmEngine:
             raise InvalidRequestError("the prompt is empty", param=param)
         params = self._sampling_params(request.sampling, len(prompt_ids), request.stream, param)
         try:
-            collector = await llm.add_request(request.request_id, {"prompt_token_ids": prompt_ids}, params)
+            # Already tokenized: a rendered input skips vLLM's thread-pool hop for raw prompts.
+            collector = await llm.add_request(request.request_id, tokens_input(prompt_ids), params)
         except EngineDeadError as e:
             raise EngineUnavailableError(f"model {request.model!r}: engine has stopped") from e
         except GracefulHTTPError as e:  # admission control (max_num_queued_reqs / tokens)
@@ -361,7 +363,7 @@ class VllmEngine:
 
         async def one(i: int, ids: list[int]) -> list[float]:
             final = None
-            async for out in llm.encode({"prompt_token_ids": ids}, params, f"{request.request_id}-{i}"):
+            async for out in llm.encode(tokens_input(ids), params, f"{request.request_id}-{i}"):
                 final = out
             return final.outputs.data.tolist()
 
