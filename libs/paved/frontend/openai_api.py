@@ -181,9 +181,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
+            # Let the cancellation reach the engine stream (it aborts the request) first.
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         # Nobody is listening any more; the status only shows up in metrics and logs.
         raise APIError(499, "client closed the request")

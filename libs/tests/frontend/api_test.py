@@ -636,6 +636,10 @@ def test_client_disconnect_aborts_engine_request(server, engine, stream):
             assert time.monotonic() < deadline, "engine request was not aborted"
             time.sleep(0.02)
         assert not engine.active
+        metrics = httpx.get(server + "/metrics").text
+        assert 'status="500"' not in metrics  # a disconnect is not a server error
+        if not stream:
+            assert 'route="/v1/chat/completions",status="499"' in metrics
     finally:
         engine.step_delay_s = 0.0
 
