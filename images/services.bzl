@@ -5,8 +5,7 @@ Add a line when a service's main lands; its target must be visible to //images.
 
 SERVICES = {
     "launcher": "//services/launcher:launch",
-    # Needs `visibility = ["//images:__pkg__"]` (or a public package) in services/frontend/BUILD.bazel:
-    # "frontend": "//services/frontend:serve",
+    "frontend": "//services/frontend:serve",
     "metrics_proxy": "//services/metrics_proxy:serve",
     # "control_plane": "//services/control_plane:serve",
 }
