@@ -39,6 +39,15 @@ LLM = "fake-llm"
 EMBED = "fake-embed"
 
 
+# A small schema every KServe test constrains LLM output with.
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+    "required": ["ok", "level"],
+    "additionalProperties": False,
+}
+
+
 class FakeEngine:
     def __init__(self, *, ready: bool = True, constrained_text: str = '{"ok":true,"level":"high"}'):
         self._ready = ready

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from libs.tests.kserve.kserve_fakes import EMBED, LLM, FakeEngine, LoopThread, wait_for
+from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, wait_for
 from paved.engine.kserve_engine import KServeEngine
 from paved.engine.protocol import (
     ChatPrompt,
@@ -29,20 +29,6 @@ from paved.frontend.app import create_app
 from paved.frontend.registry import ModelRegistry
 from paved.kserve.server import KServeServer
 from paved.testing.fixtures import tiny_model_dir
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
-    "required": ["ok", "level"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.close()
 
 
 @pytest.fixture(scope="module")

@@ -19,25 +19,12 @@ import xgboost
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import EMBED, LLM, FakeEngine, LoopThread, wait_for, xgb_model_dir
+from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, wait_for, xgb_model_dir
 from paved.kserve.server import KServeServer
 from paved.kserve.xgboost_model import XGBoostModel
 
 XGB = "xgb_scorer"
 LIMIT = 1024 * 1024
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
-    "required": ["ok", "level"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.close()
 
 
 @pytest.fixture(scope="module")

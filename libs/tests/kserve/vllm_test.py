@@ -21,23 +21,10 @@ import pytest  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import xgboost  # noqa: E402
 
-from libs.tests.kserve.kserve_fakes import LoopThread, wait_for, xgb_model_dir  # noqa: E402
+from libs.tests.kserve.kserve_fakes import SCHEMA, wait_for, xgb_model_dir  # noqa: E402
 from paved.testing.fixtures import tiny_model_dir  # noqa: E402
 
 MODEL = "tiny"
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
-    "required": ["ok", "level"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.close()
 
 
 @pytest.fixture(scope="module")
