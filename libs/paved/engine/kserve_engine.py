@@ -12,8 +12,8 @@ What the tensor interface cannot carry is refused with InvalidRequestError, neve
 token-id prompts, prompt logprobs, max_tokens=0 scoring. Chat prompts and `tokenize` need the
 model's tokenizer locally (`?tokenizer=DIR`), as Triton's OpenAI frontend needs one too.
 Output deltas carry text, logprobs and finish reasons; token ids are not among the
-backend's outputs, so `ChoiceDelta.token_ids` stays empty (the server's `num_output_tokens`
-counts feed the engine's generated-tokens metric).
+backend's outputs, so `ChoiceDelta.token_ids` stays empty and `ChoiceDelta.num_tokens`
+carries the server's `num_output_tokens` (usage and the generated-tokens metric).
 
 The model's description comes from its ModelConfig: a paved server publishes max_model_len,
 constraint backends and logprob limit there (`paved.*` parameters); for a plain Triton server
@@ -54,6 +54,7 @@ from paved.engine.protocol import (
     TokenPrompt,
     TopLogprob,
 )
+from paved.engine.streams import Closing
 from paved.kserve.grpc_server import ERROR_CODE_PARAMETER
 from paved.kserve.llm import PARAM_CONSTRAINT_BACKENDS, PARAM_KIND, PARAM_MAX_LOGPROBS, PARAM_MAX_MODEL_LEN
 from paved.kserve.sampling import parameters_from_options
@@ -382,7 +383,7 @@ class KServeEngine:
             param=param,
         )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> Closing:
         card = self._check(request.model)
         if card.kind != "generate":
             raise InvalidRequestError(
@@ -429,7 +430,18 @@ class KServeEngine:
         if first is None:
             self._calls.pop(request.request_id, None)
             raise EngineError(f"remote KServe server {self.target} closed the stream without a response")
-        return self._stream(request, call, first, text, prompt_ids)
+        # Closing, not the bare generator: a stream closed before its first item must still
+        # cancel the call (closing an unstarted generator runs none of its code).
+        return Closing(self._stream(request, call, first, text, prompt_ids), lambda: self._end(request, call))
+
+    def _end(self, request: GenerateRequest, call) -> None:
+        """After the stream closed. A stream that ran has already settled its call; one that
+        never ran still owns it: cancelling is how a KServe client aborts (the server then
+        aborts the engine request)."""
+        if self._calls.get(request.request_id) is call:
+            del self._calls[request.request_id]
+            self._counts["cancelled"] += 1
+            call.cancel()
 
     async def _read(self, call) -> service_pb2.ModelInferResponse | None:
         try:
@@ -479,6 +491,9 @@ class KServeEngine:
                             finish_reason=_FINISH.get(reason)
                             if reason != "None"
                             else ("stop" if final else None),
+                            num_tokens=int(counts.reshape(-1)[i])
+                            if counts is not None and i < counts.size
+                            else None,
                         )
                     )
                 if counts is not None:

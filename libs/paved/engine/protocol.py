@@ -219,6 +219,13 @@ class ChoiceDelta:
     finish_reason: FinishReason | None = None
     # The stop string or token id that ended the choice, if any.
     stop_reason: str | int | None = None
+    # How many tokens this delta holds, for engines that know the count but not the ids
+    # (the KServe v2 vLLM interface returns text and `num_output_tokens`); None: len(token_ids).
+    num_tokens: int | None = None
+
+    @property
+    def token_count(self) -> int:
+        return len(self.token_ids) if self.num_tokens is None else self.num_tokens
 
 
 @dataclass

@@ -81,35 +81,6 @@ def _check_logprobs(card: ModelCard, count: int | None, param: str) -> None:
         raise APIError(400, f"{param} must be at most {card.max_logprobs} for model {card.id!r}", param=param)
 
 
-def _sampling(
-    body: schemas.SamplingFields,
-    *,
-    max_tokens: int | None,
-    logprobs: int | None,
-    prompt_logprobs: int | None,
-    resolved: structured.Resolved,
-) -> SamplingOptions:
-    return SamplingOptions(
-        max_tokens=max_tokens,
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=body.stop_list(),
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-        constraint=resolved.constraint,
-    )
-
-
 def _resolve(state: AppState, body: schemas.SamplingFields, card: ModelCard) -> structured.Resolved:
     resolved = structured.resolve(body, card)
     if resolved.constraint is not None:
@@ -246,7 +217,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
         request_id=request_id,
         model=body.model,
         prompt=prompt,
-        sampling=_sampling(
+        sampling=structured.sampling_options(
             body, max_tokens=body.output_budget(), logprobs=logprobs, prompt_logprobs=None, resolved=resolved
         ),
         stream=bool(body.stream),
@@ -295,7 +266,7 @@ async def completions(body: schemas.CompletionRequest, request: Request):
     resolved = _resolve(state, body, card)
     prompts = _prompts(body.prompt)
     request_id = responses.new_id("cmpl")
-    sampling = _sampling(
+    sampling = structured.sampling_options(
         body,
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,

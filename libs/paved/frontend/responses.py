@@ -71,7 +71,7 @@ class Result:
             choice = self.choices[delta.index]
             if delta.text:
                 choice.text_parts.append(delta.text)
-            choice.tokens += len(delta.token_ids)
+            choice.tokens += delta.token_count
             if delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
@@ -246,7 +246,7 @@ async def chat_events(
             prompt_tokens, cached = out.prompt_tokens, out.cached_prompt_tokens or 0
         choices = []
         for d in out.choices:
-            completion_tokens += len(d.token_ids)
+            completion_tokens += d.token_count
             logprobs = chat_logprobs(d.logprobs) if with_logprobs and d.logprobs else None
             if buffered is not None:
                 b = buffered[d.index]
@@ -348,7 +348,7 @@ async def completion_events(
         choices = []
         for d in out.choices:
             index = s * n + d.index
-            completion_tokens += len(d.token_ids)
+            completion_tokens += d.token_count
             text = d.text
             entries: list[TokenLogprob] = list(d.logprobs or [])
             if echo and not echoed[index]:

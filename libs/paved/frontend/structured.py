@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import jsonschema
 
-from paved.engine.protocol import Constraint, ModelCard
+from paved.engine.protocol import Constraint, ModelCard, SamplingOptions
 from paved.frontend.errors import APIError
 from paved.frontend.schemas import (
     ChatCompletionRequest,
@@ -241,3 +241,34 @@ def _hoisted_defs(tools) -> dict[str, Any]:
                 raise APIError(400, f"tools define $defs/{key} differently; rename one", param="tools")
             defs[key] = value
     return defs
+
+
+def sampling_options(
+    body: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    resolved: Resolved,
+) -> SamplingOptions:
+    """The engine's sampling options for validated OpenAI fields (the KServe server maps
+    Triton's sampling_parameters through here too, so both APIs agree)."""
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        constraint=resolved.constraint,
+    )

@@ -23,6 +23,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import paved
+from paved.engine.streams import aclose
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, unsupported
 from paved.kserve.repository import (
     MODEL_VERSION,
@@ -30,7 +31,6 @@ from paved.kserve.repository import (
     InferResponse,
     ModelRepository,
     ServedModel,
-    aclose,
     custom_parameters,
 )
 from paved.kserve.tensors import from_contents, from_raw, to_raw

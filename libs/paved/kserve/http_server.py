@@ -27,6 +27,7 @@ from google.protobuf import json_format
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import paved
+from paved.engine.streams import aclose
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME
 from paved.kserve.repository import (
@@ -35,7 +36,6 @@ from paved.kserve.repository import (
     InferResponse,
     ModelRepository,
     ServedModel,
-    aclose,
     custom_parameters,
 )
 from paved.kserve.tensors import from_json, from_raw, to_json, to_raw

@@ -37,15 +37,14 @@ from paved.engine.protocol import (
     TokenLogprob,
     TokenPrompt,
 )
+from paved.engine.streams import Closing, aclose
 from paved.kserve.errors import invalid_argument
 from paved.kserve.repository import (
     Admission,
-    Closing,
     InferRequest,
     InferResponse,
     ModelState,
     ServedModel,
-    aclose,
 )
 from paved.kserve.sampling import options_from_parameters, parse_parameters
 from paved.kserve.tensors import TensorSpec
@@ -308,8 +307,8 @@ class _State:
             c = self.choices[delta.index]
             c.text += delta.text
             c.new_text += delta.text
-            c.tokens += len(delta.token_ids)
-            c.new_tokens += len(delta.token_ids)
+            c.tokens += delta.token_count
+            c.new_tokens += delta.token_count
             for lp in delta.logprobs or ():
                 c.cumulative_logprob += lp.logprob
                 c.logprobs.append(lp)

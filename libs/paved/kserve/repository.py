@@ -23,6 +23,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from paved.engine.protocol import Engine
+from paved.engine.streams import Closing
 from paved.kserve.errors import invalid_argument, not_found, unavailable
 from paved.kserve.tensors import TensorSpec, config_type
 
@@ -291,41 +292,3 @@ def _select(responses: AsyncIterator[InferResponse], names: list[str]) -> AsyncI
             yield response
 
     return Closing(select(), responses.aclose if hasattr(responses, "aclose") else None)
-
-
-class Closing:
-    """An async iterator whose `aclose` always runs its cleanups, even if it was never iterated.
-
-    (An async generator that never started skips its `finally` on `aclose`; a response
-    stream abandoned before its first item must still abort the engine request.)
-    """
-
-    def __init__(self, iterator: AsyncIterator, *cleanups: Callable[[], Any] | None):
-        self._iterator = iterator
-        self._cleanups = [c for c in cleanups if c is not None]
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self._iterator.__anext__()
-
-    async def aclose(self) -> None:
-        cleanups, self._cleanups = self._cleanups, []
-        try:
-            await aclose(self._iterator)
-        finally:
-            for cleanup in cleanups:
-                try:
-                    result = cleanup()
-                    if asyncio.iscoroutine(result):
-                        await result
-                except Exception:
-                    logger.exception("cleaning up a finished request failed")
-
-
-async def aclose(iterator: Any) -> None:
-    """Close an async iterator if it can be closed (engines abort requests on close)."""
-    close = getattr(iterator, "aclose", None)
-    if close is not None:
-        await close()

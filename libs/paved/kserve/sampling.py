@@ -116,9 +116,8 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
     # Imported here: the remote engine imports this module for the client side, and engines
     # must not pull in the OpenAI frontend (which imports engines).
     from paved.frontend.errors import APIError
-    from paved.frontend.openai_api import _sampling as openai_sampling
     from paved.frontend.schemas import SamplingFields
-    from paved.frontend.structured import resolve
+    from paved.frontend.structured import resolve, sampling_options
 
     unknown = sorted(set(params) - _FIELDS - _OWN - set(_DEFAULT_ONLY))
     if unknown:
@@ -172,7 +171,7 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
         where = f"{source}.{e.param}: " if e.param else f"{source}: "
         raise invalid_argument(where + e.message) from e
     # The OpenAI frontend's own mapping, so both APIs turn the same fields into the same options.
-    return openai_sampling(
+    return sampling_options(
         request,
         max_tokens=max_tokens if "max_tokens" in params else 16,
         logprobs=logprobs,

@@ -177,6 +177,18 @@ def test_closing_the_stream_aborts_the_remote_request(loop, engine, backend):
     assert wait_for(lambda: admitted in backend.aborted)
 
 
+def test_closing_a_never_iterated_stream_aborts_the_remote_request(loop, engine, backend):
+    """A client that disconnects before the first byte: the frontend closes the stream unread."""
+
+    async def run():
+        stream = await engine.generate(GenerateRequest("r-unread", LLM, TextPrompt("hang"), stream=True))
+        await stream.aclose()
+
+    loop.run(run())
+    admitted = backend.requests[-1].request_id
+    assert wait_for(lambda: admitted in backend.aborted)
+
+
 def test_abort_by_request_id(loop, engine, backend):
     async def run():
         stream = await engine.generate(GenerateRequest("r-abort", LLM, TextPrompt("hang"), stream=True))
@@ -251,3 +263,5 @@ def test_openai_frontend_over_the_remote_engine(loop, engine, backend):
     assert backend.requests[-2].sampling.constraint.backend == "paved"
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["content"] == "w0 w1 "
+    # Token ids do not cross the tensor interface; the server's num_output_tokens do.
+    assert chat.json()["usage"]["completion_tokens"] == 2

@@ -1,0 +1,48 @@
+"""Async response streams that always clean up, shared by engines and transports."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class Closing:
+    """An async iterator whose `aclose` always runs its cleanups, even if it was never iterated.
+
+    (An async generator that never started skips its `finally` on `aclose`; a response
+    stream abandoned before its first item must still abort the engine request.)
+    """
+
+    def __init__(self, iterator: AsyncIterator, *cleanups: Callable[[], Any] | None):
+        self._iterator = iterator
+        self._cleanups = [c for c in cleanups if c is not None]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._iterator.__anext__()
+
+    async def aclose(self) -> None:
+        cleanups, self._cleanups = self._cleanups, []
+        try:
+            await aclose(self._iterator)
+        finally:
+            for cleanup in cleanups:
+                try:
+                    result = cleanup()
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception:
+                    logger.exception("cleaning up a finished request failed")
+
+
+async def aclose(iterator: Any) -> None:
+    """Close an async iterator if it can be closed (engines abort requests on close)."""
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()
