@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -15,6 +16,9 @@ from paved.frontend.metrics import FrontendMetrics
 from paved.frontend.middleware import BodyLimitMiddleware, MetricsMiddleware
 from paved.frontend.registry import ModelRegistry
 from paved.frontend.state import AppState
+
+if TYPE_CHECKING:  # KServe (grpc, tritonclient) is imported only by processes that serve it
+    from paved.kserve.server import KServeServer
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +32,31 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_start_failure: Callable[[BaseException], None] | None = None,
+    kserve: KServeServer | None = None,
+    on_kserve_started: Callable[[KServeServer], None] | None = None,
+    kserve_grace_s: float = 5.0,
 ) -> FastAPI:
     """The app over `models`. Engines start in the background once the server runs, so
     /health/live answers during the (long) boot and /health/ready turns 200 when all are warm.
-    If an engine cannot start, `on_start_failure` is told (the server main exits non-zero)."""
+    If an engine cannot start, `on_start_failure` is told (the server main exits non-zero).
+
+    `kserve`, a not yet started KServe v2 server over the same engines, runs on the same event
+    loop: its listeners bind before the engines boot (a busy port fails startup), and it stops,
+    giving in-flight calls `kserve_grace_s`, after the OpenAI side drained and before the
+    engines stop."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        if kserve is not None:
+            try:
+                await kserve.start()
+            except Exception as e:
+                # uvicorn then exits with its startup-failure status; the log says why.
+                logger.error("the KServe v2 server could not start: %s", e)
+                await kserve.stop(grace_s=0)
+                raise
+            if on_kserve_started is not None:
+                on_kserve_started(kserve)
         boot = asyncio.create_task(models.start(), name="paved-engine-start")
 
         def started(task: asyncio.Task) -> None:
@@ -55,6 +77,11 @@ def create_app(
             if not boot.done():
                 boot.cancel()
                 await asyncio.gather(boot, return_exceptions=True)
+            if kserve is not None:
+                try:
+                    await kserve.stop(grace_s=kserve_grace_s)
+                except Exception:
+                    logger.exception("stopping the KServe server failed")
             await models.stop()
 
     metrics = FrontendMetrics(models)

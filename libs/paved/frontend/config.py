@@ -16,11 +16,24 @@
     path = "/models/all-MiniLM-L6-v2"
     kind = "embed"
 
-Model keys are those of `paved.engine.vllm_config.VllmModelConfig`.
+    [[models]]                    # a remote model: Triton (vLLM backend) or paved over KServe v2
+    name = "llama"                # the model's name on the remote server
+    engine = "kserve://scoring.internal:8001?tokenizer=/models/llama"
+
+Model keys are those of `paved.engine.vllm_config.VllmModelConfig`, or, with `engine`, those
+of `RemoteModelConfig` (URI options: `paved.engine.kserve_engine.KServeEngine.from_uri`).
+
+KServe v2 beside the OpenAI API, over the same engines, is on when a port is set:
+
+    [server]
+    kserve_grpc_port = 8001       # 0: any free port
+    kserve_http_port = 8002
+    kserve_model_dirs = ["xgb"]   # classic (XGBoost) model directories, KServe only
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
@@ -31,17 +44,81 @@ from typing import Any
 from paved.engine.vllm_config import VllmModelConfig
 from paved.frontend.app import DEFAULT_MAX_BODY_BYTES
 
-_SERVER_KEYS = {"host", "port", "max_body_bytes", "drain_timeout_s"}
+_SERVER_KEYS = {
+    "host",
+    "port",
+    "max_body_bytes",
+    "drain_timeout_s",
+    "kserve_grpc_port",
+    "kserve_http_port",
+    "kserve_model_dirs",
+}
+
+
+@dataclass
+class RemoteModelConfig:
+    """A model served by a remote KServe v2 server (see paved.engine.kserve_engine)."""
+
+    name: str
+    engine: str  # kserve://HOST:PORT[?options]
+    max_queued_sequences: int = 1024
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> RemoteModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"remote model {raw.get('name')!r}: unknown key(s) {unknown}; expected {sorted(known)} "
+                "(engine options go in the URI's query)"
+            )
+        config = cls(**raw)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("a remote model needs a non-empty 'name' (its name on the remote server)")
+        if not isinstance(self.engine, str):
+            raise ValueError(f"remote model {self.name!r}: engine must be a kserve:// URI")
+        if not isinstance(self.max_queued_sequences, int) or self.max_queued_sequences < 1:
+            raise ValueError(f"model {self.name!r}: max_queued_sequences must be a positive integer")
+        self.make_engine()  # parses the URI: a bad one fails here, not at boot
+
+    def make_engine(self):
+        from paved.engine.kserve_engine import KServeEngine
+
+        return KServeEngine.from_uri(self.engine, self.name)
+
+
+ModelConfig = VllmModelConfig | RemoteModelConfig
+
+
+def make_engine(model: ModelConfig):
+    """The engine for one configured model (vLLM is imported only when needed)."""
+    if isinstance(model, RemoteModelConfig):
+        return model.make_engine()
+    from paved.engine.vllm_engine import VllmEngine
+
+    return VllmEngine(model)
 
 
 @dataclass
 class ServerConfig:
-    models: list[VllmModelConfig] = field(default_factory=list)
+    models: list[ModelConfig] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # How long a shutdown waits for in-flight requests before cancelling them.
     drain_timeout_s: float = 30.0
+    # KServe v2 over the same engines; None: that listener is off.
+    kserve_grpc_port: int | None = None
+    kserve_http_port: int | None = None
+    kserve_model_dirs: list[str] = field(default_factory=list)
+
+    @property
+    def kserve(self) -> bool:
+        return self.kserve_grpc_port is not None or self.kserve_http_port is not None
 
     def validate(self) -> None:
         if not self.models:
@@ -50,8 +127,20 @@ class ServerConfig:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {duplicates}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for key in ("port", "kserve_grpc_port", "kserve_http_port"):
+            value = getattr(self, key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
+            ):
+                raise ValueError(f"{key} must be an integer in [0, 65535], got {value!r}")
+        fixed = [p for p in (self.port, self.kserve_grpc_port, self.kserve_http_port) if p]
+        if len(fixed) != len(set(fixed)):
+            raise ValueError(f"the OpenAI and KServe ports must differ, got {fixed}")
+        if self.kserve_model_dirs and not self.kserve:
+            raise ValueError("kserve_model_dirs needs kserve_grpc_port or kserve_http_port")
+        for d in self.kserve_model_dirs:
+            if not os.path.isfile(os.path.join(d, "config.json")):
+                raise ValueError(f"{d} is not a KServe model directory (no config.json)")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.drain_timeout_s < 0:
@@ -75,9 +164,19 @@ def load(path: str) -> ServerConfig:
         raise ValueError(f"{path}: 'models' must be a list of tables/objects")
     base_dir = os.path.dirname(os.path.abspath(path))
     try:
-        models = [VllmModelConfig.from_mapping(entry, base_dir) for entry in entries]
+        models: list[ModelConfig] = [
+            RemoteModelConfig.from_mapping(entry)
+            if isinstance(entry, Mapping) and "engine" in entry
+            else VllmModelConfig.from_mapping(entry, base_dir)
+            for entry in entries
+        ]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e
+    server = dict(server)
+    dirs = server.get("kserve_model_dirs", [])
+    if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+        raise ValueError(f"{path}: kserve_model_dirs must be a list of directory paths")
+    server["kserve_model_dirs"] = [os.path.join(base_dir, d) for d in dirs]
     config = ServerConfig(models=models, **server)
     config.validate()
     return config

@@ -1,6 +1,10 @@
-"""The frontend server main: parse flags/config, build vLLM engines, serve with uvicorn + uvloop.
+"""The frontend server main: parse flags/config, build engines, serve with uvicorn + uvloop.
 
 With no arguments it serves the tiny model fixture (//models/tiny) on 127.0.0.1:8000.
+`--engine kserve://HOST:PORT --model NAME` fronts a remote KServe v2 server (Triton with the
+vLLM backend, or another paved) instead of running vLLM here. `--kserve-grpc-port` /
+`--kserve-http-port` add KServe v2 listeners over the same engines (plus XGBoost models from
+`--kserve-model-dir`).
 """
 
 from paved.engine import vllm_env
@@ -20,7 +24,7 @@ import uvicorn  # noqa: E402
 from paved.engine.vllm_config import VllmModelConfig  # noqa: E402
 from paved.frontend import config as config_file  # noqa: E402
 from paved.frontend.app import create_app  # noqa: E402
-from paved.frontend.config import ServerConfig  # noqa: E402
+from paved.frontend.config import RemoteModelConfig, ServerConfig, make_engine  # noqa: E402
 from paved.frontend.registry import ModelRegistry  # noqa: E402
 from paved.frontend.runfiles import tiny_model_dir  # noqa: E402
 
@@ -33,16 +37,26 @@ def _parser() -> argparse.ArgumentParser:
         description="paved's OpenAI-compatible server. Without --model/--config: the tiny model fixture.",
     )
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="DIR", help="serve this Hugging Face model directory")
+    source.add_argument(
+        "--model",
+        metavar="DIR|NAME",
+        help="serve this Hugging Face model directory (with --engine: the remote model's name)",
+    )
     source.add_argument(
         "--config", metavar="FILE", help="TOML/JSON file listing models (see paved.frontend.config)"
     )
     m = p.add_argument_group("--model options")
+    m.add_argument(
+        "--engine",
+        metavar="URI",
+        help="kserve://HOST:PORT[?tokenizer=DIR&max_model_len=N...]: a remote model over KServe v2 "
+        "gRPC instead of in-process vLLM",
+    )
     m.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
-    m.add_argument("--kind", choices=("generate", "embed"), default="generate")
+    m.add_argument("--kind", choices=("generate", "embed"))
     m.add_argument("--max-model-len", type=int)
     m.add_argument("--max-num-seqs", type=int)
-    m.add_argument("--dtype", default="auto")
+    m.add_argument("--dtype")
     m.add_argument("--enforce-eager", action="store_true", help="skip graph compilation (faster start)")
     m.add_argument("--max-queued-sequences", type=int, default=1024, help="admission bound (then 503)")
     m.add_argument(
@@ -54,21 +68,55 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     s.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on shutdown")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    k = p.add_argument_group("KServe v2 (off unless a port is given)")
+    k.add_argument("--kserve-grpc-port", type=int, help="KServe v2 gRPC port (0: any free port)")
+    k.add_argument("--kserve-http-port", type=int, help="KServe v2 HTTP port (0: any free port)")
+    k.add_argument(
+        "--kserve-model-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an XGBoost model directory served on KServe only (repeatable)",
+    )
     s.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     return p
 
 
+# In-process vLLM options that mean nothing for a remote engine (its server decides them).
+_VLLM_ONLY = ("served_model_name", "max_num_seqs", "dtype", "enforce_eager", "no_paved_constraints")
+
+
+def _remote_model(args: argparse.Namespace) -> RemoteModelConfig:
+    if not args.model:
+        raise ValueError("--engine needs --model NAME (the model's name on the remote server)")
+    given = [f"--{f.replace('_', '-')}" for f in _VLLM_ONLY if getattr(args, f) not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: only for in-process vLLM, not with --engine")
+    uri = args.engine
+    extra = {"max_model_len": args.max_model_len, "kind": args.kind}
+    query = "&".join(f"{k}={v}" for k, v in extra.items() if v is not None)
+    if query:
+        uri += ("&" if "?" in uri else "?") + query
+    model = RemoteModelConfig(name=args.model, engine=uri, max_queued_sequences=args.max_queued_sequences)
+    model.validate()
+    return model
+
+
 def _config(args: argparse.Namespace) -> ServerConfig:
-    if args.config:
+    if args.engine and args.config:
+        raise ValueError("--engine goes with --model; in a --config file, set `engine` on the model")
+    if args.engine:
+        config = ServerConfig(models=[_remote_model(args)])
+    elif args.config:
         config = config_file.load(args.config)
     elif args.model:
         model = VllmModelConfig(
             name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
             path=args.model,
-            kind=args.kind,
+            kind=args.kind or "generate",
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
-            dtype=args.dtype,
+            dtype=args.dtype or "auto",
             enforce_eager=args.enforce_eager,
             paved_constraints=not args.no_paved_constraints,
             max_queued_sequences=args.max_queued_sequences,
@@ -91,12 +139,34 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         ("port", "port"),
         ("max_body_bytes", "max_body_bytes"),
         ("drain_timeout", "drain_timeout_s"),
+        ("kserve_grpc_port", "kserve_grpc_port"),
+        ("kserve_http_port", "kserve_http_port"),
     ):
         value = getattr(args, flag)
         if value is not None:
             setattr(config, key, value)
+    config.kserve_model_dirs = [*config.kserve_model_dirs, *args.kserve_model_dir]
     config.validate()
     return config
+
+
+def _kserve(config: ServerConfig, models: ModelRegistry):
+    """The KServe v2 server over the registry's engines, sharing its admission bound and its
+    draining flag, or None when no KServe port is configured."""
+    if not config.kserve:
+        return None
+    from paved.kserve.server import KServeServer
+    from paved.kserve.xgboost_model import XGBoostModel
+
+    return KServeServer(
+        models.engines,
+        [XGBoostModel.from_directory(d) for d in config.kserve_model_dirs],
+        host=config.host,
+        grpc_port=config.kserve_grpc_port,
+        http_port=config.kserve_http_port,
+        admission=lambda model, n: models.admit(models.get(model), n),
+        draining=lambda: models.draining,
+    )
 
 
 class _Server(uvicorn.Server):
@@ -133,23 +203,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = _config(args)
+        # vLLM is imported only once the flags are valid, and only if a model runs in-process.
+        models = ModelRegistry(
+            [make_engine(m) for m in config.models], {m.name: m.max_queued_sequences for m in config.models}
+        )
+        kserve = _kserve(config, models)
     except (OSError, ValueError) as e:
         print(f"serve: {e}", file=sys.stderr)
         return 2
-
-    from paved.engine.vllm_engine import VllmEngine  # imports vLLM: only once the flags are valid
-
-    models = ModelRegistry(
-        [VllmEngine(m) for m in config.models], {m.name: m.max_queued_sequences for m in config.models}
-    )
     server: _Server | None = None
 
     def start_failed(error: BaseException) -> None:
         if server is not None:
             server.fail(error)
 
-    app = create_app(models, max_body_bytes=config.max_body_bytes, on_start_failure=start_failed)
-    sock = _bind(config.host, config.port)
+    def kserve_started(k) -> None:
+        # Tests and scripts read this line for the (possibly ephemeral) KServe ports.
+        print(f"paved frontend: KServe v2 gRPC {k.grpc_port} HTTP {k.http_port} on {k.host}", flush=True)
+
+    app = create_app(
+        models,
+        max_body_bytes=config.max_body_bytes,
+        on_start_failure=start_failed,
+        kserve=kserve,
+        on_kserve_started=kserve_started,
+        kserve_grace_s=min(config.drain_timeout_s, 30.0),
+    )
+    try:
+        sock = _bind(config.host, config.port)
+    except OSError as e:
+        print(f"serve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     uv_config = uvicorn.Config(
         app,

@@ -44,10 +44,9 @@ def _engines(config_path: str | None) -> list:
     from paved.engine import vllm_env
 
     vllm_env.apply_defaults()
-    from paved.engine.vllm_engine import VllmEngine
     from paved.frontend import config as config_file
 
-    return [VllmEngine(m) for m in config_file.load(config_path).models]
+    return [config_file.make_engine(m) for m in config_file.load(config_path).models]
 
 
 async def _serve(args: argparse.Namespace, engines: list) -> int:

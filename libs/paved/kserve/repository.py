@@ -195,11 +195,15 @@ class ModelRepository:
         engines: Sequence[Engine] = (),
         classic: Sequence[ServedModel] = (),
         admission: Admission | None = None,
+        draining: Callable[[], bool] | None = None,
     ):
         from paved.kserve.llm import LlmModel  # llm imports this module
 
         self._llm_cls = LlmModel
         self.admission = admission
+        # True once the owning process is shutting down: ServerReady turns false so load
+        # balancers stop routing here while in-flight requests finish.
+        self._draining = draining or (lambda: False)
         self.engines = list(engines)
         self.classic = {m.name: m for m in classic}
         if len(self.classic) != len(classic):
@@ -230,7 +234,9 @@ class ModelRepository:
             await model.close()
 
     def ready(self) -> bool:
-        """Server readiness: every classic model loaded and every engine ready."""
+        """Server readiness: not draining, every classic model loaded and every engine ready."""
+        if self._draining():
+            return False
         return all(m.ready() for m in self.classic.values()) and all(e.ready() for e in self.engines)
 
     # ---- lookup ----------------------------------------------------------------------------

@@ -6,6 +6,8 @@ The OpenAI frontend starts them beside its own port, over the same engines:
     ...
     await kserve.stop()
 
+(paved.frontend.app does this in its lifespan with a `KServeServer` it is given.)
+
 Both listeners bind before `serve_kserve` returns (a busy port fails the caller at once); classic
 models load in the background, so ServerReady answers false until they and the engines are
 ready. The HTTP listener is a second uvicorn server on the caller's loop that leaves signal
@@ -18,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
@@ -64,10 +66,11 @@ class KServeServer:
         http_port: int | None = 8000,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         admission: Admission | None = None,
+        draining: Callable[[], bool] | None = None,
     ):
         if grpc_port is None and http_port is None:
             raise ValueError("KServe needs a gRPC port, an HTTP port, or both")
-        self.repository = ModelRepository(engines, classic_models, admission)
+        self.repository = ModelRepository(engines, classic_models, admission, draining)
         self.host = host
         self._grpc_port_wanted = grpc_port
         self._http_port_wanted = http_port

@@ -44,6 +44,7 @@ class ServerProcess:
     """`python -m paved.frontend.server ARGS` on an ephemeral port, stopped on exit."""
 
     URL = re.compile(rb"serving .* on (http://\S+)")
+    KSERVE = re.compile(rb"KServe v2 gRPC (\S+) HTTP (\S+) on")
 
     def __init__(self, *args: str, ready_timeout_s: float = 300):
         # Outlives this constructor (the server writes to it until terminate()).
@@ -53,16 +54,27 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=self.log,
         )
-        self.url = self._read_url()
+        # With --kserve-*-port: the bound KServe ports (None for a listener that is off).
+        self.kserve_grpc_port: int | None = None
+        self.kserve_http_port: int | None = None
+        self.url = self._read_url(kserve=any(a.startswith("--kserve-") and a.endswith("-port") for a in args))
         self._wait_ready(ready_timeout_s)
 
-    def _read_url(self) -> str:
+    def _read_url(self, kserve: bool) -> str:
+        url = None
         for line in self.proc.stdout:
             match = self.URL.search(line)
             if match:
+                url = match.group(1).decode()
+            match = self.KSERVE.search(line)
+            if match:
+                grpc_port, http_port = (None if p == b"None" else int(p) for p in match.groups())
+                self.kserve_grpc_port, self.kserve_http_port = grpc_port, http_port
+                kserve = False
+            if url is not None and not kserve:
                 # Keep draining stdout (vLLM logs there): a full pipe would block the server.
                 threading.Thread(target=self._drain, daemon=True).start()
-                return match.group(1).decode()
+                return url
         raise RuntimeError(f"server exited before printing its URL:\n{self.tail()}")
 
     def _drain(self) -> None:

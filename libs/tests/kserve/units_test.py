@@ -236,3 +236,14 @@ def test_output_dims_are_checked_against_the_booster_at_load(tmp_path):
         asyncio.run(model.load())
     state, reason = model.state()
     assert state == "UNAVAILABLE" and "3 score" in reason
+
+
+def test_server_readiness_follows_the_owners_draining_flag():
+    from libs.tests.kserve.kserve_fakes import FakeEngine
+    from paved.kserve.repository import ModelRepository
+
+    draining = False
+    repository = ModelRepository([FakeEngine()], draining=lambda: draining)
+    assert repository.ready()
+    draining = True
+    assert not repository.ready()
