@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 import aiohttp  # noqa: E402
 
-from paved.frontend.runfiles import tiny_model_dir  # noqa: E402
+from paved.runfiles import tiny_model_dir  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
 MAX_MODEL_LEN = 2048

@@ -41,7 +41,7 @@ FEATURES = 32
 
 
 def _runfile_dir(path: str) -> str:
-    from paved.frontend.runfiles import runfile
+    from paved.runfiles import runfile
 
     return os.path.dirname(runfile(path))
 

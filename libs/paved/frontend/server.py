@@ -26,7 +26,7 @@ from paved.frontend import config as config_file  # noqa: E402
 from paved.frontend.app import create_app  # noqa: E402
 from paved.frontend.config import RemoteModelConfig, ServerConfig, make_engine  # noqa: E402
 from paved.frontend.registry import ModelRegistry  # noqa: E402
-from paved.frontend.runfiles import tiny_model_dir  # noqa: E402
+from paved.runfiles import tiny_model_dir  # noqa: E402
 
 logger = logging.getLogger("paved.frontend")
 

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if not args.model_dir and not args.llm_config:
-        from paved.frontend.runfiles import runfile
+        from paved.runfiles import runfile
 
         args.model_dir = [os.path.dirname(runfile("models/xgb/config.json"))]
     try:

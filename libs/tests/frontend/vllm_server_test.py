@@ -26,7 +26,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 
-from paved.frontend.runfiles import tiny_model_dir  # noqa: E402
+from paved.runfiles import tiny_model_dir  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 MAX_QUEUED = 24

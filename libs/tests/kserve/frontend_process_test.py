@@ -24,7 +24,7 @@ import xgboost
 from servers import ServerProcess
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import xgb_model_dir
+from libs.tests.kserve.kserve_fakes import llm_inputs, xgb_model_dir
 from paved.testing.fixtures import tiny_model_dir
 
 MODEL = "tiny"
@@ -86,21 +86,6 @@ def openai_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def llm_inputs(text: str, params: dict, **flags) -> list:
-    def tensor(name, value, datatype):
-        t = grpcclient.InferInput(name, [1], datatype)
-        t.set_data_from_numpy(value)
-        return t
-
-    inputs = [
-        tensor("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-        tensor("sampling_parameters", np.array([json.dumps(params).encode()], dtype=object), "BYTES"),
-    ]
-    for name, value in flags.items():
-        inputs.append(tensor(name, np.array([value]), "BOOL"))
-    return inputs
-
-
 def test_kserve_listeners_run_in_the_frontend_process(local):
     assert local.kserve_grpc_port and local.kserve_http_port
     assert local.kserve_grpc_port != local.kserve_http_port
@@ -115,8 +100,9 @@ def test_kserve_listeners_run_in_the_frontend_process(local):
         result = gc.infer(
             MODEL,
             llm_inputs(
+                grpcclient,
                 "The quick brown fox",
-                {"max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                params={"max_tokens": 8, "temperature": 0, "ignore_eos": True},
                 exclude_input_in_output=True,
                 return_num_output_tokens=True,
             ),
@@ -132,7 +118,7 @@ def test_kserve_listeners_run_in_the_frontend_process(local):
         assert np.array_equal(hc.infer("xgb_scorer", [t]).as_numpy("output__0"), booster.inplace_predict(x))
 
         with pytest.raises(InferenceServerException) as e:
-            gc.infer("nope", llm_inputs("x", {}))
+            gc.infer("nope", llm_inputs(grpcclient, "x", params={}))
         assert "NOT_FOUND" in str(e.value.status())
     finally:
         gc.close()
@@ -150,7 +136,8 @@ def test_kserve_streaming_in_the_frontend_process(local):
     try:
         params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
         gc.async_stream_infer(
-            MODEL, llm_inputs("Once upon", params, stream=True, return_num_output_tokens=True)
+            MODEL,
+            llm_inputs(grpcclient, "Once upon", params=params, stream=True, return_num_output_tokens=True),
         )
         tokens = 0
         for _ in range(64):

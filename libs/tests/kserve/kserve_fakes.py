@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import Future
 
+import numpy as np
+
 from paved.engine.protocol import (
     ChatPrompt,
     ChoiceDelta,
@@ -180,7 +182,7 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
 
 def xgb_model_dir() -> str:
     """//models/xgb from the runfiles; outside Bazel (plain pytest), generated once into a temp dir."""
-    from paved.frontend.runfiles import runfile
+    from paved.runfiles import runfile
 
     try:
         return os.path.dirname(runfile("models/xgb/config.json"))
@@ -198,3 +200,25 @@ def xgb_model_dir() -> str:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(module.config("xgb_scorer"), f)
     return out
+
+
+# ---- tritonclient request helpers (module: tritonclient.grpc or tritonclient.http) ----------
+def tensor(module, name, value, datatype, **kwargs):
+    t = module.InferInput(name, list(value.shape), datatype)
+    t.set_data_from_numpy(value, **kwargs)
+    return t
+
+
+def llm_inputs(module, text, *, stream=None, params=None, exclude=None, **flags):
+    """Triton vLLM-backend inputs: text_input, then the optional tensors that are given."""
+    inputs = [tensor(module, "text_input", np.array([text.encode()], dtype=object), "BYTES")]
+    if stream is not None:
+        inputs.append(tensor(module, "stream", np.array([stream]), "BOOL"))
+    if params is not None:
+        raw = params if isinstance(params, str) else json.dumps(params)
+        inputs.append(tensor(module, "sampling_parameters", np.array([raw.encode()], dtype=object), "BYTES"))
+    if exclude is not None:
+        inputs.append(tensor(module, "exclude_input_in_output", np.array([exclude]), "BOOL"))
+    for name, value in flags.items():
+        inputs.append(tensor(module, name, np.array([value]), "BOOL"))
+    return inputs

@@ -19,7 +19,16 @@ import xgboost
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, wait_for, xgb_model_dir
+from libs.tests.kserve.kserve_fakes import (
+    EMBED,
+    LLM,
+    SCHEMA,
+    FakeEngine,
+    llm_inputs,
+    tensor,
+    wait_for,
+    xgb_model_dir,
+)
 from paved.kserve.server import KServeServer
 from paved.kserve.xgboost_model import XGBoostModel
 
@@ -73,26 +82,6 @@ def booster():
 
 def rows(n, seed=0):
     return np.random.default_rng(seed).standard_normal((n, 32)).astype(np.float32)
-
-
-def tensor(module, name, value, datatype, **kwargs):
-    t = module.InferInput(name, list(value.shape), datatype)
-    t.set_data_from_numpy(value, **kwargs)
-    return t
-
-
-def llm_inputs(module, text, *, stream=None, params=None, exclude=None, **flags):
-    inputs = [tensor(module, "text_input", np.array([text.encode()], dtype=object), "BYTES")]
-    if stream is not None:
-        inputs.append(tensor(module, "stream", np.array([stream]), "BOOL"))
-    if params is not None:
-        raw = params if isinstance(params, str) else json.dumps(params)
-        inputs.append(tensor(module, "sampling_parameters", np.array([raw.encode()], dtype=object), "BYTES"))
-    if exclude is not None:
-        inputs.append(tensor(module, "exclude_input_in_output", np.array([exclude]), "BOOL"))
-    for name, value in flags.items():
-        inputs.append(tensor(module, name, np.array([value]), "BOOL"))
-    return inputs
 
 
 def grpc_error(call) -> InferenceServerException:

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import xgboost  # noqa: E402
 
-from libs.tests.kserve.kserve_fakes import SCHEMA, wait_for, xgb_model_dir  # noqa: E402
+from libs.tests.kserve.kserve_fakes import SCHEMA, llm_inputs, wait_for, xgb_model_dir  # noqa: E402
 from paved.testing.fixtures import tiny_model_dir  # noqa: E402
 
 MODEL = "tiny"
@@ -69,23 +69,6 @@ def gc(server):
     client.close()
 
 
-def llm_inputs(text, *, params, stream=None, **flags):
-    def tensor(name, value, datatype):
-        t = grpcclient.InferInput(name, [1], datatype)
-        t.set_data_from_numpy(value)
-        return t
-
-    inputs = [
-        tensor("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-        tensor("sampling_parameters", np.array([json.dumps(params).encode()], dtype=object), "BYTES"),
-    ]
-    if stream is not None:
-        inputs.append(tensor("stream", np.array([stream]), "BOOL"))
-    for name, value in flags.items():
-        inputs.append(tensor(name, np.array([value]), "BOOL"))
-    return inputs
-
-
 def test_llm_and_xgboost_on_one_interface(gc):
     assert gc.is_server_ready() and gc.is_model_ready(MODEL) and gc.is_model_ready("xgb_scorer")
     assert {m.name for m in gc.get_model_repository_index().models} == {MODEL, "xgb_scorer"}
@@ -101,7 +84,11 @@ def test_unary_and_streaming_generation_agree(gc):
     result = gc.infer(
         MODEL,
         llm_inputs(
-            "The quick brown fox", params=params, return_num_input_tokens=True, return_num_output_tokens=True
+            grpcclient,
+            "The quick brown fox",
+            params=params,
+            return_num_input_tokens=True,
+            return_num_output_tokens=True,
         ),
     )
     full = result.as_numpy("text_output")[0].decode()
@@ -114,7 +101,9 @@ def test_unary_and_streaming_generation_agree(gc):
     try:
         gc.async_stream_infer(
             MODEL,
-            llm_inputs("The quick brown fox", params=params, stream=True, return_num_output_tokens=True),
+            llm_inputs(
+                grpcclient, "The quick brown fox", params=params, stream=True, return_num_output_tokens=True
+            ),
         )
         deltas, tokens = [], 0
         while True:
@@ -140,7 +129,7 @@ def test_unary_and_streaming_generation_agree(gc):
 def test_structured_outputs_are_enforced(gc, constraint):
     result = gc.infer(
         MODEL,
-        llm_inputs("Answer in JSON:", params={"max_tokens": 64, "temperature": 0, **constraint}),
+        llm_inputs(grpcclient, "Answer in JSON:", params={"max_tokens": 64, "temperature": 0, **constraint}),
         parameters=None,
     )
     text = result.as_numpy("text_output")[0].decode()
@@ -149,9 +138,12 @@ def test_structured_outputs_are_enforced(gc, constraint):
 
 def test_paved_constraint_in_sampling_parameters(gc):
     spec = {"type": "choice", "items": ["red", "green", "blue"]}
-    inputs = llm_inputs("Colour:", params={"max_tokens": 8, "temperature": 1.0, "paved_constraint": spec})
-    inputs.append(grpcclient.InferInput("exclude_input_in_output", [1], "BOOL"))
-    inputs[-1].set_data_from_numpy(np.array([True]))
+    inputs = llm_inputs(
+        grpcclient,
+        "Colour:",
+        params={"max_tokens": 8, "temperature": 1.0, "paved_constraint": spec},
+        exclude=True,
+    )
     assert gc.infer(MODEL, inputs).as_numpy("text_output")[0].decode() in spec["items"]
 
 
@@ -160,7 +152,8 @@ def test_cancelled_stream_aborts_the_vllm_request(gc, vllm):
     gc.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
         gc.async_stream_infer(
-            MODEL, llm_inputs("Count:", params={"max_tokens": 400, "ignore_eos": True}, stream=True)
+            MODEL,
+            llm_inputs(grpcclient, "Count:", params={"max_tokens": 400, "ignore_eos": True}, stream=True),
         )
         _, error = results.get(timeout=60)
         assert error is None

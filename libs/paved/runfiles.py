@@ -29,5 +29,8 @@ def runfile(path: str) -> str:
 
 
 def tiny_model_dir() -> str:
-    """//models/tiny: the default model of `bazel run //services/frontend:serve`."""
+    """//models/tiny: the default model of `bazel run //services/frontend:serve` and the tests'.
+
+    Resolved (see `runfile`) because vLLM keys its compile cache on the model path, and the
+    sandbox path differs on every run."""
     return os.path.dirname(runfile("models/tiny/config.json"))
