@@ -12,8 +12,10 @@ tritonclient (gRPC and HTTP) talks to A; the official openai client to both.
 
 import json
 import queue
+import signal
 import socket
 
+import httpx
 import jsonschema
 import numpy as np
 import openai
@@ -24,7 +26,7 @@ import xgboost
 from servers import ServerProcess
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import llm_inputs, xgb_model_dir
+from libs.tests.kserve.kserve_fakes import llm_inputs, wait_for, xgb_model_dir
 from paved.testing.fixtures import tiny_model_dir
 
 MODEL = "tiny"
@@ -201,10 +203,47 @@ def test_remote_mode_errors_are_client_errors(remote):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, echo=True, logprobs=1)
 
 
-def test_sigterm_stops_both_processes_and_closes_the_kserve_ports(local, remote):
+def test_sigterm_drains_both_apis_then_closes_the_kserve_ports(local, remote):
+    """SIGTERM: KServe's ServerReady turns false and new LLM calls are refused at once, while
+    an OpenAI stream and a KServe stream already running both finish; then exit 0."""
     assert remote.terminate() == 0
-    grpc_port, http_port = local.kserve_grpc_port, local.kserve_http_port
-    assert local.terminate() == 0
-    for port in (grpc_port, http_port):
+    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{local.kserve_grpc_port}")
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        long = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        gc.async_stream_infer(
+            MODEL, llm_inputs(grpcclient, "go", params=long, stream=True, return_num_output_tokens=True)
+        )
+        first, error = results.get(timeout=60)
+        assert error is None, error
+        tokens = int(first.as_numpy("num_output_tokens")[0])
+
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", local.url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            next(lines)
+            local.proc.send_signal(signal.SIGTERM)
+            assert wait_for(lambda: not gc.is_server_ready(), timeout=10)
+            with pytest.raises(InferenceServerException) as refused:
+                gc.infer(MODEL, llm_inputs(grpcclient, "x", params={"max_tokens": 2}))
+            assert "UNAVAILABLE" in str(refused.value.status())
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+
+        final = first.get_response().parameters["triton_final_response"].bool_param
+        for _ in range(400):
+            if final:
+                break
+            result, error = results.get(timeout=60)
+            assert error is None, error
+            tokens += int(result.as_numpy("num_output_tokens")[0])
+            final = result.get_response().parameters["triton_final_response"].bool_param
+        assert final and tokens == 300
+    finally:
+        gc.stop_stream()
+        gc.close()
+    assert local.proc.wait(120) == 0, local.tail()
+    for port in (local.kserve_grpc_port, local.kserve_http_port):
         with socket.socket() as s, pytest.raises(ConnectionRefusedError):
             s.connect(("127.0.0.1", port))
