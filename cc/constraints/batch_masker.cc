@@ -1,5 +1,6 @@
 #include "cc/constraints/batch_masker.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -9,7 +10,7 @@
 
 namespace paved::constraints {
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, std::chrono::microseconds wake_after) : wake_after_(wake_after) {
   for (int t = 1; t < num_threads; ++t) workers_.emplace_back([this, t] { WorkerLoop(t); });
 }
 
@@ -22,40 +23,56 @@ ThreadPool::~ThreadPool() {
   for (std::thread& w : workers_) w.join();
 }
 
-void ThreadPool::RunErased(int64_t n, Task task, const void* ctx) {
+void ThreadPool::RunErased(int64_t n, Task task, const void* ctx, bool wake_now) {
   std::lock_guard<std::mutex> run_lock(run_mu_);
+  // No worker has joined (the previous call closed and waited), so these need no lock; a
+  // worker reads them only after joining under mu_, which happens after open_ is set below.
   error_ = nullptr;
   task_ = task;
   ctx_ = ctx;
   count_ = n;
+  chunk_ = std::max<int64_t>(1, n / (4 * int64_t{num_threads()}));
   next_.store(0, std::memory_order_relaxed);
-  // Waking workers costs more than a few cached rows; small batches run inline.
-  const bool wake_workers = !workers_.empty() && n > 1;
-  if (wake_workers) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = static_cast<int>(workers_.size());
-      ++generation_;
-    }
-    wake_.notify_all();
-  }
+  woke_ = false;
+  start_ = Clock::now();
+  if (wake_now && n > chunk_) MaybeWakeWorkers(true);  // one chunk: nothing to share
   Drain(0);
-  if (wake_workers) {
+  if (woke_) {
+    // Close the call and wait only for the workers that joined it (they are running). A
+    // worker still waking up finds the call closed and goes back to sleep, so the caller never
+    // waits for a sleeping CPU to wake just to learn that nothing is left.
     std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_ == 0; });
+    open_ = false;
+    done_.wait(lock, [this] { return joined_ == 0; });
   }
   if (error_) std::rethrow_exception(error_);
 }
 
 void ThreadPool::Drain(int thread_index) {
-  for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < count_;) {
-    try {
-      task_(ctx_, i, thread_index);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
+  for (int64_t begin; (begin = next_.fetch_add(chunk_, std::memory_order_relaxed)) < count_;) {
+    const int64_t end = std::min(count_, begin + chunk_);
+    for (int64_t i = begin; i < end; ++i) {
+      try {
+        task_(ctx_, i, thread_index);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
     }
+    if (thread_index == 0) MaybeWakeWorkers(false);
   }
+}
+
+void ThreadPool::MaybeWakeWorkers(bool now) {
+  if (woke_ || workers_.empty() || next_.load(std::memory_order_relaxed) >= count_) return;
+  if (!now && Clock::now() - start_ < wake_after_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    ++generation_;
+  }
+  wake_.notify_all();
+  woke_ = true;
 }
 
 void ThreadPool::WorkerLoop(int thread_index) {
@@ -63,19 +80,28 @@ void ThreadPool::WorkerLoop(int thread_index) {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      wake_.wait(lock, [&] { return stop_ || (open_ && generation_ != seen); });
       if (stop_) return;
       seen = generation_;
+      ++joined_;
     }
     Drain(thread_index);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--busy_ == 0) done_.notify_one();
+      if (--joined_ == 0 && !open_) done_.notify_one();
     }
   }
 }
 
 namespace {
+
+// A call that writes at least this much (bitmask or logits) wakes the pool's workers at once
+// rather than after wake_after. On the 2-core VM a woken worker starts tens of µs later; a
+// cold-cache copy of this size takes longer than that, and two threads keep twice the cache
+// misses in flight. fill_bitmask at V=128k after the bench's other methods, µs, 1 thread /
+// 2 threads woken after wake_after / at once: B=16 (256 KiB) 63 / 67 / 70, B=32 112 / 116 /
+// 102, B=64 (1 MiB) 186 / 195 / 160, B=128 335 / 288 / 247.
+constexpr int64_t kWakeNowBytes = int64_t{1} << 20;
 
 int32_t CheckedVocabSize(int32_t vocab_size) {
   if (vocab_size <= 0 || vocab_size > kMaxVocabSize)
@@ -92,8 +118,8 @@ int CheckedNumThreads(int num_threads) {
 
 }  // namespace
 
-BatchMasker::BatchMasker(int32_t vocab_size, int num_threads)
-    : vocab_size_(CheckedVocabSize(vocab_size)), pool_(CheckedNumThreads(num_threads)) {
+BatchMasker::BatchMasker(int32_t vocab_size, int num_threads, std::chrono::microseconds wake_after)
+    : vocab_size_(CheckedVocabSize(vocab_size)), pool_(CheckedNumThreads(num_threads), wake_after) {
   scratch_.assign(static_cast<size_t>(pool_.num_threads()), std::vector<uint32_t>(static_cast<size_t>(num_words())));
 }
 
@@ -108,6 +134,7 @@ void BatchMasker::Validate(const State* const* states, int64_t rows) const {
 
 void BatchMasker::FillBitmask(const State* const* states, int64_t rows, int32_t* bitmask) {
   const int64_t words = num_words();
+  const bool heavy = rows * words * 4 >= kWakeNowBytes;
   pool_.Run(rows, [&](int64_t i, int) {
     auto* row = reinterpret_cast<uint32_t*>(bitmask + i * words);
     if (states[i] != nullptr) {
@@ -116,16 +143,19 @@ void BatchMasker::FillBitmask(const State* const* states, int64_t rows, int32_t*
     }
     std::memset(row, 0xFF, static_cast<size_t>(words) * 4);
     if (vocab_size_ % 32 != 0) row[words - 1] = (1u << (vocab_size_ % 32)) - 1;
-  });
+  }, heavy);
 }
 
 void BatchMasker::Apply(const State* const* states, int64_t rows, float* logits) {
+  // Every row is a pass over V floats (B=4, V=128k: 123-136 µs on one thread, 124 µs with the
+  // worker woken after wake_after, 63 µs woken at once).
+  const bool heavy = rows * int64_t{vocab_size_} * 4 >= kWakeNowBytes;
   pool_.Run(rows, [&](int64_t i, int thread_index) {
     if (states[i] == nullptr) return;
     std::shared_ptr<const CachedMask> hold;
     const uint32_t* mask = states[i]->Mask(scratch_[static_cast<size_t>(thread_index)].data(), &hold);
     ApplyMaskRow(logits + i * vocab_size_, mask, vocab_size_);
-  });
+  }, heavy);
 }
 
 }  // namespace paved::constraints

@@ -5,6 +5,7 @@
 #define PAVED_CC_CONSTRAINTS_BATCH_MASKER_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -17,9 +18,21 @@
 namespace paved::constraints {
 
 // `num_threads` - 1 persistent workers plus the calling thread. Run() calls are serialized.
+//
+// The caller starts on the work alone and wakes the workers only once the call has run for
+// `wake_after` with work left (or at once with `wake_now`). On the 2-core development VM a
+// call that woke a worker for every batch took 13-15 µs for B=2..8 cached rows at V=128k, 3-7
+// µs on the caller alone (cc/constraints/README.md): a wake costs more than small batches of
+// cached rows, whose copy is memory-bound anyway. Slow steps (mask misses: a vocabulary walk
+// each, large batches) still spread once they pass the threshold. A worker joins only a call
+// that is still open, and the caller waits only for workers that joined, so a worker that
+// wakes late costs nothing. Indices are handed out in chunks (about four per thread) so that
+// threads do not update a shared counter per row.
 class ThreadPool {
  public:
-  explicit ThreadPool(int num_threads);
+  static constexpr std::chrono::microseconds kDefaultWakeAfter{50};
+
+  explicit ThreadPool(int num_threads, std::chrono::microseconds wake_after = kDefaultWakeAfter);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -27,28 +40,41 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Calls fn(i, thread_index) for every i in [0, n), thread_index in [0, num_threads()).
-  // Rethrows the first exception a call threw, after all calls returned.
+  // Rethrows the first exception a call threw, after all calls returned. `wake_now`: the
+  // caller knows the work is heavy (e.g. logits rows); wake the workers at once.
   template <typename Fn>
-  void Run(int64_t n, const Fn& fn) {
-    RunErased(n, [](const void* ctx, int64_t i, int t) { (*static_cast<const Fn*>(ctx))(i, t); }, &fn);
+  void Run(int64_t n, const Fn& fn, bool wake_now = false) {
+    RunErased(
+        n, [](const void* ctx, int64_t i, int t) { (*static_cast<const Fn*>(ctx))(i, t); }, &fn, wake_now);
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
   using Task = void (*)(const void* ctx, int64_t i, int thread_index);
-  void RunErased(int64_t n, Task task, const void* ctx);
+  void RunErased(int64_t n, Task task, const void* ctx, bool wake_now);
   void WorkerLoop(int thread_index);
   void Drain(int thread_index);
+  void MaybeWakeWorkers(bool now);
 
+  const Clock::duration wake_after_;
   std::mutex run_mu_;  // one Run() at a time
   std::mutex mu_;
   std::condition_variable wake_;
   std::condition_variable done_;
+  // Guarded by mu_: a call is open from the wake until the caller has drained it; workers
+  // join only open calls, and the caller waits for joined_ to drop to zero.
   uint64_t generation_ = 0;
   bool stop_ = false;
-  int busy_ = 0;
+  bool open_ = false;
+  int joined_ = 0;
+  // Set by the caller before workers are woken (under mu_), read-only while they run.
   Task task_ = nullptr;
   const void* ctx_ = nullptr;
   int64_t count_ = 0;
+  int64_t chunk_ = 1;
+  // The caller's own state for the current Run().
+  Clock::time_point start_;
+  bool woke_ = false;
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;
   std::vector<std::thread> workers_;
@@ -57,8 +83,9 @@ class ThreadPool {
 class BatchMasker {
  public:
   // Throws ConstraintError for vocab_size outside [1, kMaxVocabSize] or num_threads
-  // outside [1, 256].
-  BatchMasker(int32_t vocab_size, int num_threads);
+  // outside [1, 256]. `wake_after`: see ThreadPool.
+  BatchMasker(int32_t vocab_size, int num_threads,
+              std::chrono::microseconds wake_after = ThreadPool::kDefaultWakeAfter);
 
   int32_t vocab_size() const { return vocab_size_; }
   int32_t num_words() const { return (vocab_size_ + 31) / 32; }

@@ -1,9 +1,11 @@
 #include "cc/constraints/batch_masker.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cc/constraints/compile.h"
@@ -51,7 +53,8 @@ TEST(BatchMasker, BitmaskRowsEqualPerStateMasks) {
   const Batch b = MakeBatch();
   const int64_t words = vocab->num_words();
   for (int threads : {1, 3}) {
-    BatchMasker masker(vocab->size(), threads);
+    // Workers woken at once, so that they take part even in this small batch.
+    BatchMasker masker(vocab->size(), threads, std::chrono::microseconds(0));
     std::vector<int32_t> bitmask(b.rows.size() * static_cast<size_t>(words), 0x5a5a5a5a);
     masker.FillBitmask(b.rows.data(), static_cast<int64_t>(b.rows.size()), bitmask.data());
     for (size_t i = 0; i < b.rows.size(); ++i) {
@@ -73,7 +76,7 @@ TEST(BatchMasker, ApplyMasksExactlyTheDisallowedLogits) {
   const auto& vocab = SharedVocab();
   const Batch b = MakeBatch();
   const int64_t V = vocab->size();
-  BatchMasker masker(vocab->size(), 2);
+  BatchMasker masker(vocab->size(), 2, std::chrono::microseconds(0));
   std::vector<float> logits(b.rows.size() * static_cast<size_t>(V));
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>(i % 97) * 0.25f;
   const std::vector<float> before = logits;
@@ -105,7 +108,7 @@ TEST(BatchMasker, RejectsForeignVocabularyAndBadArguments) {
 }
 
 TEST(ThreadPool, RunsEveryIndexOnceAndPropagatesErrors) {
-  ThreadPool pool(4);
+  ThreadPool pool(4, std::chrono::microseconds(0));
   std::vector<std::atomic<int>> hits(1000);
   for (int round = 0; round < 20; ++round) pool.Run(1000, [&](int64_t i, int) { hits[static_cast<size_t>(i)]++; });
   for (const auto& h : hits) EXPECT_EQ(h.load(), 20);
@@ -114,6 +117,48 @@ TEST(ThreadPool, RunsEveryIndexOnceAndPropagatesErrors) {
   }),
                ConstraintError);
   pool.Run(10, [](int64_t, int) {});  // still usable
+}
+
+TEST(ThreadPool, CallsShorterThanWakeAfterStayOnTheCaller) {
+  ThreadPool pool(3, std::chrono::hours(1));
+  std::atomic<int> off_caller{0};
+  for (int round = 0; round < 20; ++round)
+    pool.Run(64, [&](int64_t, int thread_index) { off_caller += thread_index != 0; });
+  EXPECT_EQ(off_caller.load(), 0);
+}
+
+// Runs 8 indices (chunks of one) on a 2-thread pool through `run`. The caller's first index
+// sleeps `first`; its next one waits until the worker has run an index. True iff the worker
+// took part (false after a 30 s timeout instead of hanging).
+template <typename RunFn>
+bool WorkerTakesPart(std::chrono::milliseconds first, RunFn run) {
+  std::atomic<bool> worker_ran{false};
+  std::atomic<bool> timed_out{false};
+  run([&](int64_t i, int thread_index) {
+    if (thread_index != 0) {
+      worker_ran = true;
+    } else if (i == 0) {
+      std::this_thread::sleep_for(first);
+    } else {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!worker_ran && !timed_out) {
+        if (std::chrono::steady_clock::now() > deadline) timed_out = true;
+        std::this_thread::yield();
+      }
+    }
+  });
+  return worker_ran && !timed_out;
+}
+
+TEST(ThreadPool, WakeNowWakesWorkersAtOnce) {
+  ThreadPool pool(2, std::chrono::hours(1));
+  EXPECT_TRUE(WorkerTakesPart(std::chrono::milliseconds(0), [&](const auto& fn) { pool.Run(8, fn, true); }));
+}
+
+TEST(ThreadPool, WakesWorkersOnceACallRunsPastWakeAfter) {
+  // The first index outlasts wake_after, so the caller wakes the worker after it.
+  ThreadPool pool(2, std::chrono::milliseconds(1));
+  EXPECT_TRUE(WorkerTakesPart(std::chrono::milliseconds(5), [&](const auto& fn) { pool.Run(8, fn); }));
 }
 
 }  // namespace

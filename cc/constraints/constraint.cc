@@ -158,8 +158,13 @@ std::vector<int32_t> State::AllowedTokens() const {
   return out;
 }
 
-DfaConstraint::DfaConstraint(std::shared_ptr<const Vocab> vocab, Dfa dfa, std::string kind)
-    : Constraint(std::move(vocab)), dfa_(std::move(dfa)), kind_(std::move(kind)), cache_(this->vocab().num_words()) {
+DfaConstraint::DfaConstraint(std::shared_ptr<const Vocab> vocab, Dfa dfa, std::string kind, size_t cache_bytes)
+    : Constraint(std::move(vocab)),
+      dfa_(std::move(dfa)),
+      kind_(std::move(kind)),
+      cache_(this->vocab().num_words(), cache_bytes),
+      pinned_(new std::atomic<const CachedMask*>[static_cast<size_t>(dfa_.num_states)]) {
+  for (int32_t s = 0; s < dfa_.num_states; ++s) pinned_[static_cast<size_t>(s)].store(nullptr, std::memory_order_relaxed);
   ComputeDistances();
   if (distance_[static_cast<size_t>(dfa_.start)] == kUnreachable)
     throw ConstraintError("no sequence of this vocabulary's tokens satisfies the " + kind_ + " constraint");
@@ -214,11 +219,21 @@ void DfaConstraint::BuildMask(int32_t state, int64_t limit, CachedMask* out) con
 
 const uint32_t* DfaConstraint::Mask(int32_t state, int64_t limit, uint32_t* scratch,
                                     std::shared_ptr<const CachedMask>* hold) const {
-  auto full = cache_.GetOrCompute(MaskKey(state, kNoLimit),
-                                  [&](CachedMask* m) { BuildMask(state, kUnreachable - 1, m); });
+  // The unrestricted mask: pinned (lock-free, no hold needed: it lives as long as *this), or
+  // through the cache, which pins it if the pinned half has room.
+  std::shared_ptr<const CachedMask> held;
+  const CachedMask* full = pinned_[static_cast<size_t>(state)].load(std::memory_order_acquire);
+  if (full == nullptr) {
+    bool pinned = false;
+    held = cache_.GetOrCompute(
+        MaskKey(state, kNoLimit), [&](CachedMask* m) { BuildMask(state, kUnreachable - 1, m); }, &pinned);
+    full = held.get();
+    // Release: a reader that sees the pointer sees the finished mask.
+    if (pinned) pinned_[static_cast<size_t>(state)].store(full, std::memory_order_release);
+  }
   if (limit >= full->max_landing_distance) {
-    *hold = std::move(full);
-    return (*hold)->words.data();
+    if (held) *hold = std::move(held);
+    return full->words.data();
   }
   if (limit < 0) {  // only EOS fits in the budget
     std::memset(scratch, 0, static_cast<size_t>(vocab().num_words()) * 4);

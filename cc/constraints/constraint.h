@@ -10,6 +10,8 @@
 #ifndef PAVED_CC_CONSTRAINTS_CONSTRAINT_H_
 #define PAVED_CC_CONSTRAINTS_CONSTRAINT_H_
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "cc/constraints/dfa.h"
+#include "cc/constraints/limits.h"
 #include "cc/constraints/mask_cache.h"
 #include "cc/constraints/vocab.h"
 
@@ -78,8 +81,9 @@ class State {
   std::optional<int64_t> max_tokens() const { return max_tokens_; }
   const Vocab& vocab() const { return constraint_->vocab(); }
 
-  // The allowed-token mask (vocab().num_words() words): either a cached mask, kept alive by
-  // *hold, or `scratch` filled in. Allocation-free once the automaton state's mask is cached.
+  // The allowed-token mask (vocab().num_words() words): a cached mask, kept alive by *hold or
+  // (pinned masks, *hold left empty) by the constraint, or `scratch` filled in. Allocation-free
+  // once the automaton state's mask is cached.
   const uint32_t* Mask(uint32_t* scratch, std::shared_ptr<const CachedMask>* hold) const;
   void FillMask(uint32_t* out) const;
   std::vector<int32_t> AllowedTokens() const;
@@ -115,8 +119,10 @@ void SetEosBits(const Vocab& vocab, uint32_t* words);
 // A regular constraint (regex, JSON Schema): a minimal DFA and per-state distances.
 class DfaConstraint final : public Constraint {
  public:
-  // Throws ConstraintError if no token sequence of `vocab` is accepted.
-  DfaConstraint(std::shared_ptr<const Vocab> vocab, Dfa dfa, std::string kind);
+  // Throws ConstraintError if no token sequence of `vocab` is accepted. `cache_bytes` bounds
+  // the mask cache (tests pass a small one to exercise eviction).
+  DfaConstraint(std::shared_ptr<const Vocab> vocab, Dfa dfa, std::string kind,
+                size_t cache_bytes = kMaskCacheBytes);
 
   int64_t min_tokens() const override { return int64_t{distance_[static_cast<size_t>(dfa_.start)]} + 1; }
   ConstraintStats stats() const override;
@@ -140,6 +146,12 @@ class DfaConstraint final : public Constraint {
   // tokens do not reach acceptance from every state (vocabularies missing some byte tokens).
   std::vector<int32_t> distance_;
   mutable MaskCache cache_;
+  // Per DFA state, its unrestricted mask once pinned in cache_ (null before): the steady-state
+  // lookup is one acquire load, with no lock and no reference count, so pool threads reading
+  // the same masks do not bounce a mutex or a shared_ptr control block between cores. Pinned
+  // masks are never evicted while the constraint lives, which is what makes the raw pointer
+  // safe; states beyond the pinned half of the cache take the locked path.
+  std::unique_ptr<std::atomic<const CachedMask*>[]> pinned_;
 };
 
 }  // namespace paved::constraints

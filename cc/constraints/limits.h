@@ -33,7 +33,8 @@ constexpr int kMaxListItems = 10000;
 constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
 constexpr size_t kMaxTokenBytes = 65535;
 // Token masks cached per compiled constraint, in bytes (at least kMinCachedMasks masks);
-// beyond it the least recently used mask is evicted and recomputed on its next use.
+// beyond it the least recently used mask is evicted and recomputed on its next use. Up to half
+// of them may be pinned (never evicted; see MaskCache).
 constexpr size_t kMaskCacheBytes = size_t{64} << 20;
 constexpr size_t kMinCachedMasks = 16;
 

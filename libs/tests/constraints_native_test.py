@@ -554,3 +554,5 @@ def test_stats_report_cache_use(vocab):
     assert 0 < stats["cached_masks"] <= stats["cache_capacity"]
     assert stats["cache_bytes"] == stats["cached_masks"] * WORDS * 4
     assert stats["cache_hits"] + stats["cache_misses"] > 0
+    # Unrestricted masks of DFA states are pinned (read lock-free) up to half the capacity.
+    assert 0 < stats["cache_pinned"] <= min(stats["cached_masks"], stats["cache_capacity"] // 2)

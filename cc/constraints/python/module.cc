@@ -25,7 +25,6 @@ namespace py = pybind11;
 namespace paved::constraints {
 namespace {
 
-using StatePtr = std::shared_ptr<State>;
 
 // Checks a writeable, aligned, C-contiguous array of dtype T with the given shape.
 // (An initializer_list keeps the per-step call allocation-free.)
@@ -100,20 +99,26 @@ py::dict Stats(const Constraint& c) {
   d["cached_masks"] = s.cache.entries;
   d["cache_capacity"] = s.cache.capacity;
   d["cache_bytes"] = s.cache.bytes;
+  d["cache_pinned"] = s.cache.pinned;
   d["cache_hits"] = s.cache.hits;
   d["cache_misses"] = s.cache.misses;
   d["cache_evictions"] = s.cache.evictions;
   return d;
 }
 
-// The batch's states as raw pointers, kept alive by per-thread owner references for the
-// duration of a call. Both vectors keep their capacity: no allocation once warmed up.
+// The batch's states as raw pointers, kept alive by per-thread references to their Python
+// objects for the duration of a call. Both vectors keep their capacity: no allocation once
+// warmed up.
 struct BatchStates {
-  std::vector<StatePtr> owners;
+  std::vector<py::object> owners;
   std::vector<const State*> rows;
 };
 
 BatchStates& CollectStates(const py::sequence& states) {
+  // pybind11's isinstance<State>() and cast<>() look the type up by typeid (hashing its name)
+  // on every call: with a B=64 batch that was ~15% of a fill_bitmask step. A caster built from
+  // the type_info looked up once checks a State object's type by pointer instead.
+  static const py::detail::type_info* const state_type = py::detail::get_type_info(typeid(State));
   thread_local BatchStates batch;
   batch.owners.clear();
   batch.rows.clear();
@@ -122,14 +127,16 @@ BatchStates& CollectStates(const py::sequence& states) {
     py::object item = states[i];
     if (item.is_none()) {
       batch.rows.push_back(nullptr);
-    } else if (py::isinstance<State>(item)) {
-      batch.owners.push_back(item.cast<StatePtr>());
-      batch.rows.push_back(batch.owners.back().get());
-    } else {
+      continue;
+    }
+    py::detail::type_caster_generic caster(state_type);
+    if (!caster.load(item, /*convert=*/false)) {
       batch.owners.clear();
       batch.rows.clear();
       throw py::value_error("states[" + std::to_string(i) + "] must be a State or None");
     }
+    batch.rows.push_back(static_cast<const State*>(caster.value));
+    batch.owners.push_back(std::move(item));
   }
   return batch;
 }
