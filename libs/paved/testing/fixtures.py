@@ -1,6 +1,8 @@
 """Locating build-produced fixtures from inside a test's runfiles."""
 
-import os
+from paved.runfiles import tiny_model_dir
+
+__all__ = ["TINY_MODEL_FILES", "tiny_model_dir"]
 
 TINY_MODEL_FILES = (
     "config.json",
@@ -10,17 +12,3 @@ TINY_MODEL_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-
-
-def tiny_model_dir() -> str:
-    """Absolute, symlink-resolved directory of //models/tiny.
-
-    Resolved because vLLM keys its compile cache on the model path, and the sandbox path
-    differs on every run. The test must list the fixture's files in `data`.
-    """
-    config = os.path.join(os.environ.get("TEST_SRCDIR", "."), "paved", "models", "tiny", "config.json")
-    if not os.path.exists(config):
-        config = os.path.join("models", "tiny", "config.json")
-    if not os.path.exists(config):
-        raise FileNotFoundError("//models/tiny is not in this target's runfiles; add it to `data`")
-    return os.path.dirname(os.path.realpath(config))
