@@ -88,6 +88,18 @@ def openai_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def start_llm_stream(server, text: str, params: dict) -> tuple:
+    """One decoupled ModelStreamInfer request to `server`'s KServe port; (client, queue of
+    (result, error)). The caller stops the stream and closes the client."""
+    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.kserve_grpc_port}")
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(callback=lambda result, error: results.put((result, error)))
+    gc.async_stream_infer(
+        MODEL, llm_inputs(grpcclient, text, params=params, stream=True, return_num_output_tokens=True)
+    )
+    return gc, results
+
+
 def test_kserve_listeners_run_in_the_frontend_process(local):
     assert local.kserve_grpc_port and local.kserve_http_port
     assert local.kserve_grpc_port != local.kserve_http_port
@@ -132,15 +144,10 @@ def test_kserve_listeners_run_in_the_frontend_process(local):
 
 
 def test_kserve_streaming_in_the_frontend_process(local):
-    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{local.kserve_grpc_port}")
-    results: queue.Queue = queue.Queue()
-    gc.start_stream(callback=lambda result, error: results.put((result, error)))
+    gc, results = start_llm_stream(
+        local, "Once upon", {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    )
     try:
-        params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
-        gc.async_stream_infer(
-            MODEL,
-            llm_inputs(grpcclient, "Once upon", params=params, stream=True, return_num_output_tokens=True),
-        )
         tokens = 0
         for _ in range(64):
             result, error = results.get(timeout=60)
@@ -207,14 +214,8 @@ def test_sigterm_drains_both_apis_then_closes_the_kserve_ports(local, remote):
     """SIGTERM: KServe's ServerReady turns false and new LLM calls are refused at once, while
     an OpenAI stream and a KServe stream already running both finish; then exit 0."""
     assert remote.terminate() == 0
-    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{local.kserve_grpc_port}")
-    results: queue.Queue = queue.Queue()
-    gc.start_stream(callback=lambda result, error: results.put((result, error)))
+    gc, results = start_llm_stream(local, "go", {"max_tokens": 300, "temperature": 0, "ignore_eos": True})
     try:
-        long = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
-        gc.async_stream_infer(
-            MODEL, llm_inputs(grpcclient, "go", params=long, stream=True, return_num_output_tokens=True)
-        )
         first, error = results.get(timeout=60)
         assert error is None, error
         tokens = int(first.as_numpy("num_output_tokens")[0])
