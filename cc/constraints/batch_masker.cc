@@ -121,6 +121,8 @@ int CheckedNumThreads(int num_threads) {
 BatchMasker::BatchMasker(int32_t vocab_size, int num_threads, std::chrono::microseconds wake_after)
     : vocab_size_(CheckedVocabSize(vocab_size)), pool_(CheckedNumThreads(num_threads), wake_after) {
   scratch_.assign(static_cast<size_t>(pool_.num_threads()), std::vector<uint32_t>(static_cast<size_t>(num_words())));
+  all_allowed_.assign(static_cast<size_t>(num_words()), ~0u);
+  if (vocab_size_ % 32 != 0) all_allowed_.back() = (1u << (vocab_size_ % 32)) - 1;
 }
 
 void BatchMasker::Validate(const State* const* states, int64_t rows) const {
@@ -141,9 +143,63 @@ void BatchMasker::FillBitmask(const State* const* states, int64_t rows, int32_t*
       states[i]->FillMask(row);
       return;
     }
-    std::memset(row, 0xFF, static_cast<size_t>(words) * 4);
-    if (vocab_size_ % 32 != 0) row[words - 1] = (1u << (vocab_size_ % 32)) - 1;
+    std::memcpy(row, all_allowed_.data(), static_cast<size_t>(words) * 4);
   }, heavy);
+}
+
+int64_t BatchMasker::FillUniqueBitmask(const State* const* states, int64_t rows, int32_t* unique,
+                                       int32_t* row_index) {
+  std::lock_guard<std::mutex> lock(unique_mu_);
+  const int64_t words = num_words();
+  const size_t bytes = static_cast<size_t>(words) * 4;
+  auto slot = [&](int64_t i) { return reinterpret_cast<uint32_t*>(unique + i * words); };
+  if (sources_.size() < static_cast<size_t>(rows)) {
+    sources_.resize(static_cast<size_t>(rows));
+    holds_.resize(static_cast<size_t>(rows));
+  }
+  // 1. Every row's mask, in parallel (a cache miss walks the vocabulary). A mask that is not
+  //    in a cache is built in the row's own slot, which is at or after its unique row.
+  pool_.Run(rows, [&](int64_t i, int) {
+    const size_t k = static_cast<size_t>(i);
+    sources_[k] = states[i] == nullptr ? all_allowed_.data() : states[i]->Mask(slot(i), &holds_[k]);
+  });
+  // 2. Unique rows in first-seen order, so unique row u <= every row that maps to it.
+  size_t cap = 16;
+  int shift = 60;  // 64 - log2(cap): the product's high bits index the table
+  while (cap < 2 * static_cast<size_t>(rows)) cap *= 2, --shift;
+  seen_.assign(cap, {nullptr, 0});
+  int64_t n = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint32_t* src = sources_[static_cast<size_t>(i)];
+    if (src == slot(i)) {  // built for this row alone
+      sources_[static_cast<size_t>(n)] = src;
+      row_index[i] = static_cast<int32_t>(n++);
+      continue;
+    }
+    size_t h = static_cast<size_t>((uint64_t{reinterpret_cast<uintptr_t>(src)} * 0x9E3779B97F4A7C15ull) >> shift);
+    while (seen_[h].first != nullptr && seen_[h].first != src) h = (h + 1) & (cap - 1);
+    if (seen_[h].first == nullptr) {
+      seen_[h] = {src, static_cast<int32_t>(n)};
+      sources_[static_cast<size_t>(n++)] = src;
+    }
+    row_index[i] = seen_[h].second;
+  }
+  // 3. Masks built in a later row's slot move down first, in increasing order: a slot about
+  //    to be overwritten holds no mask still to be moved (its own row's unique row is at or
+  //    before it, so already moved). Then cached masks are copied in parallel.
+  const uint32_t* begin = slot(0);
+  const uint32_t* end = slot(rows);
+  auto in_buffer = [&](const uint32_t* p) { return p >= begin && p < end; };
+  for (int64_t u = 0; u < n; ++u) {
+    const uint32_t* src = sources_[static_cast<size_t>(u)];
+    if (in_buffer(src) && src != slot(u)) std::memmove(slot(u), src, bytes);
+  }
+  pool_.Run(n, [&](int64_t u, int) {
+    const uint32_t* src = sources_[static_cast<size_t>(u)];
+    if (!in_buffer(src)) std::memcpy(slot(u), src, bytes);
+  }, n * words * 4 >= kWakeNowBytes);
+  for (int64_t i = 0; i < rows; ++i) holds_[static_cast<size_t>(i)].reset();
+  return n;
 }
 
 void BatchMasker::Apply(const State* const* states, int64_t rows, float* logits) {

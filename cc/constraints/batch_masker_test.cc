@@ -2,8 +2,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,6 +70,50 @@ TEST(BatchMasker, BitmaskRowsEqualPerStateMasks) {
         EXPECT_EQ(static_cast<uint32_t>(bitmask[i * static_cast<size_t>(words) + static_cast<size_t>(w)]),
                   expected[static_cast<size_t>(w)])
             << "row " << i << " word " << w;
+    }
+  }
+}
+
+// unique[row_index[i]] must equal FillBitmask's row i whatever the mix: rows sharing cached
+// masks, rows without a state, and masks built for one row alone (finished states,
+// budget-restricted steps, distinct-choice lists) placed before and after shared ones.
+TEST(BatchMasker, UniqueBitmaskGathersToTheFullBitmask) {
+  const auto& vocab = SharedVocab();
+  const size_t words = static_cast<size_t>(vocab->num_words());
+  Batch base = MakeBatch();
+  static const auto regex = CompileRegex(vocab, "[a-z]+\\d{2}");
+  static const auto choice = CompileChoice(vocab, {"Alien", "Aliens", "Up"}, 2, ", ", true);
+  std::vector<std::unique_ptr<State>> extra;
+  for (int i = 0; i < 6; ++i) extra.push_back(regex->NewState(std::nullopt));  // one cached start mask
+  auto finished = regex->NewState(std::nullopt);
+  for (char c : std::string("ab12")) finished->Advance(static_cast<uint8_t>(c));
+  finished->Advance(vocab->eos_ids()[0]);
+  ASSERT_TRUE(finished->is_finished());
+  auto listed = choice->NewState(std::nullopt);  // second item of a distinct list: a per-row mask
+  for (char c : std::string("Up, ")) listed->Advance(static_cast<uint8_t>(c));
+  for (uint32_t seed = 0; seed < 40; ++seed) {
+    std::vector<const State*> rows = base.rows;
+    for (const auto& s : extra) rows.push_back(s.get());
+    rows.push_back(finished.get());
+    rows.push_back(listed.get());
+    rows.push_back(base.rows[0]);  // the same state object twice
+    std::mt19937 rng(seed);
+    std::shuffle(rows.begin(), rows.end(), rng);
+    const int64_t n = static_cast<int64_t>(rows.size());
+    BatchMasker masker(vocab->size(), seed % 2 == 0 ? 1 : 3, std::chrono::microseconds(0));
+    std::vector<int32_t> full(rows.size() * words);
+    masker.FillBitmask(rows.data(), n, full.data());
+    std::vector<int32_t> unique(rows.size() * words, 0x5a5a5a5a);
+    std::vector<int32_t> index(rows.size(), -1);
+    const int64_t u = masker.FillUniqueBitmask(rows.data(), n, unique.data(), index.data());
+    // 6 fresh regex states share the start mask, as do the unconstrained rows.
+    EXPECT_LE(u, n - 5) << "seed " << seed;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      ASSERT_GE(index[i], 0);
+      ASSERT_LT(index[i], u);
+      for (size_t w = 0; w < words; ++w)
+        ASSERT_EQ(unique[static_cast<size_t>(index[i]) * words + w], full[i * words + w])
+            << "seed " << seed << " row " << i << " word " << w;
     }
   }
 }

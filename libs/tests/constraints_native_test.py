@@ -523,6 +523,39 @@ def test_batch_masker_validates_before_touching_memory(vocab):
         states[0].fill_bitmask_row(np.zeros(WORDS + 1, np.int32))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_unique_bitmask_gathers_to_the_full_bitmask(vocab, threads):
+    batch = make_batch(vocab)
+    # Duplicate rows (the same state twice, fresh states at the start) must share a unique row.
+    c = native.Constraint.json_schema(vocab, json.dumps(PERSON))
+    states = batch + [batch[0], batch[0]] + [c.new_state() for _ in range(4)]
+    masker = native.BatchMasker(VOCAB_SIZE, num_threads=threads)
+    full = np.zeros((len(states), WORDS), np.int32)
+    masker.fill_bitmask(states, full)
+    unique = np.full((len(states), WORDS), 0x5A5A5A5A, np.int32)
+    index = np.full(len(states), -1, np.int32)
+    n = masker.fill_unique_bitmask(states, unique, index)
+    assert 0 < n <= len(states) - 4
+    assert index.min() >= 0 and index.max() < n
+    np.testing.assert_array_equal(unique[index], full)
+    assert index[len(batch)] == index[len(batch) + 1] == index[0]
+    assert len(set(index[-4:].tolist())) == 1
+
+
+def test_unique_bitmask_validates_its_arrays(vocab):
+    states = make_batch(vocab)[:4]
+    masker = native.BatchMasker(VOCAB_SIZE)
+    index = np.zeros(4, np.int32)
+    with pytest.raises(ValueError, match=r"unique shape must be \[4, "):
+        masker.fill_unique_bitmask(states, np.zeros((3, WORDS), np.int32), index)
+    with pytest.raises(ValueError, match="row_index must be a int32 array"):
+        masker.fill_unique_bitmask(states, np.zeros((4, WORDS), np.int32), np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match=r"row_index shape must be \[4\]"):
+        masker.fill_unique_bitmask(states, np.zeros((4, WORDS), np.int32), np.zeros(5, np.int32))
+    with pytest.raises(ValueError, match=r"states\[2\] must be a State or None"):
+        masker.fill_unique_bitmask([None, None, 3, None], np.zeros((4, WORDS), np.int32), index)
+
+
 def test_batch_masker_is_usable_from_several_python_threads(vocab):
     states = make_batch(vocab)
     masker = native.BatchMasker(VOCAB_SIZE, num_threads=2)
@@ -532,10 +565,15 @@ def test_batch_masker_is_usable_from_several_python_threads(vocab):
 
     def run():
         out = np.zeros_like(expected)
+        unique = np.zeros_like(expected)
+        index = np.zeros(len(states), np.int32)
         for _ in range(50):
             masker.fill_bitmask(states, out)
             if not np.array_equal(out, expected):
                 errors.append("mismatch")
+            n = masker.fill_unique_bitmask(states, unique, index)
+            if not np.array_equal(unique[:n][index], expected):
+                errors.append("unique mismatch")
 
     threads = [threading.Thread(target=run) for _ in range(3)]
     for t in threads:

@@ -272,6 +272,23 @@ PYBIND11_MODULE(_paved_constraints, m) {
           py::arg("states"), py::arg("bitmask"),
           "Fill int32 bitmask [len(states), ceil(V/32)]; rows whose state is None allow every token.")
       .def(
+          "fill_unique_bitmask",
+          [](BatchMasker& masker, const py::sequence& states, py::array unique, py::array row_index) {
+            const auto rows = static_cast<int64_t>(py::len(states));
+            CheckArray<int32_t>(unique, "unique", "int32", {rows, int64_t{masker.num_words()}});
+            CheckArray<int32_t>(row_index, "row_index", "int32", {rows});
+            auto* out = static_cast<int32_t*>(unique.mutable_data());
+            auto* index = static_cast<int32_t*>(row_index.mutable_data());
+            int64_t n = 0;
+            RunBatch(masker, states,
+                     [&](const State* const* r, int64_t count) { n = masker.FillUniqueBitmask(r, count, out, index); });
+            return n;
+          },
+          py::arg("states"), py::arg("unique"), py::arg("row_index"),
+          "Write each distinct mask of the batch once: row i's mask is unique[row_index[i]]. "
+          "unique: int32 [len(states), ceil(V/32)], of which the first (returned) count rows are "
+          "written; row_index: int32 [len(states)]. For device-side gathers.")
+      .def(
           "apply",
           [](BatchMasker& masker, const py::sequence& states, py::array logits) {
             CheckArray<float>(logits, "logits", "float32",
