@@ -15,16 +15,21 @@ on the same rows:
   outlines-core  `Guide.write_mask_into` per row into an int32 bitmask (Python loop, 1 thread).
   xgrammar       `BatchGrammarMatcher(threads).batch_fill_next_token_bitmask` into the bitmask.
   paved          `BatchMasker(V, threads).fill_bitmask(states, bitmask)`; `paved apply` is
-                 `BatchMasker.apply(states, logits)` on float32 logits (compare with python).
+                 `BatchMasker.apply(states, logits)` on float32 logits (compare with python);
+                 `paved unique` is `fill_unique_bitmask` (each distinct mask once plus a row
+                 index: what paved's vLLM processor sends to the device, which gathers rows).
+  bitmask write  numpy `fill` of a [B, ceil(V/32)] int32 array: the step's output bytes and
+                 nothing else, timed in the same shuffled rounds (a floor under the same cache
+                 conditions, beside the copy-bandwidth floor).
 
 Ratios are paved's time divided by the anchor's (lower is better): bitmask vs outlines-core
-and xgrammar; vs python, `ratio_vs_python_b64_v128k` is `fill_bitmask` (the host-side mask
-time paved's GPU path pays) and `ratio_apply_vs_python_b64_v128k` is `apply` on float32
-logits. Why fill_bitmask is the headline: paved's vLLM processor
-(libs/paved/constraints/vllm_processor.py) fills the host bitmask with `fill_bitmask` and
-applies it to the logits on the device, so the host pays the bitmask only; the Python V0
-processor pays its whole per-row loop (allowed ids -> -inf row -> add) on the host. `apply`
-is the CPU-only path and is bound by writing B * V * 4 bytes of logits. The floor is the
+and xgrammar; vs python, `ratio_vs_python_b64_v128k` is the full `fill_bitmask` (the same
+[B, W] output the other anchors write), `ratio_unique_vs_python_b64_v128k` is
+`fill_unique_bitmask` (the host time of paved's device path: the processor in
+libs/paved/constraints/vllm_processor.py sends the distinct masks and a row index, and the
+device gathers and applies them) and `ratio_apply_vs_python_b64_v128k` is `apply` on float32
+logits (the CPU-only path, bound by writing B * V * 4 bytes of logits). The Python V0
+processor pays its whole per-row loop (allowed ids -> -inf row -> add) on the host. The floor is the
 bytes a step must write (B * ceil(V/32) * 4 for the bitmask, B * V * 4 for logits) divided by
 the copy bandwidth measured with numpy in the same run. With --json the last stdout line is
 one JSON object.
@@ -279,15 +284,23 @@ def row_prefixes(tokens: list[bytes], batch: int) -> list[tuple[list[int], str]]
 def interleaved_medians(fns: dict, warmup: int, reps: int, min_s: float) -> dict[str, float]:
     """Median seconds per call of each function. Calls go round-robin (one call of each per
     round), so every method sees the same background load on a shared machine; rounds go on
-    until each has `reps` samples and the cell has run for `min_s` per method."""
+    until each has `reps` samples and the cell has run for `min_s` per method. Each round runs
+    the methods in a new (seeded) random order: what a call costs depends on what ran before
+    it (a method that follows xgrammar finds the bitmask and the masks evicted to DRAM, one
+    that follows `apply` finds the masks it just read), so no method always inherits the same
+    predecessor."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     deadline = time.perf_counter() + min_s * len(fns)
+    order = list(fns)
+    shuffle = random.Random(0).shuffle
     rounds = 0
     while rounds < reps or (time.perf_counter() < deadline and rounds < 50 * reps):
-        for name, fn in fns.items():
+        shuffle(order)
+        for name in order:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -557,7 +570,7 @@ def bench_batch(b, tokens, oc, index, xg, compiled, pv, constraint, timing, chec
     guides = oc.guides(index, prefixes)
     py = PythonV0(index, guides)
     matchers = xg.matchers(compiled, prefixes)
-    names = ("outlines-core", "xgrammar", "paved") if pv else ("outlines-core", "xgrammar")
+    names = ("outlines-core", "xgrammar", "paved", "floor") if pv else ("outlines-core", "xgrammar", "floor")
     masks = {name: np.zeros((b, words), dtype=np.int32) for name in names}
     rng = np.random.default_rng(0)
     logits_py = rng.standard_normal((b, vocab_size), dtype=np.float32)
@@ -565,14 +578,23 @@ def bench_batch(b, tokens, oc, index, xg, compiled, pv, constraint, timing, chec
         "python": lambda: py.apply(logits_py),
         "outlines-core": lambda: Outlines.fill(guides, masks["outlines-core"]),
         "xgrammar": lambda: xg.fill(matchers, masks["xgrammar"]),
+        # Writing the step's bitmask bytes and nothing else, under the same cache conditions.
+        "bitmask write": lambda: masks["floor"].fill(-1),
     }
     if pv:
         states = pv.states(constraint, prefixes)
         logits_pv = rng.standard_normal((b, vocab_size), dtype=np.float32)
         fns["paved"] = lambda: pv.masker.fill_bitmask(states, masks["paved"])
         fns["paved apply"] = lambda: pv.masker.apply(states, logits_pv)
+        unique = np.zeros((b, words), dtype=np.int32)
+        row_index = np.zeros(b, dtype=np.int32)
+        fns["paved unique"] = lambda: pv.masker.fill_unique_bitmask(states, unique, row_index)
     res = {name: 1e6 * t for name, t in interleaved_medians(fns, *timing).items()}
     if pv:
+        n_unique = pv.masker.fill_unique_bitmask(states, unique, row_index)
+        res["unique rows"] = n_unique
+        if not np.array_equal(unique[:n_unique][row_index], masks["paved"]):
+            print("  WARNING: paved unique rows do not gather to fill_bitmask's bitmask", flush=True)
         cold = [pv.cold_step(prefixes, words) for _ in range(max(1, timing[1] // 2))]
         res["paved cold"] = 1e6 * statistics.median(cold)
         # apply must mask exactly what fill_bitmask allows.
@@ -685,14 +707,27 @@ def pool_threads(native, args) -> dict:
     return out
 
 
-METHODS = ("python", "outlines-core", "xgrammar", "paved", "paved apply", "paved cold")
+METHODS = (
+    "python",
+    "outlines-core",
+    "xgrammar",
+    "paved",
+    "paved unique",
+    "paved apply",
+    "paved cold",
+    "bitmask write",
+    "unique rows",
+)
 _LABELS = {
     "python": "python V0 loop (logits)",
     "outlines-core": "outlines-core write_mask_into",
     "xgrammar": "xgrammar BatchGrammarMatcher, {t} thr",
     "paved": "**paved fill_bitmask, {t} thr**",
+    "paved unique": "**paved fill_unique_bitmask (device path), {t} thr**",
     "paved apply": "paved apply (logits), {t} thr",
     "paved cold": "paved fill_bitmask, first step of a fresh constraint",
+    "bitmask write": "bitmask write in the same rounds (numpy fill of [B, W] int32)",
+    "unique rows": "distinct masks in the batch (rows fill_unique_bitmask writes)",
 }
 
 
@@ -715,6 +750,8 @@ def table(results: dict, bw: float) -> str:
             ("paved / xgrammar", _ratios(us, "paved", "xgrammar", batches), "{:.4f}"),
             ("paved apply / python", _ratios(us, "paved apply", "python", batches), "{:.4f}"),
             ("paved fill_bitmask / python", _ratios(us, "paved", "python", batches), "{:.4f}"),
+            ("paved fill_unique_bitmask / python", _ratios(us, "paved unique", "python", batches), "{:.4f}"),
+            ("paved fill_bitmask / bitmask write", _ratios(us, "paved", "bitmask write", batches), "{:.2f}"),
             (
                 "paved / floor",
                 [us["paved"].get(b, 0) / f or None for b, f in zip(batches, floor, strict=True)],
@@ -765,10 +802,15 @@ def summarize(results: dict, bw: float, native, args, wall_s: float) -> dict:
     return {
         "ratio_vs_outlines_core_b64_v128k": ratio("paved", "outlines-core"),
         "ratio_vs_xgrammar_b64_v128k": ratio("paved", "xgrammar"),
-        # Host-side mask time of the GPU path (bitmask; the device applies it) vs the Python
-        # V0 loop, which does all its work on the host; apply (CPU path, logits) reported too.
+        # The full [B, W] bitmask vs the Python V0 loop (which does all its work on the host);
+        # the device path's host time (distinct masks only, gathered on the device) and apply
+        # (CPU path, logits) reported beside it.
         "ratio_vs_python_b64_v128k": ratio("paved", "python"),
+        "ratio_unique_vs_python_b64_v128k": ratio("paved unique", "python"),
         "ratio_apply_vs_python_b64_v128k": ratio("paved apply", "python"),
+        "unique_rows_b64_v128k": us["unique rows"].get(b),
+        # paved's full fill over writing the same bytes with numpy in the same rounds.
+        "paved_over_bitmask_write_b64_v128k": ratio("paved", "bitmask write"),
         "compile_ratio_vs_outlines_core": compile_ratio("paved compile + first full mask"),
         "compile_ratio_vs_outlines_core_lazy_only": compile_ratio("paved json_schema (lazy)"),
         "compile_ratio_vs_outlines_core_document_walk": compile_ratio(
