@@ -554,6 +554,11 @@ def test_unique_bitmask_validates_its_arrays(vocab):
         masker.fill_unique_bitmask(states, np.zeros((4, WORDS), np.int32), np.zeros(5, np.int32))
     with pytest.raises(ValueError, match=r"states\[2\] must be a State or None"):
         masker.fill_unique_bitmask([None, None, 3, None], np.zeros((4, WORDS), np.int32), index)
+    shared = np.zeros(4 * WORDS + 4, np.int32)
+    with pytest.raises(ValueError, match="must not overlap"):
+        masker.fill_unique_bitmask(
+            states, shared[: 4 * WORDS].reshape(4, WORDS), shared[4 * WORDS - 2 : 4 * WORDS + 2]
+        )
 
 
 def test_batch_masker_is_usable_from_several_python_threads(vocab):

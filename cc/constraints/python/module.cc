@@ -279,6 +279,9 @@ PYBIND11_MODULE(_paved_constraints, m) {
             CheckArray<int32_t>(row_index, "row_index", "int32", {rows});
             auto* out = static_cast<int32_t*>(unique.mutable_data());
             auto* index = static_cast<int32_t*>(row_index.mutable_data());
+            // The engine writes both; an index inside the mask rows would be overwritten.
+            if (index < out + unique.size() && out < index + row_index.size())
+              throw py::value_error("unique and row_index must not overlap");
             int64_t n = 0;
             RunBatch(masker, states,
                      [&](const State* const* r, int64_t count) { n = masker.FillUniqueBitmask(r, count, out, index); });

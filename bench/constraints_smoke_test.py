@@ -1,0 +1,27 @@
+"""//bench:constraints end to end at a small size: every method runs, the JSON line parses, and
+the bench's own correctness checks hold (paved's allowed sets equal xgrammar's on every row,
+every difference from outlines-core is a documented one, `apply`, `fill_bitmask` and the
+gathered `fill_unique_bitmask` agree). No timing is asserted: numbers are only checked to exist.
+"""
+
+import json
+
+from bench import constraints as bench  # Bazel makes bench/ a package in runfiles
+
+
+def test_quick_run_reports_every_method_and_passes_its_checks(capsys):
+    assert bench.main(["--quick", "--json", "--vocab-sizes", "4096", "--batch-sizes", "1,8,32"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING" not in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["paved_available"] is True
+    assert summary["check_differences_vs_xgrammar"] == 0
+    assert summary["check_unexplained_vs_outlines_core"] == 0
+    cell = summary["results"]["synthetic 4k"]
+    for method in bench.METHODS:
+        assert set(cell["us_per_step"][method]) == {"1", "8", "32"}, method
+    unique = cell["us_per_step"]["unique rows"]
+    assert all(1 <= n <= int(b) for b, n in unique.items())
+    # No B=64 / V=128k cell in this grid: the headline keys are present and null.
+    assert summary["ratio_vs_python_b64_v128k"] is None
+    assert summary["ratio_unique_vs_python_b64_v128k"] is None
