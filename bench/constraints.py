@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -281,24 +282,39 @@ def row_prefixes(tokens: list[bytes], batch: int) -> list[tuple[list[int], str]]
 # Timing
 
 
-def interleaved_medians(fns: dict, warmup: int, reps: int, min_s: float) -> dict[str, float]:
+def _spread_order(names: list[str], apart: set[str], after: str | None, rng: random.Random) -> list[str]:
+    """A random order of `names` in which no two of `apart` are neighbours, nor the first of
+    them right after `after` (the previous round's last call)."""
+    order = list(names)
+    for _ in range(1000):
+        rng.shuffle(order)
+        calls = [after, *order] if after is not None else order
+        if not any(a in apart and b in apart for a, b in itertools.pairwise(calls)):
+            return order
+    raise ValueError(f"no order keeps {sorted(apart)} apart among {names}")
+
+
+def interleaved_medians(
+    fns: dict, warmup: int, reps: int, min_s: float, apart=frozenset()
+) -> dict[str, float]:
     """Median seconds per call of each function. Calls go round-robin (one call of each per
     round), so every method sees the same background load on a shared machine; rounds go on
     until each has `reps` samples and the cell has run for `min_s` per method. Each round runs
     the methods in a new (seeded) random order: what a call costs depends on what ran before
-    it (a method that follows xgrammar finds the bitmask and the masks evicted to DRAM, one
-    that follows `apply` finds the masks it just read), so no method always inherits the same
-    predecessor."""
+    it (a method that follows xgrammar finds the bitmask and the masks evicted to DRAM; see
+    --predecessor-effect), so no method always inherits the same predecessor. Methods in
+    `apart` (paved's, which read the same cached masks) never run back to back, so none of
+    them finds the masks warmed by a sibling: each follows an anchor, as an anchor does."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     deadline = time.perf_counter() + min_s * len(fns)
-    order = list(fns)
-    shuffle = random.Random(0).shuffle
+    rng = random.Random(0)
+    order: list[str] = []
     rounds = 0
     while rounds < reps or (time.perf_counter() < deadline and rounds < 50 * reps):
-        shuffle(order)
+        order = _spread_order(list(fns), set(apart), order[-1] if order else None, rng)
         for name in order:
             fn = fns[name]
             t0 = time.perf_counter()
@@ -589,10 +605,11 @@ def bench_batch(b, tokens, oc, index, xg, compiled, pv, constraint, timing, chec
         unique = np.zeros((b, words), dtype=np.int32)
         row_index = np.zeros(b, dtype=np.int32)
         fns["paved unique"] = lambda: pv.masker.fill_unique_bitmask(states, unique, row_index)
-    res = {name: 1e6 * t for name, t in interleaved_medians(fns, *timing).items()}
+    paved_methods = {name for name in fns if name.startswith("paved")}
+    res = {name: 1e6 * t for name, t in interleaved_medians(fns, *timing, apart=paved_methods).items()}
+    n_unique = None
     if pv:
         n_unique = pv.masker.fill_unique_bitmask(states, unique, row_index)
-        res["unique rows"] = n_unique
         if not np.array_equal(unique[:n_unique][row_index], masks["paved"]):
             print("  WARNING: paved unique rows do not gather to fill_bitmask's bitmask", flush=True)
         cold = [pv.cold_step(prefixes, words) for _ in range(max(1, timing[1] // 2))]
@@ -606,7 +623,7 @@ def bench_batch(b, tokens, oc, index, xg, compiled, pv, constraint, timing, chec
         xg_bits = allowed_bits(masks["xgrammar"], vocab_size)
         oc_bits = allowed_bits(masks["outlines-core"], vocab_size)
         check["xgrammar vs outlines-core differences"] = int((xg_bits != oc_bits).sum())
-    return res, check
+    return res, check, n_unique
 
 
 def run_vocab(label: str, tokens: list[bytes], eos_ids: list[int], batches, args, native) -> dict:
@@ -628,6 +645,7 @@ def run_vocab(label: str, tokens: list[bytes], eos_ids: list[int], batches, args
         "compile_ms": compile_ms,
         "compile_first_ms": first_ms,
         "paved_stats": None,
+        "unique_rows": {},  # distinct masks per batch size: the rows fill_unique_bitmask writes
     }
     if pv:
         info["vocab_build_ms"]["paved"] = 1e3 * pv.vocab_s
@@ -638,7 +656,10 @@ def run_vocab(label: str, tokens: list[bytes], eos_ids: list[int], batches, args
     timing = (1, 3, 0.05) if args.quick else (3, 7, 0.3)  # warmup, min repeats, min seconds
     us: dict[str, dict[int, float]] = {m: {} for m in METHODS}
     for b in batches:
-        res, check = bench_batch(b, tokens, oc, index, xg, compiled, pv, constraint, timing, b == max_b)
+        res, check, n_unique = bench_batch(
+            b, tokens, oc, index, xg, compiled, pv, constraint, timing, b == max_b
+        )
+        info["unique_rows"][b] = n_unique
         for m, v in res.items():
             us[m][b] = v
         if check is not None:
@@ -707,6 +728,55 @@ def pool_threads(native, args) -> dict:
     return out
 
 
+def predecessor_effect(native, args) -> dict:
+    """`--predecessor-effect`: what the call before costs a B=64, V=128k step. paved
+    fill_bitmask, fill_unique_bitmask and a one-thread numpy write of the same [64, 4096]
+    int32 bytes, each timed warm (right after itself), after a 32 MiB numpy write, and after an
+    xgrammar batch fill of the same rows. Median µs. This is why the main table shuffles the
+    order of its rounds."""
+    v, b = V128K, 64
+    tokens = synthetic_vocab(v)
+    prefixes = row_prefixes(tokens, b)
+    pv = Paved(native, tokens, [256], args.threads)
+    constraint = pv.compile()
+    states = pv.states(constraint, prefixes)
+    xg = XGrammar(tokens, [256], args.threads)
+    matchers = xg.matchers(xg.compile(), prefixes)
+    words = (v + 31) // 32
+    bitmask, xg_mask, numpy_mask = (np.zeros((b, words), dtype=np.int32) for _ in range(3))
+    unique, row_index = np.zeros((b, words), dtype=np.int32), np.zeros(b, dtype=np.int32)
+    junk = np.zeros(8 << 20, dtype=np.float32)
+    calls = {
+        "paved fill_bitmask": lambda: pv.masker.fill_bitmask(states, bitmask),
+        "paved fill_unique_bitmask": lambda: pv.masker.fill_unique_bitmask(states, unique, row_index),
+        "numpy write of the bitmask bytes (1 thread)": lambda: numpy_mask.fill(-1),
+    }
+    before = {
+        "warm": lambda: None,
+        "after a 32 MiB write": lambda: junk.fill(1.0),
+        "after xgrammar": lambda: xg.fill(matchers, xg_mask),
+    }
+    reps = 30 if args.quick else 150
+    out: dict = {}
+    print(f"| B={b}, V={v}, µs (median) | " + " | ".join(before) + " |")
+    print("|---|" + "---:|" * len(before))
+    for name, call in calls.items():
+        for _ in range(5):
+            call()
+        cells = {}
+        for cond, pre in before.items():
+            times = []
+            for _ in range(reps):
+                pre()
+                t0 = time.perf_counter()
+                call()
+                times.append(1e6 * (time.perf_counter() - t0))
+            cells[cond] = statistics.median(times)
+        out[name] = cells
+        print(f"| {name} | " + " | ".join(f"{cells[c]:.0f}" for c in before) + " |", flush=True)
+    return out
+
+
 METHODS = (
     "python",
     "outlines-core",
@@ -716,7 +786,6 @@ METHODS = (
     "paved apply",
     "paved cold",
     "bitmask write",
-    "unique rows",
 )
 _LABELS = {
     "python": "python V0 loop (logits)",
@@ -726,8 +795,7 @@ _LABELS = {
     "paved unique": "**paved fill_unique_bitmask (device path), {t} thr**",
     "paved apply": "paved apply (logits), {t} thr",
     "paved cold": "paved fill_bitmask, first step of a fresh constraint",
-    "bitmask write": "bitmask write in the same rounds (numpy fill of [B, W] int32)",
-    "unique rows": "distinct masks in the batch (rows fill_unique_bitmask writes)",
+    "bitmask write": "bitmask bytes written by numpy (1 thread, same rounds)",
 }
 
 
@@ -745,13 +813,18 @@ def table(results: dict, bw: float) -> str:
             (_LABELS[m].format(t=info["threads"]), [us[m].get(b) for b in batches], "{:.0f}") for m in METHODS
         ]
         rows += [
+            (
+                "distinct masks in the batch (rows fill_unique_bitmask writes)",
+                [info["unique_rows"].get(b) for b in batches],
+                "{:.0f}",
+            ),
             ("bitmask write floor", floor, "{:.2f}"),
             ("paved / outlines-core", _ratios(us, "paved", "outlines-core", batches), "{:.3f}"),
             ("paved / xgrammar", _ratios(us, "paved", "xgrammar", batches), "{:.4f}"),
             ("paved apply / python", _ratios(us, "paved apply", "python", batches), "{:.4f}"),
             ("paved fill_bitmask / python", _ratios(us, "paved", "python", batches), "{:.4f}"),
             ("paved fill_unique_bitmask / python", _ratios(us, "paved unique", "python", batches), "{:.4f}"),
-            ("paved fill_bitmask / bitmask write", _ratios(us, "paved", "bitmask write", batches), "{:.2f}"),
+            ("paved fill_bitmask / numpy write", _ratios(us, "paved", "bitmask write", batches), "{:.2f}"),
             (
                 "paved / floor",
                 [us["paved"].get(b, 0) / f or None for b, f in zip(batches, floor, strict=True)],
@@ -808,7 +881,7 @@ def summarize(results: dict, bw: float, native, args, wall_s: float) -> dict:
         "ratio_vs_python_b64_v128k": ratio("paved", "python"),
         "ratio_unique_vs_python_b64_v128k": ratio("paved unique", "python"),
         "ratio_apply_vs_python_b64_v128k": ratio("paved apply", "python"),
-        "unique_rows_b64_v128k": us["unique rows"].get(b),
+        "unique_rows_b64_v128k": big["unique_rows"].get(b) if big else None,
         # paved's full fill over writing the same bytes with numpy in the same rounds.
         "paved_over_bitmask_write_b64_v128k": ratio("paved", "bitmask write"),
         "compile_ratio_vs_outlines_core": compile_ratio("paved compile + first full mask"),
@@ -858,6 +931,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--pool-threads", action="store_true", help="only compare 1 vs 2 masker threads at small B (V=128k)"
     )
+    p.add_argument(
+        "--predecessor-effect",
+        action="store_true",
+        help="only time B=64, V=128k steps warm, after a 32 MiB write and after xgrammar",
+    )
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -867,10 +945,10 @@ def main(argv=None) -> int:
     print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}; cpus: {os.cpu_count()}")
     if native is None:
         print(f"paved engine unavailable: {why}; measuring the anchors only")
-    if args.pool_threads:
+    if args.pool_threads or args.predecessor_effect:
         if native is None:
             return 1
-        out = pool_threads(native, args)
+        out = (pool_threads if args.pool_threads else predecessor_effect)(native, args)
         print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
         if args.json:
             print(json.dumps(out, separators=(",", ":")))

@@ -4,6 +4,7 @@ every difference from outlines-core is a documented one, `apply`, `fill_bitmask`
 gathered `fill_unique_bitmask` agree). No timing is asserted: numbers are only checked to exist.
 """
 
+import itertools
 import json
 
 from bench import constraints as bench  # Bazel makes bench/ a package in runfiles
@@ -20,8 +21,35 @@ def test_quick_run_reports_every_method_and_passes_its_checks(capsys):
     cell = summary["results"]["synthetic 4k"]
     for method in bench.METHODS:
         assert set(cell["us_per_step"][method]) == {"1", "8", "32"}, method
-    unique = cell["us_per_step"]["unique rows"]
+    unique = cell["unique_rows"]
+    assert set(unique) == {"1", "8", "32"}
     assert all(1 <= n <= int(b) for b, n in unique.items())
     # No B=64 / V=128k cell in this grid: the headline keys are present and null.
     assert summary["ratio_vs_python_b64_v128k"] is None
     assert summary["ratio_unique_vs_python_b64_v128k"] is None
+
+
+def test_predecessor_effect_mode_times_every_call_in_every_condition(capsys):
+    assert bench.main(["--predecessor-effect", "--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {
+        "paved fill_bitmask",
+        "paved fill_unique_bitmask",
+        "numpy write of the bitmask bytes (1 thread)",
+    }
+    for cells in out.values():
+        assert set(cells) == {"warm", "after a 32 MiB write", "after xgrammar"}
+        assert all(us > 0 for us in cells.values())
+
+
+def test_rounds_keep_paved_methods_apart():
+    rng = bench.random.Random(1)
+    names = ["python", "outlines-core", "xgrammar", "bitmask write", "paved", "paved unique", "paved apply"]
+    apart = {"paved", "paved unique", "paved apply"}
+    last = None
+    for _ in range(200):
+        order = bench._spread_order(names, apart, last, rng)
+        assert sorted(order) == sorted(names)
+        calls = [last, *order] if last else order
+        assert not any(a in apart and b in apart for a, b in itertools.pairwise(calls))
+        last = order[-1]

@@ -157,6 +157,14 @@ int64_t BatchMasker::FillUniqueBitmask(const State* const* states, int64_t rows,
     sources_.resize(static_cast<size_t>(rows));
     holds_.resize(static_cast<size_t>(rows));
   }
+  // Unpinned masks stay alive (holds_) until copied, and no longer, even if a step throws.
+  struct ReleaseHolds {
+    std::vector<std::shared_ptr<const CachedMask>>& holds;
+    int64_t rows;
+    ~ReleaseHolds() {
+      for (int64_t i = 0; i < rows; ++i) holds[static_cast<size_t>(i)].reset();
+    }
+  } release{holds_, rows};
   // 1. Every row's mask, in parallel (a cache miss walks the vocabulary). A mask that is not
   //    in a cache is built in the row's own slot, which is at or after its unique row.
   pool_.Run(rows, [&](int64_t i, int) {
@@ -187,9 +195,12 @@ int64_t BatchMasker::FillUniqueBitmask(const State* const* states, int64_t rows,
   // 3. Masks built in a later row's slot move down first, in increasing order: a slot about
   //    to be overwritten holds no mask still to be moved (its own row's unique row is at or
   //    before it, so already moved). Then cached masks are copied in parallel.
-  const uint32_t* begin = slot(0);
-  const uint32_t* end = slot(rows);
-  auto in_buffer = [&](const uint32_t* p) { return p >= begin && p < end; };
+  const auto begin = reinterpret_cast<uintptr_t>(slot(0));
+  const auto end = reinterpret_cast<uintptr_t>(slot(rows));
+  auto in_buffer = [&](const uint32_t* p) {
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    return at >= begin && at < end;
+  };
   for (int64_t u = 0; u < n; ++u) {
     const uint32_t* src = sources_[static_cast<size_t>(u)];
     if (in_buffer(src) && src != slot(u)) std::memmove(slot(u), src, bytes);
@@ -198,7 +209,6 @@ int64_t BatchMasker::FillUniqueBitmask(const State* const* states, int64_t rows,
     const uint32_t* src = sources_[static_cast<size_t>(u)];
     if (!in_buffer(src)) std::memcpy(slot(u), src, bytes);
   }, n * words * 4 >= kWakeNowBytes);
-  for (int64_t i = 0; i < rows; ++i) holds_[static_cast<size_t>(i)].reset();
   return n;
 }
 

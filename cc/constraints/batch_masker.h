@@ -92,19 +92,20 @@ class BatchMasker {
   int32_t num_words() const { return (vocab_size_ + 31) / 32; }
 
   // Throws ConstraintError unless every non-null state uses this vocabulary size. Call it
-  // before FillBitmask / Apply, which assume it.
+  // before FillBitmask / FillUniqueBitmask / Apply, which assume it.
   void Validate(const State* const* states, int64_t rows) const;
   // bitmask: int32 [rows, num_words()]. Rows without a state allow every token.
   void FillBitmask(const State* const* states, int64_t rows, int32_t* bitmask);
   // The same masks, each distinct one written once, for a consumer that gathers rows on the
-  // device: row i's mask is unique[row_index[i]]. unique: int32 [rows, num_words()] (only the
-  // first returned-count rows are written); row_index: int32 [rows]. Returns the number of
-  // unique rows. Rows whose states share a cached mask share a row, and rows without a state
-  // share one all-allowed row; a mask built for one row alone (a finished state, a
-  // budget-restricted step, a distinct-choice list) is never shared. In the steady state
-  // (masks cached) this writes U rows instead of B: a batch of one schema's requests visits
-  // few automaton states (the bench's B=64 rows sit in 18), and the host->device copy shrinks
-  // by the same factor. Allocation-free once the scratch vectors have grown to the batch size.
+  // device: row i's mask is unique[row_index[i]]. unique: int32 [rows, num_words()], of which
+  // the first n (returned) rows hold the masks and the rest are scratch (unspecified
+  // contents); row_index: int32 [rows]; the two must not overlap. Rows whose states share a
+  // cached mask share a row (same automaton state, same budget restriction), and rows without
+  // a state share one all-allowed row; a mask built for one row alone (a finished state, an
+  // EOS-only last step, a catalogue walk) is never shared. In the steady state this writes n
+  // rows instead of B: a batch of one schema's requests visits few automaton states (the
+  // bench's B=64 rows at V=128k sit in 17), and the host->device copy shrinks by the same
+  // factor. Allocation-free once the scratch vectors have grown to the batch size.
   int64_t FillUniqueBitmask(const State* const* states, int64_t rows, int32_t* unique, int32_t* row_index);
   // logits: float32 [rows, vocab_size()], -inf where not allowed. Rows without a state are
   // left untouched.

@@ -102,16 +102,25 @@ TEST(MaskCache, ConcurrentFillsWhileOtherThreadsEvict) {
       std::vector<const State*> rows(kRows);
       std::vector<size_t> picked(kRows);
       std::vector<int32_t> bitmask(kRows * words);
+      std::vector<int32_t> row_index(kRows);
       for (int round = 0; round < kRounds; ++round) {
         for (int r = 0; r < kRows; ++r) {
           picked[static_cast<size_t>(r)] = std::uniform_int_distribution<size_t>(0, states.size() - 1)(rng);
           rows[static_cast<size_t>(r)] = states[picked[static_cast<size_t>(r)]].get();
         }
-        masker.FillBitmask(rows.data(), kRows, bitmask.data());
+        // Odd rounds: the deduplicated fill, whose unpinned masks must outlive the other
+        // threads' evictions until they are copied.
+        const bool unique = round % 2 == 1;
+        if (unique) {
+          masker.FillUniqueBitmask(rows.data(), kRows, bitmask.data(), row_index.data());
+        } else {
+          masker.FillBitmask(rows.data(), kRows, bitmask.data());
+        }
         for (size_t r = 0; r < kRows; ++r) {
           const std::vector<uint32_t>& want = expected[picked[r]];
+          const size_t at = unique ? static_cast<size_t>(row_index[r]) : r;
           for (size_t w = 0; w < words; ++w) {
-            if (static_cast<uint32_t>(bitmask[r * words + w]) != want[w]) {
+            if (static_cast<uint32_t>(bitmask[at * words + w]) != want[w]) {
               ++mismatches;
               break;
             }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -280,17 +281,21 @@ PYBIND11_MODULE(_paved_constraints, m) {
             auto* out = static_cast<int32_t*>(unique.mutable_data());
             auto* index = static_cast<int32_t*>(row_index.mutable_data());
             // The engine writes both; an index inside the mask rows would be overwritten.
-            if (index < out + unique.size() && out < index + row_index.size())
+            const auto u0 = reinterpret_cast<uintptr_t>(out), i0 = reinterpret_cast<uintptr_t>(index);
+            if (i0 < u0 + static_cast<uintptr_t>(unique.nbytes()) && u0 < i0 + static_cast<uintptr_t>(row_index.nbytes()))
               throw py::value_error("unique and row_index must not overlap");
+            if (rows > std::numeric_limits<int32_t>::max())
+              throw py::value_error("fill_unique_bitmask takes at most 2**31 - 1 rows");
             int64_t n = 0;
             RunBatch(masker, states,
                      [&](const State* const* r, int64_t count) { n = masker.FillUniqueBitmask(r, count, out, index); });
             return n;
           },
           py::arg("states"), py::arg("unique"), py::arg("row_index"),
-          "Write each distinct mask of the batch once: row i's mask is unique[row_index[i]]. "
-          "unique: int32 [len(states), ceil(V/32)], of which the first (returned) count rows are "
-          "written; row_index: int32 [len(states)]. For device-side gathers.")
+          "Write each distinct mask of the batch once and return their count n: row i's mask is "
+          "unique[row_index[i]]. unique: int32 [len(states), ceil(V/32)], whose rows from n on are "
+          "scratch (unspecified); row_index: int32 [len(states)], not overlapping unique. For "
+          "device-side gathers.")
       .def(
           "apply",
           [](BatchMasker& masker, const py::sequence& states, py::array logits) {
