@@ -49,12 +49,25 @@ def sha256_file(path: str) -> str:
 
 
 def _walk(root: str) -> list[str]:
+    """Relative paths of the regular files under root (dot-files skipped). Anything that would
+    be left out silently or hang a read is an error instead: os.walk does not descend into
+    linked directories, and a broken link or a FIFO is not a file to hash."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for d in dirnames:
+            if os.path.islink(os.path.join(dirpath, d)):
+                raise ValueError(
+                    f"{os.path.join(dirpath, d)} is a symbolic link to a directory; "
+                    "copy its files in or point at its target"
+                )
         for name in sorted(filenames):
-            if not name.startswith("."):
-                out.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
+            if name.startswith("."):
+                continue
+            path = os.path.join(dirpath, name)
+            if not os.path.isfile(path):
+                raise ValueError(f"{path} is not a regular file (a broken symbolic link?)")
+            out.append(os.path.relpath(path, root).replace(os.sep, "/"))
     return out
 
 
@@ -89,6 +102,8 @@ def build_package(
         raise ValueError(f"{hf_dir} has no tokenizer files ({', '.join(TOKENIZER_PATTERNS)})")
     wheels = []
     for wheel in plugin_wheels:
+        if not os.path.isfile(wheel):
+            raise ValueError(f"plugin wheel {wheel} is not a file")
         name = os.path.basename(wheel)
         wheels.append(
             {"uri": f"plugins/{name}", "sha256": sha256_file(wheel), "size": os.path.getsize(wheel)}
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             args.mode,
             tuple(os.path.join(cwd, w) for w in args.plugin),
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, or an unreadable source / unwritable output
         print(f"build_package: {e}", file=sys.stderr)
         return 2
     log.info(

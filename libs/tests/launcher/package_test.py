@@ -121,3 +121,45 @@ def test_cli_rejects_a_folder_without_config(tmp_path, capsys):
         == 2
     )
     assert "config.json" in capsys.readouterr().err
+
+
+def _hf_dir(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    return hf
+
+
+def _linked_dir(link, target):
+    target.mkdir()
+    (target / "extra.bin").write_bytes(b"x")
+    link.symlink_to(target)
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda hf, tmp: (hf / "weights.bin").symlink_to(tmp / "gone"), "weights.bin is not a regular file"),
+        (lambda hf, tmp: os.mkfifo(hf / "pipe"), "pipe is not a regular file"),
+        (lambda hf, tmp: _linked_dir(hf / "sub", tmp / "shared"), "sub is a symbolic link"),
+    ],
+    ids=["broken-link", "fifo", "linked-dir"],
+)
+def test_cli_refuses_files_it_would_drop_or_hang_on(tmp_path, capsys, make, needle):
+    hf = _hf_dir(tmp_path)
+    make(hf, tmp_path)
+    argv = ["--hf-dir", str(hf), "--out", str(tmp_path / "o"), "--model-id", "x", "--version", "1"]
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_rejects_a_missing_plugin_wheel_and_an_unwritable_output(tmp_path, capsys):
+    hf = _hf_dir(tmp_path)
+    base = ["--hf-dir", str(hf), "--model-id", "x", "--version", "1"]
+    assert main([*base, "--out", str(tmp_path / "o"), "--plugin", str(tmp_path / "none.whl")]) == 2
+    assert "none.whl is not a file" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main([*base, "--out", str(tmp_path / "file" / "pkg")]) == 2
+    assert "build_package:" in capsys.readouterr().err
