@@ -6,6 +6,12 @@ running output-token list. The list, not the calls we receive, is the source of 
     the token never enters the list, so the state never advances on it;
   * preemption either truncates the list or re-adds the request with its generated tokens
     folded into the prompt; both are detected and the state is reset and replayed.
+  * async scheduling appends -1 placeholders for tokens still on the device; vLLM's V1 runner
+    replaces them with the sampled ids before the sampler runs when a custom logits processor
+    is installed (InputBatch.update_async_output_token_ids), so apply() sees real ids. A
+    placeholder that is still there stops the sync at it: that step is masked from the last
+    known state, the next sync catches up, and a token the constraint forbids then marks the
+    row broken (EOS only), so the output never continues invalid.
 """
 
 from __future__ import annotations
