@@ -252,3 +252,23 @@ def test_budget_too_small_for_any_output_falls_back_to_unbudgeted_masks():
     proc.apply(logits)
     # Without a budget every title's first byte or token is allowed; EOS is not.
     assert allowed_rows(logits)[0] == reference_allowed("pair", [], None)
+
+
+def test_async_placeholder_masks_from_the_last_known_state_then_catches_up():
+    proc = PavedLogitsProcessor.for_vocab(TOKENS, [EOS], MAX_MODEL_LEN)
+    req = Request("regex", 20, [1])
+    proc.update_state(BatchUpdate(1, [], [(0, req.params, req.prompt, req.outputs)], []))
+    a, b = TOKENS.index(b"a"), TOKENS.index(b"b")
+
+    def mask():
+        logits = torch.zeros((1, VOCAB), dtype=torch.float32)
+        proc.apply(logits)
+        return allowed_rows(logits)[0]
+
+    req.outputs.extend([a, -1])  # "a" known, the next token still on the device
+    assert mask() == reference_allowed("regex", [a], 20)
+    req.outputs[-1] = b  # vLLM's repair before the next sampler run
+    assert mask() == reference_allowed("regex", [a, b], 20)
+    # A forbidden token that slipped through (masked from a stale state) ends the row.
+    req.outputs.append(a)
+    assert mask() == {EOS}
