@@ -6,6 +6,7 @@
   a given number of bytes (a connection lost mid-download, for the retry path), and can slow
   responses down (so that two launchers surely overlap).
 * `make_wheel`: a minimal pure-Python wheel with entry points, written with zipfile.
+* `minimal_hf_dir`: the smallest folder the package builder accepts (config + tokenizer).
 """
 
 from __future__ import annotations
@@ -154,6 +155,15 @@ class FlakyProxy:
     def close(self) -> None:
         self._closing = True
         self._sock.close()
+
+
+def minimal_hf_dir(path) -> str:
+    """Create `path` with an empty config.json and tokenizer.json; returns it."""
+    os.makedirs(path)
+    for name in ("config.json", "tokenizer.json"):
+        with open(os.path.join(path, name), "w") as f:
+            f.write("{}")
+    return str(path)
 
 
 def make_wheel(

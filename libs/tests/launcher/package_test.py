@@ -9,6 +9,7 @@ import pytest
 
 from paved.launcher.build import build_package, main
 from paved.launcher.package import PackageError, parse_model_json
+from paved.launcher.testing import minimal_hf_dir
 from paved.testing.fixtures import TINY_MODEL_FILES, tiny_model_dir
 
 SHA = "0" * 64
@@ -123,14 +124,6 @@ def test_cli_rejects_a_folder_without_config(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
-def _hf_dir(tmp_path):
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "tokenizer.json").write_text("{}")
-    return hf
-
-
 def _linked_dir(link, target):
     target.mkdir()
     (target / "extra.bin").write_bytes(b"x")
@@ -147,7 +140,8 @@ def _linked_dir(link, target):
     ids=["broken-link", "fifo", "linked-dir"],
 )
 def test_cli_refuses_files_it_would_drop_or_hang_on(tmp_path, capsys, make, needle):
-    hf = _hf_dir(tmp_path)
+    hf = tmp_path / "hf"
+    minimal_hf_dir(hf)
     make(hf, tmp_path)
     argv = ["--hf-dir", str(hf), "--out", str(tmp_path / "o"), "--model-id", "x", "--version", "1"]
     assert main(argv) == 2
@@ -156,7 +150,7 @@ def test_cli_refuses_files_it_would_drop_or_hang_on(tmp_path, capsys, make, need
 
 
 def test_cli_rejects_a_missing_plugin_wheel_and_an_unwritable_output(tmp_path, capsys):
-    hf = _hf_dir(tmp_path)
+    hf = minimal_hf_dir(tmp_path / "hf")
     base = ["--hf-dir", str(hf), "--model-id", "x", "--version", "1"]
     assert main([*base, "--out", str(tmp_path / "o"), "--plugin", str(tmp_path / "none.whl")]) == 2
     assert "none.whl is not a file" in capsys.readouterr().err

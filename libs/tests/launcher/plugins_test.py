@@ -11,7 +11,7 @@ from paved.launcher.cache import Cache
 from paved.launcher.gate import free_port
 from paved.launcher.main import child_env
 from paved.launcher.materialize import Materializer
-from paved.launcher.testing import LauncherProcess, make_wheel, subprocess_env
+from paved.launcher.testing import LauncherProcess, make_wheel, minimal_hf_dir, subprocess_env
 
 GOOD = {
     "good_plugin/__init__.py": (
@@ -28,11 +28,7 @@ BROKEN = {"broken_plugin/__init__.py": "raise ImportError('libfoo.so.1: cannot o
 
 @pytest.fixture()
 def hf(tmp_path):
-    d = tmp_path / "hf"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    (d / "tokenizer.json").write_text("{}")
-    return d
+    return minimal_hf_dir(tmp_path / "hf")
 
 
 def _wheels(tmp_path):
