@@ -689,22 +689,16 @@ def pool_threads(native, args) -> dict:
     to the masks and the bitmask). Median / p90 / p99 in µs."""
     v = V128K
     tokens = synthetic_vocab(v)
-    vocab = native.Vocab(tokens, [256], v)
-    constraint = native.Constraint.json_schema(vocab, json.dumps(SCHEMA), "compact")
-    maskers = {t: native.BatchMasker(v, t) for t in (1, 2)}
+    pv = Paved(native, tokens, [256], 1)
+    constraint = pv.compile()
+    maskers = {1: pv.masker, 2: native.BatchMasker(v, 2)}
     junk = np.zeros(8 << 20, dtype=np.float32)
     reps = 200 if args.quick else 2000
     out: dict = {}
     print(f"| fill_bitmask, V={v}, µs (median / p90 / p99) | 1 thread | 2 threads |")
     print("|---|---:|---:|")
     for b in args.batch_sizes or (1, 2, 4, 8, 64):
-        prefixes = row_prefixes(tokens, b)
-        states = []
-        for ids, _ in prefixes:
-            s = constraint.new_state()
-            for t in ids:
-                s.advance(t)
-            states.append(s)
+        states = pv.states(constraint, row_prefixes(tokens, b))
         bitmask = np.zeros((b, (v + 31) // 32), dtype=np.int32)
         for cache in ("warm", "cold"):
             times: dict[int, list[float]] = {t: [] for t in maskers}

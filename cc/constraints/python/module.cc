@@ -26,7 +26,6 @@ namespace py = pybind11;
 namespace paved::constraints {
 namespace {
 
-
 // Checks a writeable, aligned, C-contiguous array of dtype T with the given shape.
 // (An initializer_list keeps the per-step call allocation-free.)
 template <typename T>
