@@ -11,6 +11,12 @@ request gets exactly its own rows of the result back.
 `run(batch)` is called in a worker thread (predict calls of CPU libraries release the GIL),
 one thread per instance. With `coalesce=False` each request is its own batch, which is
 Triton's default scheduler (and the baseline the benchmark compares against).
+
+The queue is bounded in rows, not requests (a request of 64 rows costs 64 times the memory
+and model time of one row): `max_queue_size` rows may wait, `DEFAULT_MAX_QUEUE_ROWS` when it is
+0 (Triton's "unbounded"). A request that would take the waiting rows past it is refused with
+UNAVAILABLE "Exceeds maximum queue size" at once; one request larger than the bound is still
+admitted into an empty queue, so a model whose requests are big is slowed, never unusable.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import numpy as np
 from paved.kserve.errors import unavailable
 
 logger = logging.getLogger(__name__)
+
+# Rows that may wait for an instance when the config sets no max_queue_size.
+DEFAULT_MAX_QUEUE_ROWS = 4096
 
 
 @dataclass
@@ -54,10 +63,13 @@ class DynamicBatcher:
             raise ValueError("max_batch_size must be >= 1")
         if any(not 1 <= p <= max_batch_size for p in preferred_batch_sizes):
             raise ValueError(f"preferred batch sizes must be in [1, {max_batch_size}]")
+        if max_queue_size < 0:
+            raise ValueError("max_queue_size must be >= 0 (0: the default bound)")
         self.name = name
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
-        self.max_queue_size = max_queue_size
+        # In rows.
+        self.max_queue_size = max_queue_size or DEFAULT_MAX_QUEUE_ROWS
         self.coalesce = coalesce
         # Dispatch as soon as this many rows wait.
         self._target = max(preferred_batch_sizes) if preferred_batch_sizes else max_batch_size
@@ -77,8 +89,13 @@ class DynamicBatcher:
         """Run `rows` (first dimension = batch) through the model; returns its rows of the output."""
         if self._closed:
             raise unavailable(f"model '{self.name}' is shutting down")
-        if self.max_queue_size and len(self._pending) >= self.max_queue_size:
-            raise unavailable(f"Exceeds maximum queue size for model '{self.name}'", retry_after_s=1)
+        if self._pending and self._pending_rows + len(rows) > self.max_queue_size:
+            raise unavailable(
+                f"Exceeds maximum queue size for model '{self.name}': {self._pending_rows} rows wait, "
+                f"this request adds {len(rows)}, the limit is {self.max_queue_size} rows "
+                "(max_queue_size)",
+                retry_after_s=1,
+            )
         if self._scheduler is None:
             self._scheduler = asyncio.create_task(self._schedule(), name=f"batcher-{self.name}")
         item = _Pending(rows, asyncio.get_running_loop().create_future(), time.monotonic())
