@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from paved.frontend import openai_api, ops_api
 from paved.frontend.errors import install_error_handlers
 from paved.frontend.metrics import FrontendMetrics
-from paved.frontend.middleware import BodyLimitMiddleware, MetricsMiddleware
+from paved.frontend.middleware import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware, MetricsMiddleware
 from paved.frontend.registry import ModelRegistry
 from paved.frontend.state import AppState
 
@@ -31,6 +31,7 @@ def create_app(
     models: ModelRegistry,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_buffered_body_bytes: int | None = None,
     on_start_failure: Callable[[BaseException], None] | None = None,
     kserve: KServeServer | None = None,
     on_kserve_started: Callable[[KServeServer], None] | None = None,
@@ -43,7 +44,15 @@ def create_app(
     `kserve`, a not yet started KServe v2 server over the same engines, runs on the same event
     loop: its listeners bind before the engines boot (a busy port fails startup), and it stops,
     giving in-flight calls `kserve_grace_s`, after the OpenAI side drained and before the
-    engines stop."""
+    engines stop.
+
+    `max_buffered_body_bytes` bounds the chunked request bodies buffered at once (see
+    paved.frontend.middleware.BodyLimitMiddleware); None: 128 MiB, or max_body_bytes if larger."""
+    if max_buffered_body_bytes is None:
+        max_buffered_body_bytes = max(DEFAULT_MAX_BUFFERED_BYTES, max_body_bytes)
+    if max_buffered_body_bytes < max_body_bytes:
+        # Checked here: Starlette builds its middleware only on the first request.
+        raise ValueError("max_buffered_body_bytes must be at least max_body_bytes")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -99,6 +108,8 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(ops_api.router)
     # Added last = outermost: metrics also count the 413s the body limit answers.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=max_body_bytes, max_buffered_bytes=max_buffered_body_bytes
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

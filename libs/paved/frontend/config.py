@@ -4,6 +4,7 @@
     host = "127.0.0.1"
     port = 8000                   # 0: any free port (the URL is printed)
     max_body_bytes = 33554432
+    max_buffered_body_bytes = 134217728   # chunked bodies buffered at once, all requests
     drain_timeout_s = 30
 
     [[models]]                    # one engine each; several may share the process
@@ -48,6 +49,7 @@ _SERVER_KEYS = {
     "host",
     "port",
     "max_body_bytes",
+    "max_buffered_body_bytes",
     "drain_timeout_s",
     "kserve_grpc_port",
     "kserve_http_port",
@@ -109,6 +111,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Chunked request bodies buffered at once, all requests together (then 503); None: 128 MiB,
+    # or max_body_bytes if that is larger.
+    max_buffered_body_bytes: int | None = None
     # How long a shutdown waits for in-flight requests before cancelling them.
     drain_timeout_s: float = 30.0
     # KServe v2 over the same engines; None: that listener is off.
@@ -143,6 +148,15 @@ class ServerConfig:
                 raise ValueError(f"{d} is not a KServe model directory (no config.json)")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_buffered_body_bytes is not None and (
+            isinstance(self.max_buffered_body_bytes, bool)
+            or not isinstance(self.max_buffered_body_bytes, int)
+            or self.max_buffered_body_bytes < self.max_body_bytes
+        ):
+            raise ValueError(
+                f"max_buffered_body_bytes must be an integer >= max_body_bytes ({self.max_body_bytes}), "
+                f"got {self.max_buffered_body_bytes!r}"
+            )
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must not be negative")
 

@@ -285,25 +285,34 @@ async def chat_events(
     yield SSE_DONE
 
 
+# Outputs merge() holds between the engine streams and the client: a slow client pauses the
+# engines' streams (backpressure) instead of piling up their deltas in memory.
+MERGE_QUEUE_SIZE = 64
+
+
 async def merge(
-    streams: Sequence[AsyncIterator[GenerateOutput]],
+    streams: Sequence[AsyncIterator[GenerateOutput]], max_queued: int = MERGE_QUEUE_SIZE
 ) -> AsyncIterator[tuple[int, GenerateOutput]]:
-    """Interleave several engine streams as outputs arrive, tagging each with its stream index."""
+    """Interleave several engine streams as outputs arrive, tagging each with its stream index.
+
+    At most `max_queued` outputs wait for the consumer; a stream's pump then waits too, so
+    nothing is dropped and nothing is read ahead of the client without bound."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=max_queued)
     done = object()
 
     async def pump(i: int, stream: AsyncIterator[GenerateOutput]) -> None:
+        # Not in a `finally`: a cancelled pump must not wait for room in a queue nobody reads.
         try:
             async for out in stream:
                 await queue.put((i, out))
         except Exception as e:
             await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
+            return
+        await queue.put((i, done))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)

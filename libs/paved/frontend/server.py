@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8000; 0: any free port)")
     s.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
+    s.add_argument(
+        "--max-buffered-body-bytes",
+        type=int,
+        help="chunked request bodies buffered at once, all requests together; then 503 "
+        "(default 128 MiB, or --max-body-bytes if larger)",
+    )
     s.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on shutdown")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     k = p.add_argument_group("KServe v2 (off unless a port is given)")
@@ -138,6 +144,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         ("host", "host"),
         ("port", "port"),
         ("max_body_bytes", "max_body_bytes"),
+        ("max_buffered_body_bytes", "max_buffered_body_bytes"),
         ("drain_timeout", "drain_timeout_s"),
         ("kserve_grpc_port", "kserve_grpc_port"),
         ("kserve_http_port", "kserve_http_port"),
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(
         models,
         max_body_bytes=config.max_body_bytes,
+        max_buffered_body_bytes=config.max_buffered_body_bytes,
         on_start_failure=start_failed,
         kserve=kserve,
         on_kserve_started=kserve_started,

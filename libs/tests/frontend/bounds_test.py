@@ -1,0 +1,156 @@
+"""The frontend's edges are bounded: chunked bodies buffered at once, and the queue merging a
+multi-prompt completion's engine streams. States, not timings: hold the bound, show the next
+one refused (or paused), release, show it admitted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from paved.engine.protocol import ChoiceDelta, GenerateOutput
+from paved.frontend.app import create_app
+from paved.frontend.middleware import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
+from paved.frontend.registry import ModelRegistry
+from paved.frontend.responses import MERGE_QUEUE_SIZE, merge
+from paved.frontend.server import main
+
+
+# ---- chunked bodies buffered at once --------------------------------------------------------------
+class _Client:
+    """One chunked upload driven by hand: chunks are handed over when the test says so."""
+
+    def __init__(self, middleware: BodyLimitMiddleware):
+        self.chunks: asyncio.Queue = asyncio.Queue()
+        self.sent: list[dict] = []
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        self.task = asyncio.ensure_future(middleware(scope, self.chunks.get, self._send))
+
+    async def _send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def chunk(self, size: int, more: bool) -> None:
+        self.chunks.put_nowait({"type": "http.request", "body": b"x" * size, "more_body": more})
+
+    @property
+    def status(self) -> int | None:
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None
+
+    def body(self) -> dict:
+        return json.loads(b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body"))
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_chunked_bodies_share_one_buffer_budget():
+    async def app(scope, receive, send):
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps({"size": len(body)}).encode()})
+
+    async def run():
+        middleware = BodyLimitMiddleware(app, max_bytes=100, max_buffered_bytes=150)
+        a, b = _Client(middleware), _Client(middleware)
+        a.chunk(90, more=True)  # A holds 90 of the 150 bytes, still uploading
+        await _settle()
+        assert middleware.buffered_bytes == 90 and a.status is None
+        b.chunk(40, more=True)
+        b.chunk(40, more=True)  # 90 + 80 > 150: B is refused while A is held
+        await b.task
+        assert middleware.buffered_bytes == 90
+        refused = (b.status, b.body())
+        a.chunk(10, more=False)
+        await a.task
+        assert a.status == 200 and a.body() == {"size": 100}
+        assert middleware.buffered_bytes == 0  # released when A's request ended
+        c = _Client(middleware)  # the same upload as B's now fits
+        c.chunk(40, more=True)
+        c.chunk(40, more=False)
+        await c.task
+        b_headers = dict(next(m for m in b.sent if m["type"] == "http.response.start")["headers"])
+        return refused, b_headers, c.status, c.body()
+
+    (status, body), headers, c_status, c_body = asyncio.run(run())
+    assert status == 503 and headers[b"retry-after"] == b"1"
+    assert body["error"]["code"] == "overloaded"
+    assert "max_buffered_body_bytes=150" in body["error"]["message"]
+    assert c_status == 200 and c_body == {"size": 80}
+
+
+def test_a_disconnect_mid_upload_releases_its_bytes():
+    async def run():
+        middleware = BodyLimitMiddleware(lambda *a: None, max_bytes=100, max_buffered_bytes=100)
+        a = _Client(middleware)
+        a.chunk(60, more=True)
+        await _settle()
+        assert middleware.buffered_bytes == 60
+        a.chunks.put_nowait({"type": "http.disconnect"})
+        await a.task
+        return middleware.buffered_bytes
+
+    assert asyncio.run(run()) == 0
+
+
+def test_buffer_budget_default_and_validation(capsys):
+    app = create_app(ModelRegistry([]), max_body_bytes=1024)
+    (limit,) = [m for m in app.user_middleware if m.cls is BodyLimitMiddleware]
+    assert limit.kwargs["max_buffered_bytes"] == DEFAULT_MAX_BUFFERED_BYTES
+    big = create_app(ModelRegistry([]), max_body_bytes=DEFAULT_MAX_BUFFERED_BYTES * 2)
+    (limit,) = [m for m in big.user_middleware if m.cls is BodyLimitMiddleware]
+    assert limit.kwargs["max_buffered_bytes"] == DEFAULT_MAX_BUFFERED_BYTES * 2
+    with pytest.raises(ValueError, match="max_buffered_body_bytes"):
+        create_app(ModelRegistry([]), max_body_bytes=4096, max_buffered_body_bytes=1024)
+    argv = ["--engine", "kserve://127.0.0.1:9", "--model", "m", "--max-buffered-body-bytes", "10"]
+    assert main(argv) == 2
+    assert "max_buffered_body_bytes must be an integer >= max_body_bytes" in capsys.readouterr().err
+
+
+# ---- merge(): backpressure, not loss --------------------------------------------------------------
+def test_merge_queue_is_bounded_and_loses_nothing():
+    produced = [0, 0]
+    per_stream = 500
+
+    async def stream(i: int):
+        for k in range(per_stream):
+            produced[i] += 1
+            yield GenerateOutput([ChoiceDelta(0, f"{i}:{k}")])
+
+    async def run():
+        merged = merge([stream(0), stream(1)], max_queued=4)
+        first = await merged.__anext__()
+        await _settle()
+        await _settle()
+        # The consumer stopped after one output: the pumps wait for room instead of reading on.
+        held = sum(produced)
+        rest = [x async for x in merged]
+        return first, held, rest
+
+    first, held, rest = asyncio.run(run())
+    # One output consumed, 4 queued, one more read by each pump and waiting to be queued.
+    assert held <= 1 + 4 + 2
+    got = [first, *rest]
+    assert len(got) == 2 * per_stream
+    for i in (0, 1):
+        texts = [out.choices[0].text for s, out in got if s == i]
+        assert texts == [f"{i}:{k}" for k in range(per_stream)]  # all of them, in order
+    assert MERGE_QUEUE_SIZE == 64
+
+
+def test_merge_closed_while_its_pumps_wait_for_room():
+    async def endless():
+        while True:
+            yield GenerateOutput([ChoiceDelta(0, "x")])
+
+    async def run():
+        merged = merge([endless(), endless()], max_queued=1)
+        await merged.__anext__()
+        await _settle()
+        # Both pumps are blocked on a full queue; closing must not hang on them.
+        await asyncio.wait_for(merged.aclose(), 10)
+
+    asyncio.run(run())
