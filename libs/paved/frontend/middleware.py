@@ -11,7 +11,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from paved.frontend.errors import error_body
 from paved.frontend.metrics import FrontendMetrics, route_label
 
-
 # Bytes of chunked (length-less) request bodies all requests together may hold while they are
 # buffered: without it, N clients each trickling a body just under max_bytes hold N x max_bytes.
 DEFAULT_MAX_BUFFERED_BYTES = 128 * 1024 * 1024

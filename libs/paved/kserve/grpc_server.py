@@ -8,6 +8,10 @@ Behaviour follows Triton's gRPC frontend where a client can tell the difference:
   * A cancelled call (client cancel, deadline, disconnect) cancels its requests, which closes
     their engine streams and so aborts them in the engine.
   * Messages over the size limit are refused by gRPC itself with RESOURCE_EXHAUSTED.
+  * One stream runs at most `stream_max_in_flight` requests at once; one more is answered
+    in-band with RESOURCE_EXHAUSTED naming the limit (the stream stays open). At most
+    `stream_queue_size` responses wait for a slow client; the requests' engine streams then
+    pause (backpressure) instead of piling responses up in memory.
 In-band stream errors also carry a `paved_error_code` response parameter (the status code
 name): Triton's stream protocol has no code there, and the remote engine needs one to tell a
 client mistake (HTTP 400) from an outage (503).
@@ -24,7 +28,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import paved
 from paved.engine.streams import aclose
-from paved.kserve.errors import KServeError, from_exception, invalid_argument, unsupported
+from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.repository import (
     MODEL_VERSION,
     InferRequest,
@@ -34,13 +38,17 @@ from paved.kserve.repository import (
     custom_parameters,
 )
 from paved.kserve.tensors import from_contents, from_raw, to_raw
+from paved.kserve.wire import ERROR_CODE_PARAMETER
 
 logger = logging.getLogger(__name__)
 
 SERVER_NAME = "paved"
 EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
-ERROR_CODE_PARAMETER = "paved_error_code"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Per ModelStreamInfer call: requests running at once (as many as a model admits by default)
+# and responses waiting to be sent.
+DEFAULT_STREAM_MAX_IN_FLIGHT = 1024
+DEFAULT_STREAM_QUEUE_SIZE = 256
 
 
 def parameter_value(p: service_pb2.InferParameter) -> Any:
@@ -116,8 +124,18 @@ def encode_response(
 
 
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: ModelRepository):
+    def __init__(
+        self,
+        repository: ModelRepository,
+        *,
+        stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
+        stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
+    ):
+        if stream_max_in_flight < 1 or stream_queue_size < 1:
+            raise ValueError("stream_max_in_flight and stream_queue_size must be >= 1")
         self.repository = repository
+        self.stream_max_in_flight = stream_max_in_flight
+        self.stream_queue_size = stream_queue_size
 
     # ---- health and metadata ---------------------------------------------------------------
     async def ServerLive(self, request, context):
@@ -195,9 +213,19 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(error.code, error.message)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.stream_queue_size)
         tasks: set[asyncio.Task] = set()
         done = object()
+
+        async def fail(request: service_pb2.ModelInferRequest, model_name: str, error: KServeError) -> None:
+            message = service_pb2.ModelInferResponse(
+                model_name=model_name, model_version=request.model_version, id=request.id
+            )
+            message.parameters["triton_final_response"].bool_param = True
+            message.parameters[ERROR_CODE_PARAMETER].string_param = error.code.name
+            await queue.put(
+                service_pb2.ModelStreamInferResponse(error_message=error.message, infer_response=message)
+            )
 
         async def handle(request: service_pb2.ModelInferRequest) -> None:
             empty_final = (
@@ -229,29 +257,35 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                error = from_exception(e)
-                message = service_pb2.ModelInferResponse(
-                    model_name=model.name if model else request.model_name,
-                    model_version=request.model_version,
-                    id=request.id,
-                )
-                message.parameters["triton_final_response"].bool_param = True
-                message.parameters[ERROR_CODE_PARAMETER].string_param = error.code.name
-                await queue.put(
-                    service_pb2.ModelStreamInferResponse(error_message=error.message, infer_response=message)
-                )
+                await fail(request, model.name if model else request.model_name, from_exception(e))
 
         async def read() -> None:
+            failed: BaseException | None = None
             try:
                 async for request in request_iterator:
+                    if len(tasks) >= self.stream_max_in_flight:
+                        await fail(
+                            request,
+                            request.model_name,
+                            too_large(
+                                f"this stream already runs {len(tasks)} requests, the limit per "
+                                f"ModelStreamInfer call (stream_max_in_flight={self.stream_max_in_flight}); "
+                                "wait for a final response or open another stream"
+                            ),
+                        )
+                        continue
                     task = asyncio.create_task(handle(request))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 # The client half-closed: finish what it sent, then end the call.
                 while tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await queue.put(done)
+            except Exception as e:
+                failed = e
+            # Not in a `finally`: a cancelled reader must not wait for room in a queue nobody reads.
+            await queue.put(done)
+            if failed is not None:
+                raise failed
 
         reader = asyncio.create_task(read())
         try:
@@ -308,7 +342,13 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 def create_grpc_server(
-    repository: ModelRepository, *, host: str, port: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    repository: ModelRepository,
+    *,
+    host: str,
+    port: int,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
+    stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the servicer, bound (port 0: any free port); not yet started."""
     server = grpc.aio.server(
@@ -319,7 +359,10 @@ def create_grpc_server(
             ("grpc.so_reuseport", 0),
         ]
     )
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(repository), server)
+    servicer = KServeServicer(
+        repository, stream_max_in_flight=stream_max_in_flight, stream_queue_size=stream_queue_size
+    )
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the KServe gRPC port {host}:{port}")

@@ -48,6 +48,7 @@ from paved.kserve.repository import (
 )
 from paved.kserve.sampling import options_from_parameters, parse_parameters
 from paved.kserve.tensors import TensorSpec
+from paved.kserve.wire import PARAM_CONSTRAINT_BACKENDS, PARAM_KIND, PARAM_MAX_LOGPROBS, PARAM_MAX_MODEL_LEN
 
 _RETURN_FLAGS = (
     "return_finish_reason",
@@ -81,11 +82,6 @@ _EMBED_OUTPUTS = (
     TensorSpec("num_input_tokens", "UINT32", (1,)),
     TensorSpec("num_output_tokens", "UINT32", (-1,)),
 )
-# ModelConfig parameters a KServeEngine reads to describe a paved-served model exactly.
-PARAM_MAX_MODEL_LEN = "paved.max_model_len"
-PARAM_CONSTRAINT_BACKENDS = "paved.constraint_backends"
-PARAM_MAX_LOGPROBS = "paved.max_logprobs"
-PARAM_KIND = "paved.kind"
 
 
 def _flag(request: InferRequest, name: str) -> bool | None:
@@ -252,14 +248,20 @@ class LlmModel(ServedModel):
             isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
         ):
             raise invalid_argument("embedding_request.pooling_params.dimensions must be a positive integer")
-        result = await self.engine.embed(
-            EmbedRequest(
-                request_id=f"kserve-{uuid.uuid4().hex}",
-                model=self.card.id,
-                inputs=[prompt],
-                dimensions=dimensions,
+        # One input, one sequence: embeddings count against the same bound as generation.
+        ticket = self.admission(self.card.id, 1) if self.admission is not None else None
+        try:
+            result = await self.engine.embed(
+                EmbedRequest(
+                    request_id=f"kserve-{uuid.uuid4().hex}",
+                    model=self.card.id,
+                    inputs=[prompt],
+                    dimensions=dimensions,
+                )
             )
-        )
+        finally:
+            if ticket is not None:
+                ticket.release()
         outputs = {"text_output": _bytes_array([json.dumps(result.embeddings[0])])}
         if _flag(request, "return_num_input_tokens"):
             outputs["num_input_tokens"] = np.array([result.prompt_tokens], dtype=np.uint32)

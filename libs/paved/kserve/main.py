@@ -1,13 +1,17 @@
 """A standalone KServe v2 server: classic model directories, optionally with vLLM models.
 
     tools/bazel run //services/kserve:serve -- [--model-dir DIR ...] [--llm-config FILE]
-        [--host H] [--grpc-port 8001] [--http-port 8000]
+        [--host H] [--grpc-port 8001] [--http-port 8000] [--max-message-bytes N]
+        [--stream-max-in-flight N] [--stream-queue-size N]
 
 Without --model-dir / --llm-config it serves the //models/xgb fixture. `--llm-config` takes
 the OpenAI frontend's config file (its [[models]] entries become in-process vLLM engines).
 The listeners bind first and answer ServerReady false until every model and engine is
-loaded; SIGINT / SIGTERM stop it gracefully. In the OpenAI frontend's process the same server
-runs beside the OpenAI API through `paved.kserve.server.serve_kserve` instead.
+loaded; SIGINT / SIGTERM stop it gracefully. LLM and embedding requests are admitted by the
+frontend's `ModelRegistry` over the same engines, so each model's `max_queued_sequences`
+(default 1024, set per model in the config file) bounds them here as it does there. In the
+OpenAI frontend's process the same server runs beside the OpenAI API through
+`paved.kserve.server.serve_kserve` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import os
 import signal
 import sys
 
-from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from paved.kserve.grpc_server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_STREAM_MAX_IN_FLIGHT,
+    DEFAULT_STREAM_QUEUE_SIZE,
+)
 
 logger = logging.getLogger("paved.kserve")
 
@@ -33,25 +41,61 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=8001, help="0: any free port; -1: no gRPC")
     p.add_argument("--http-port", type=int, default=8000, help="0: any free port; -1: no HTTP")
-    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="larger gRPC messages / HTTP bodies are refused (RESOURCE_EXHAUSTED / 413)",
+    )
+    p.add_argument(
+        "--stream-max-in-flight",
+        type=int,
+        default=DEFAULT_STREAM_MAX_IN_FLIGHT,
+        help="requests one ModelStreamInfer call runs at once; more: in-band RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--stream-queue-size",
+        type=int,
+        default=DEFAULT_STREAM_QUEUE_SIZE,
+        help="responses one ModelStreamInfer call holds for a slow client (then its requests pause)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
 
-def _engines(config_path: str | None) -> list:
+def _models(config_path: str | None) -> list:
     if not config_path:
         return []
     from paved.engine import vllm_env
 
-    vllm_env.apply_defaults()
+    vllm_env.apply_defaults()  # before anything that may import vLLM
     from paved.frontend import config as config_file
 
-    return [config_file.make_engine(m) for m in config_file.load(config_path).models]
+    return config_file.load(config_path).models
 
 
-async def _serve(args: argparse.Namespace, engines: list) -> int:
-    from paved.kserve.server import serve_kserve
+def _engines(models: list) -> list:
+    if not models:
+        return []
+    from paved.frontend import config as config_file
 
+    return [config_file.make_engine(m) for m in models]
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.max_message_bytes < 1024:
+        raise ValueError(f"--max-message-bytes must be at least 1024, got {args.max_message_bytes}")
+    for flag in ("stream_max_in_flight", "stream_queue_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+
+
+async def start_server(args: argparse.Namespace, engines: list, limits: dict[str, int]):
+    """The registry admitting requests to `engines` and the started KServe server over both."""
+    from paved.frontend.registry import ModelRegistry
+    from paved.kserve.server import registry_admission, serve_kserve
+
+    registry = ModelRegistry(engines, limits)
     server = await serve_kserve(
         engines,
         grpc_port=None if args.grpc_port < 0 else args.grpc_port,
@@ -59,7 +103,16 @@ async def _serve(args: argparse.Namespace, engines: list) -> int:
         host=args.host,
         model_dirs=args.model_dir,
         max_message_bytes=args.max_message_bytes,
+        admission=registry_admission(registry),
+        draining=lambda: registry.draining,
+        stream_max_in_flight=args.stream_max_in_flight,
+        stream_queue_size=args.stream_queue_size,
     )
+    return registry, server
+
+
+async def _serve(args: argparse.Namespace, engines: list, limits: dict[str, int]) -> int:
+    registry, server = await start_server(args, engines, limits)
     # Scripts and tests read this line for the (possibly ephemeral) ports.
     print(f"paved kserve: gRPC {server.grpc_port} HTTP {server.http_port} on {args.host}", flush=True)
     stop = asyncio.Event()
@@ -70,17 +123,16 @@ async def _serve(args: argparse.Namespace, engines: list) -> int:
 
     async def start_engines() -> None:
         nonlocal failed
-        for engine in engines:  # one at a time: each boot saturates a core
-            try:
-                await engine.start()
-            except Exception:
-                logger.exception("an engine failed to start")
-                failed = True
-                stop.set()
-                return
+        try:
+            await registry.start()  # one engine at a time: each boot saturates a core
+        except Exception:
+            logger.exception("an engine failed to start")
+            failed = True
+            stop.set()
 
     boot = asyncio.create_task(start_engines())
     await stop.wait()
+    registry.draining = True
     boot.cancel()
     await asyncio.gather(boot, return_exceptions=True)
     await server.stop()
@@ -99,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model_dir = [os.path.dirname(runfile("models/xgb/config.json"))]
     try:
-        engines = _engines(args.llm_config)
-        return asyncio.run(_serve(args, engines))
+        _validate(args)
+        models = _models(args.llm_config)
+        engines = _engines(models)
+        limits = {m.name: m.max_queued_sequences for m in models}
+        return asyncio.run(_serve(args, engines, limits))
     except (OSError, ValueError) as e:
         print(f"serve: {e}", file=sys.stderr)
         return 2

@@ -25,7 +25,12 @@ from collections.abc import Callable, Sequence
 import uvicorn
 
 from paved.engine.protocol import Engine
-from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, create_grpc_server
+from paved.kserve.grpc_server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_STREAM_MAX_IN_FLIGHT,
+    DEFAULT_STREAM_QUEUE_SIZE,
+    create_grpc_server,
+)
 from paved.kserve.http_server import create_http_app
 from paved.kserve.repository import Admission, ModelRepository, ServedModel
 from paved.kserve.xgboost_model import XGBoostModel
@@ -67,6 +72,8 @@ class KServeServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         admission: Admission | None = None,
         draining: Callable[[], bool] | None = None,
+        stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
+        stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
     ):
         if grpc_port is None and http_port is None:
             raise ValueError("KServe needs a gRPC port, an HTTP port, or both")
@@ -75,6 +82,8 @@ class KServeServer:
         self._grpc_port_wanted = grpc_port
         self._http_port_wanted = http_port
         self.max_message_bytes = max_message_bytes
+        self.stream_max_in_flight = stream_max_in_flight
+        self.stream_queue_size = stream_queue_size
         # The bound ports (port 0 asks for any free one).
         self.grpc_port: int | None = None
         self.http_port: int | None = None
@@ -91,6 +100,8 @@ class KServeServer:
                 host=self.host,
                 port=self._grpc_port_wanted,
                 max_message_bytes=self.max_message_bytes,
+                stream_max_in_flight=self.stream_max_in_flight,
+                stream_queue_size=self.stream_queue_size,
             )
         if self._http_port_wanted is not None:
             self._http_socket = _bind(self.host, self._http_port_wanted)
@@ -144,12 +155,16 @@ async def serve_kserve(
     model_dirs: Sequence[str] = (),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     admission: Admission | None = None,
+    draining: Callable[[], bool] | None = None,
+    stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
+    stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
 ) -> KServeServer:
     """Start KServe v2 over `engines` (their models, by ModelCard id) plus XGBoost model
     directories; returns the running server (call `stop()` on shutdown).
 
-    `admission`, if given, admits each LLM request first (e.g. the OpenAI frontend's
-    `lambda model, n: registry.admit(registry.get(model), n)`), so both APIs share one bound.
+    `admission`, if given, admits each LLM request first (`registry_admission(registry)` of
+    a paved.frontend.registry.ModelRegistry: the OpenAI frontend passes its own, so both APIs
+    share one bound; the standalone server builds one over its engines).
     """
     classic = [XGBoostModel.from_directory(d) for d in model_dirs]
     server = KServeServer(
@@ -160,6 +175,15 @@ async def serve_kserve(
         http_port=http_port,
         max_message_bytes=max_message_bytes,
         admission=admission,
+        draining=draining,
+        stream_max_in_flight=stream_max_in_flight,
+        stream_queue_size=stream_queue_size,
     )
     await server.start()
     return server
+
+
+def registry_admission(registry) -> Admission:
+    """Admission through a paved.frontend.registry.ModelRegistry: its per-model
+    `max_queued_sequences`, its 503 / UNAVAILABLE when full (the registry must be started)."""
+    return lambda model, sequences: registry.admit(registry.get(model), sequences)

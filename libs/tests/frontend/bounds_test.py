@@ -39,7 +39,9 @@ class _Client:
         return starts[0]["status"] if starts else None
 
     def body(self) -> dict:
-        return json.loads(b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body"))
+        return json.loads(
+            b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+        )
 
 
 async def _settle() -> None:

@@ -2,14 +2,27 @@
 is refused with an error naming the limit (states, not timings)."""
 
 import asyncio
+import json
+import queue
+import struct
 import threading
 
 import grpc
+import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
 
+from libs.tests.kserve.kserve_fakes import EMBED, LLM, FakeEngine, llm_inputs, tensor, wait_for
+from paved.engine.protocol import ChoiceDelta, GenerateOutput
 from paved.kserve.batcher import DEFAULT_MAX_QUEUE_ROWS, DynamicBatcher
 from paved.kserve.errors import KServeError
+from paved.kserve.grpc_server import KServeServicer
+from paved.kserve.main import _parser as main_parser
+from paved.kserve.main import main, start_server
+from paved.kserve.repository import ModelRepository
 
 
 # ---- DynamicBatcher: the queue bound counts rows ---------------------------------------------------
@@ -70,3 +83,220 @@ def test_batcher_default_bound_and_an_oversized_request_alone():
     assert f"limit is {DEFAULT_MAX_QUEUE_ROWS} rows" in asyncio.run(main()).message
     with pytest.raises(ValueError):
         DynamicBatcher(lambda b: b, name="m", max_batch_size=1, max_queue_size=-1)
+
+
+# ---- admission: the frontend's ModelRegistry bounds the standalone server too ---------------------
+class HoldingEngine(FakeEngine):
+    """Embeddings wait until released, so a test can hold them in flight."""
+
+    def __init__(self):
+        super().__init__()
+        self.release_embeddings: asyncio.Event | None = None
+
+    async def embed(self, request):
+        self.embed_requests.append(request)
+        await self.release_embeddings.wait()
+        return await super().embed(request)
+
+
+@pytest.fixture(scope="module")
+def held(loop):
+    """The standalone main's server (start_server) with small admission bounds."""
+    engine = HoldingEngine()
+    args = main_parser().parse_args(
+        ["--grpc-port", "0", "--http-port", "0", "--host", "127.0.0.1", "--stream-max-in-flight", "2"]
+    )
+
+    async def start():
+        engine.release_embeddings = asyncio.Event()
+        registry, server = await start_server(args, [engine], {LLM: 2, EMBED: 1})
+        await registry.start()
+        return registry, server
+
+    registry, server = loop.run(start())
+    yield engine, registry, server
+    loop.loop.call_soon_threadsafe(engine.release_embeddings.set)
+    loop.run(server.stop(grace_s=1))
+
+
+def _queued(registry, model):
+    return next(m for m in registry.served() if m.card.id == model).queued_sequences
+
+
+def _hang(url):
+    """An HTTP generate_stream request that holds one sequence until closed."""
+    client = httpx.Client(timeout=10)
+    body = {"text_input": "hang", "stream": True, "exclude_input_in_output": True}
+    cm = client.stream("POST", f"{url}/v2/models/{LLM}/generate_stream", json=body)
+    response = cm.__enter__()
+    assert response.status_code == 200
+    lines = response.iter_lines()  # kept: dropping a half-read iterator closes the connection
+    line = next(lines)  # the first event: admitted and running
+    assert "error" not in line, line
+    return client, cm, lines
+
+
+def test_standalone_llm_admission_is_bounded(held):
+    _, registry, server = held
+    url = f"http://127.0.0.1:{server.http_port}"
+    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    holders = [_hang(url), _hang(url)]
+    try:
+        assert _queued(registry, LLM) == 2
+        # Two sequences held: the third is refused on both transports, naming the bound.
+        refused = httpx.post(f"{url}/v2/models/{LLM}/generate", json={"text_input": "hi"}, timeout=10)
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        assert "at capacity (2 sequences in flight)" in refused.json()["error"]
+        with pytest.raises(InferenceServerException) as info:
+            gc.infer(LLM, llm_inputs(grpcclient, "hi"))
+        assert info.value.status() == "StatusCode.UNAVAILABLE" and "at capacity" in info.value.message()
+        # n=3 can never fit a bound of 2: a client error, not a retry.
+        with pytest.raises(InferenceServerException) as info:
+            gc.infer(LLM, llm_inputs(grpcclient, "hi", params={"n": 3}))
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        client, cm, _ = holders.pop()
+        cm.__exit__(None, None, None)
+        client.close()
+        assert wait_for(lambda: _queued(registry, LLM) == 1)
+        result = gc.infer(LLM, llm_inputs(grpcclient, "hi", params={"max_tokens": 2}))
+        assert result.as_numpy("text_output")[0] == b"hiw0 w1 "
+    finally:
+        for client, cm, _ in holders:
+            cm.__exit__(None, None, None)
+            client.close()
+        gc.close()
+    assert wait_for(lambda: _queued(registry, LLM) == 0)
+
+
+def test_standalone_embedding_admission_is_bounded(loop, held):
+    engine, registry, server = held
+    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    body = np.array([json.dumps({"input": "a b"}).encode()], dtype=object)
+    inputs = lambda: [tensor(grpcclient, "embedding_request", body, "BYTES")]  # noqa: E731
+    results: queue.Queue = queue.Queue()
+    before = len(engine.embed_requests)
+    first = threading.Thread(target=lambda: results.put(gc.infer(EMBED, inputs())))
+    first.start()
+    try:
+        assert wait_for(lambda: len(engine.embed_requests) == before + 1)  # held in the engine
+        assert _queued(registry, EMBED) == 1
+        with pytest.raises(InferenceServerException) as info:
+            gc.infer(EMBED, inputs())
+        assert info.value.status() == "StatusCode.UNAVAILABLE"
+        assert "at capacity (1 sequences in flight)" in info.value.message()
+    finally:
+        loop.loop.call_soon_threadsafe(engine.release_embeddings.set)
+        first.join(10)
+    assert json.loads(results.get(timeout=10).as_numpy("text_output")[0])[0] == 3.0
+    assert _queued(registry, EMBED) == 0
+    gc.close()
+
+
+# ---- ModelStreamInfer: requests in flight and responses waiting, per stream -----------------------
+def test_stream_in_flight_bound_is_in_band_and_keeps_the_stream(held):
+    _, registry, server = held
+    gc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(2):
+            gc.async_stream_infer(
+                LLM, llm_inputs(grpcclient, "hang", stream=True, exclude=True), request_id=f"h{i}"
+            )
+        seen = set()
+        while seen != {"h0", "h1"}:  # both are running (each sent a response)
+            result, error = results.get(timeout=10)
+            assert error is None
+            seen.add(result.get_response().id)
+        gc.async_stream_infer(LLM, llm_inputs(grpcclient, "hi", exclude=True), request_id="third")
+        while True:
+            result, error = results.get(timeout=10)
+            if error is not None:
+                break
+        assert "stream_max_in_flight=2" in str(error)
+        # The stream lives on: its two requests still stream.
+        ids = {results.get(timeout=10)[0].get_response().id for _ in range(4)}
+        assert ids <= {"h0", "h1"}
+    finally:
+        gc.stop_stream(cancel_requests=True)
+        gc.close()
+    assert wait_for(lambda: _queued(registry, LLM) == 0)
+
+
+class FloodEngine(FakeEngine):
+    """The prompt "flood" streams without end and without waiting, counting what it produced."""
+
+    def __init__(self):
+        super().__init__()
+        self.produced = 0
+
+    async def _stream(self, request, prompt):
+        if prompt != "flood":
+            async for out in super()._stream(request, prompt):
+                yield out
+            return
+        try:
+            while True:
+                self.produced += 1
+                yield GenerateOutput(
+                    [ChoiceDelta(0, "x ", [1])], prompt_tokens=1 if self.produced == 1 else None
+                )
+                await asyncio.sleep(0)
+        finally:
+            self.aborted.append(request.request_id)
+
+
+def _stream_request(text: str) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=LLM, id="f")
+    for name, datatype, raw in (
+        ("text_input", "BYTES", struct.pack("<I", len(text)) + text.encode()),
+        ("stream", "BOOL", b"\x01"),
+        ("exclude_input_in_output", "BOOL", b"\x01"),
+    ):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(raw)
+    return request
+
+
+def test_stream_response_queue_is_bounded():
+    async def run():
+        engine = FloodEngine()
+        servicer = KServeServicer(ModelRepository([engine]), stream_queue_size=4)
+        closed = asyncio.Event()
+
+        async def requests():
+            yield _stream_request("flood")
+            await closed.wait()
+
+        responses = servicer.ModelStreamInfer(requests(), None)
+        first = await responses.__anext__()
+        for _ in range(500):
+            await asyncio.sleep(0)
+        # The client read one response: 4 wait in the queue, the request holds one more.
+        held = engine.produced
+        more = [await responses.__anext__() for _ in range(10)]
+        for _ in range(500):
+            await asyncio.sleep(0)
+        after = engine.produced
+        closed.set()
+        await responses.aclose()
+        return first, held, more, after, engine
+
+    first, held, more, after, engine = asyncio.run(run())
+    assert first.infer_response.id == "f" and all(not m.error_message for m in more)
+    assert held <= 1 + 4 + 1, held
+    assert after <= held + 10, (held, after)
+    assert engine.aborted  # closing the call aborted the endless request
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--stream-max-in-flight", "0"], "--stream-max-in-flight must be at least 1"),
+        (["--stream-queue-size", "-3"], "--stream-queue-size must be at least 1"),
+        (["--max-message-bytes", "10"], "--max-message-bytes must be at least 1024"),
+    ],
+)
+def test_bad_bound_flags_exit_2(tmp_path, capsys, flags, needle):
+    assert main(["--model-dir", str(tmp_path), *flags]) == 2
+    assert needle in capsys.readouterr().err
