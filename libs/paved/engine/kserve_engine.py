@@ -55,10 +55,15 @@ from paved.engine.protocol import (
     TopLogprob,
 )
 from paved.engine.streams import Closing
-from paved.kserve.grpc_server import ERROR_CODE_PARAMETER
-from paved.kserve.llm import PARAM_CONSTRAINT_BACKENDS, PARAM_KIND, PARAM_MAX_LOGPROBS, PARAM_MAX_MODEL_LEN
-from paved.kserve.sampling import parameters_from_options
 from paved.kserve.tensors import from_raw, serialize_bytes
+from paved.kserve.wire import (
+    ERROR_CODE_PARAMETER,
+    PARAM_CONSTRAINT_BACKENDS,
+    PARAM_KIND,
+    PARAM_MAX_LOGPROBS,
+    PARAM_MAX_MODEL_LEN,
+    parameters_from_options,
+)
 
 logger = logging.getLogger(__name__)
 

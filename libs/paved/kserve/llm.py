@@ -39,7 +39,7 @@ from paved.engine.protocol import (
 )
 from paved.engine.streams import Closing, aclose
 from paved.kserve.errors import invalid_argument
-from paved.kserve.repository import (
+from paved.kserve.model import (
     Admission,
     InferRequest,
     InferResponse,

@@ -1,190 +1,33 @@
-"""The model repository behind both transports: what a model is to the KServe server.
+"""The model repository behind both transports: the models a KServe server serves.
 
-A `ServedModel` declares its tensors (Triton config semantics: `max_batch_size`, dims without
-the batch dimension, optional inputs) and serves `infer`. Transports decode wire tensors into
-numpy after `check_input`, so datatype / shape / missing-input errors are the same whether the
-request came over gRPC or HTTP. Two kinds exist: engine-backed LLMs (paved.kserve.llm, one per
-`ModelCard` of the engines given to the server) and classic models loaded from a directory
-(paved.kserve.xgboost_model).
-
-Every model has exactly one version, "1" (there is no repository polling or version policy).
+Two kinds exist (a `ServedModel` is defined in paved.kserve.model): engine-backed LLMs
+(paved.kserve.llm, one per `ModelCard` of the engines given to the server) and classic models
+loaded from a directory (paved.kserve.xgboost_model).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
-
-import numpy as np
-from tritonclient.grpc import model_config_pb2
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from paved.engine.protocol import Engine
 from paved.engine.streams import Closing
-from paved.kserve.errors import invalid_argument, not_found, unavailable
-from paved.kserve.tensors import TensorSpec, config_type
+from paved.kserve.errors import not_found, unavailable
+from paved.kserve.llm import LlmModel
+
+# The model-side names, importable from here as before (the transports import them so).
+from paved.kserve.model import MODEL_VERSION as MODEL_VERSION
+from paved.kserve.model import TRANSPORT_PARAMETERS as TRANSPORT_PARAMETERS
+from paved.kserve.model import Admission as Admission
+from paved.kserve.model import InferRequest as InferRequest
+from paved.kserve.model import InferResponse as InferResponse
+from paved.kserve.model import ModelState as ModelState
+from paved.kserve.model import ServedModel as ServedModel
+from paved.kserve.model import Ticket as Ticket
+from paved.kserve.model import custom_parameters as custom_parameters
 
 logger = logging.getLogger(__name__)
-
-MODEL_VERSION = "1"
-ModelState = Literal["READY", "LOADING", "UNAVAILABLE"]
-
-# Request parameters Triton itself interprets (tritonclient refuses to send them as custom
-# parameters). paved implements none of the features behind them, so a request that sets
-# them gets INVALID_ARGUMENT instead of having its sequence / priority / timeout ignored.
-_UNSUPPORTED_RESERVED = {
-    "sequence_id": "sequence batching",
-    "sequence_start": "sequence batching",
-    "sequence_end": "sequence batching",
-    "priority": "request priorities",
-    "timeout": "per-request queue timeouts",
-}
-# Consumed by a transport before the model sees the request.
-TRANSPORT_PARAMETERS = {"binary_data_output", "triton_enable_empty_final_response", "headers"}
-
-
-@dataclass
-class InferRequest:
-    model_name: str
-    id: str = ""
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)
-    # Custom request parameters (transport and reserved ones already removed).
-    parameters: dict[str, Any] = field(default_factory=dict)
-    # Requested outputs; None: all the model produces.
-    outputs: list[str] | None = None
-    # True on the decoupled paths (ModelStreamInfer, HTTP generate_stream) that can carry
-    # any number of responses per request.
-    decoupled: bool = False
-
-
-@dataclass
-class InferResponse:
-    outputs: dict[str, np.ndarray]
-    # Last response of the request (decoupled models send several).
-    final: bool = True
-
-
-def custom_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
-    """Request parameters minus those a transport consumed; reserved ones paved does not
-    implement are rejected rather than ignored."""
-    out = {}
-    for key, value in parameters.items():
-        if key in TRANSPORT_PARAMETERS:
-            continue
-        if key in _UNSUPPORTED_RESERVED:
-            if key in ("sequence_id", "priority") and not value:
-                continue  # the "not set" value some clients send explicitly
-            raise invalid_argument(
-                f"request parameter '{key}': {_UNSUPPORTED_RESERVED[key]} is not supported by this server"
-            )
-        if key.startswith("triton_"):
-            raise invalid_argument(f"request parameter '{key}' is not supported by this server")
-        out[key] = value
-    return out
-
-
-class ServedModel(abc.ABC):
-    """One model on the KServe interface."""
-
-    name: str
-    platform: str = ""
-    backend: str = ""
-    max_batch_size: int = 0
-    inputs: Sequence[TensorSpec] = ()
-    outputs: Sequence[TensorSpec] = ()
-    # Decoupled models may send zero or many responses per request (Triton's transaction policy).
-    decoupled: bool = False
-
-    # ---- state ---------------------------------------------------------------------------
-    @abc.abstractmethod
-    def state(self) -> tuple[ModelState, str]:
-        """(state, reason); reason explains anything but READY."""
-
-    def ready(self) -> bool:
-        return self.state()[0] == "READY"
-
-    async def load(self) -> None:  # noqa: B027 - optional hook
-        """Load the model (default: nothing to load, e.g. the engine owns it)."""
-
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources; in-flight requests may fail."""
-
-    # ---- description ---------------------------------------------------------------------
-    def config_parameters(self) -> dict[str, str]:
-        return {}
-
-    def config(self) -> model_config_pb2.ModelConfig:
-        config = model_config_pb2.ModelConfig(
-            name=self.name, platform=self.platform, backend=self.backend, max_batch_size=self.max_batch_size
-        )
-        for spec in self.inputs:
-            config.input.add(
-                name=spec.name, data_type=config_type(spec.datatype), dims=spec.dims, optional=spec.optional
-            )
-        for spec in self.outputs:
-            config.output.add(name=spec.name, data_type=config_type(spec.datatype), dims=spec.dims)
-        config.model_transaction_policy.decoupled = self.decoupled
-        for key, value in self.config_parameters().items():
-            config.parameters[key].string_value = value
-        return config
-
-    # ---- validation ----------------------------------------------------------------------
-    def check_input(self, name: str, datatype: str, shape: Sequence[int]) -> TensorSpec:
-        for spec in self.inputs:
-            if spec.name == name:
-                spec.check(self.name, datatype, shape, self.max_batch_size)
-                return spec
-        raise invalid_argument(f"unexpected inference input '{name}' for model '{self.name}'")
-
-    def check_required(self, names: Iterable[str]) -> None:
-        given = list(names)
-        if len(given) != len(set(given)):
-            dup = sorted({n for n in given if given.count(n) > 1})
-            raise invalid_argument(f"input(s) {dup} given more than once for model '{self.name}'")
-        known = {s.name for s in self.inputs}
-        for name in given:
-            if name not in known:
-                raise invalid_argument(f"unexpected inference input '{name}' for model '{self.name}'")
-        missing = [s.name for s in self.inputs if not s.optional and s.name not in given]
-        if missing:
-            raise invalid_argument(
-                f"expected {sum(not s.optional for s in self.inputs)} required input(s) but got "
-                f"{len(given)} input(s) for model '{self.name}'. Got input(s) {given}, but missing "
-                f"required input(s) {missing}. Please provide all required input(s)."
-            )
-
-    def check_outputs(self, names: Iterable[str]) -> None:
-        known = {s.name for s in self.outputs}
-        for name in names:
-            if name not in known:
-                raise invalid_argument(f"unexpected inference output '{name}' for model '{self.name}'")
-
-    def output_spec(self, name: str) -> TensorSpec:
-        for spec in self.outputs:
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
-
-    # ---- inference -----------------------------------------------------------------------
-    @abc.abstractmethod
-    async def infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
-        """Admit `request` and return its responses (exactly one unless `decoupled`).
-
-        Request errors raise here, before any response; closing the returned iterator
-        cancels the request.
-        """
-
-
-class Ticket(Protocol):
-    def release(self) -> None: ...
-
-
-# Admission control shared with another frontend: (model id, sequences) -> a ticket released
-# when the request ends, or EngineOverloadedError (-> UNAVAILABLE / 503).
-Admission = Callable[[str, int], Ticket]
 
 
 class ModelRepository:
@@ -197,8 +40,6 @@ class ModelRepository:
         admission: Admission | None = None,
         draining: Callable[[], bool] | None = None,
     ):
-        from paved.kserve.llm import LlmModel  # llm imports this module
-
         self._llm_cls = LlmModel
         self.admission = admission
         # True once the owning process is shutting down: ServerReady turns false so load

@@ -1,4 +1,4 @@
-"""Triton vLLM backend `sampling_parameters` <-> the engine protocol's `SamplingOptions`.
+"""Triton vLLM backend `sampling_parameters` -> the engine protocol's `SamplingOptions`.
 
 Server side (`options_from_parameters`): the JSON object a Triton + vLLM client sends, keyed by
 vLLM `SamplingParams` names, validated with the OpenAI frontend's own request model and
@@ -10,9 +10,7 @@ an object or its JSON text, the form the vLLM backend parses), OpenAI's `respons
 paved's `paved_constraint`, or `extra_args: {"paved_constraint": ...}`. A key paved does not
 honour is INVALID_ARGUMENT; nothing is dropped.
 
-Client side (`parameters_from_options`): the reverse, for `KServeEngine`, in the form a real
-Triton vLLM backend accepts: `structured_outputs` as JSON text, paved specs in `extra_args`
-(read there by paved's logits processor when it is installed in the remote vLLM).
+The client side (`parameters_from_options`, for `KServeEngine`) is in `paved.kserve.wire`.
 """
 
 from __future__ import annotations
@@ -22,10 +20,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from paved.engine.protocol import Constraint, InvalidRequestError, ModelCard, SamplingOptions
+from paved.engine.protocol import ModelCard, SamplingOptions
 from paved.kserve.errors import invalid_argument
-
-PAVED_CONSTRAINT = "paved_constraint"
+from paved.kserve.wire import PAVED_CONSTRAINT
 
 # vLLM SamplingParams fields paved honours only at vLLM's default value: a client that sets
 # the default explicitly is served, any other value is refused.
@@ -113,8 +110,8 @@ def _int(params: dict, key: str, source: str, *, minimum: int, maximum: int | No
 
 def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str) -> SamplingOptions:
     """Validate Triton vLLM-backend sampling parameters for `card` (raises INVALID_ARGUMENT)."""
-    # Imported here: the remote engine imports this module for the client side, and engines
-    # must not pull in the OpenAI frontend (which imports engines).
+    # Imported on first use: a server of classic models only never loads the OpenAI request
+    # model, nor the native constraint engine behind its resolver.
     from paved.frontend.errors import APIError
     from paved.frontend.schemas import SamplingFields
     from paved.frontend.structured import resolve, sampling_options
@@ -189,49 +186,3 @@ def _validation_message(error: ValidationError, source: str) -> str:
         else:
             parts.append(f"{source}.{loc}: {item['msg']}" if loc else f"{source}: {item['msg']}")
     return "; ".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------
-# Client side: SamplingOptions -> sampling_parameters (KServeEngine).
-# ---------------------------------------------------------------------------------------------
-def parameters_from_options(options: SamplingOptions) -> dict[str, Any]:
-    """The `sampling_parameters` object for a remote Triton vLLM backend (or paved's server).
-
-    `max_tokens` None ("up to the end of the context") is sent as null: paved's server takes it,
-    a real Triton vLLM backend may not, so callers that can count prompt tokens should bound it.
-    """
-    if options.prompt_logprobs is not None:
-        raise InvalidRequestError(
-            "prompt logprobs are not available through the KServe v2 vLLM tensor interface",
-            param="prompt_logprobs",
-        )
-    params: dict[str, Any] = {"n": options.n, "max_tokens": options.max_tokens}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "logprobs"):
-        value = getattr(options, name)
-        if value is not None:
-            params[name] = value
-    if options.stop:
-        params["stop"] = list(options.stop)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(options, name):
-            params[name] = getattr(options, name)
-    if options.logit_bias:
-        params["logit_bias"] = {str(k): v for k, v in options.logit_bias.items()}
-    if options.min_tokens:
-        params["min_tokens"] = options.min_tokens
-    if options.ignore_eos:
-        params["ignore_eos"] = True
-    if options.constraint is not None:
-        params.update(constraint_parameters(options.constraint))
-    return params
-
-
-def constraint_parameters(constraint: Constraint) -> dict[str, Any]:
-    if constraint.backend == "paved":
-        return {"extra_args": {PAVED_CONSTRAINT: constraint.value}}
-    key = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice"}.get(
-        constraint.kind, constraint.kind
-    )
-    value = True if constraint.kind == "json_object" else constraint.value
-    # JSON text: the vLLM backend builds StructuredOutputsParams(**json.loads(value)).
-    return {"structured_outputs": json.dumps({key: value})}

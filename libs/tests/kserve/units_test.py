@@ -16,7 +16,8 @@ from paved.engine.protocol import Constraint, InvalidRequestError, ModelCard, Sa
 from paved.kserve import tensors
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import KServeError
-from paved.kserve.sampling import options_from_parameters, parameters_from_options
+from paved.kserve.sampling import options_from_parameters
+from paved.kserve.wire import parameters_from_options
 from paved.kserve.xgboost_model import ModelConfigError, XGBoostModel
 
 CARD = ModelCard("m", "generate", 512, 0, constraint_backends=("paved", "xgrammar"), max_logprobs=5)
