@@ -24,6 +24,10 @@ Locks (flock, released by the kernel when a process dies):
   * blob-<hex>.lock: exclusive while a blob is fetched (packages sharing a file).
   * inuse-<digest>.lock: shared for a launcher's whole life; eviction skips packages whose lock
     it cannot take exclusively.
+A blocking acquire waits at most the cache's `lock_timeout_s` (default 3600 s, the launcher's
+--lock-timeout), then fails with LockTimeout naming the lock and the pid of the process holding
+it: an exclusive holder writes its pid into the lock file (shared holders would overwrite each
+other's, so they write none; nobody blocks on a shared holder: eviction never waits).
 """
 
 from __future__ import annotations
@@ -44,12 +48,21 @@ from dataclasses import dataclass
 log = logging.getLogger("paved.launcher")
 
 
+DEFAULT_LOCK_TIMEOUT_S = 3600.0
+
+
+class LockTimeout(TimeoutError):
+    """A cache lock was not acquired within its deadline; the message names the holder."""
+
+
 class FileLock:
     """An flock(2) on `path`, safe against the lock file being unlinked by another holder."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, timeout_s: float | None = DEFAULT_LOCK_TIMEOUT_S):
         self.path = path
+        self.timeout_s = timeout_s
         self.fd = -1
+        self._exclusive = False
 
     def acquire(
         self,
@@ -57,8 +70,13 @@ class FileLock:
         blocking: bool = True,
         waiting: Callable[[], None] | None = None,
         poll_s: float = 0.05,
+        timeout_s: float | None = None,
     ) -> bool:
+        """Take the lock; False only when not `blocking` and it is held. A blocking acquire
+        raises LockTimeout after `timeout_s` (default: the lock's own; None: wait forever)."""
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
         told = False
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -68,10 +86,16 @@ class FileLock:
                 os.close(fd)
                 if not blocking:
                     return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise LockTimeout(
+                        f"cache lock {self.path} not acquired within {limit:g} s (lock timeout): "
+                        f"{self.holder_description()}"
+                    ) from None
                 if waiting and not told:
                     waiting()
                     told = True
-                time.sleep(poll_s)
+                pause = poll_s if deadline is None else min(poll_s, max(deadline - time.monotonic(), 0))
+                time.sleep(pause)
                 poll_s = min(poll_s * 1.5, 0.5)
                 continue
             try:
@@ -80,11 +104,39 @@ class FileLock:
                 same = False
             if same:
                 self.fd = fd
+                self._exclusive = not shared
+                if self._exclusive:
+                    self._write_pid(str(os.getpid()))
                 return True
             os.close(fd)  # unlinked between open and flock: lock the new file instead
 
+    def _write_pid(self, text: str) -> None:
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, text.encode(), 0)
+        except OSError:
+            pass  # the pid is a diagnostic; the lock itself is held
+
+    def holder(self) -> int | None:
+        """The pid the current exclusive holder wrote, if any."""
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read(32).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def holder_description(self) -> str:
+        pid = self.holder()
+        if pid is None:
+            return "held by another process (it wrote no pid: a shared holder, or an older launcher)"
+        # A pid of the holder's pid namespace: another container sharing the cache has its own.
+        return f"held by pid {pid}"
+
     def release(self) -> None:
         if self.fd >= 0:
+            if self._exclusive:
+                self._write_pid("")  # no stale pid for the next (shared) holders
             os.close(self.fd)
             self.fd = -1
 
@@ -107,9 +159,12 @@ class EvictionReport:
 
 
 class Cache:
-    def __init__(self, root: str, max_bytes: int | None = None):
+    def __init__(
+        self, root: str, max_bytes: int | None = None, lock_timeout_s: float | None = DEFAULT_LOCK_TIMEOUT_S
+    ):
         self.root = os.path.abspath(root)
         self.max_bytes = max_bytes
+        self.lock_timeout_s = lock_timeout_s
         for sub in ("blobs/sha256", "packages", "refs", "locks", "tmp"):
             os.makedirs(os.path.join(self.root, sub), exist_ok=True)
 
@@ -121,7 +176,7 @@ class Cache:
         return os.path.join(self.root, "packages", digest)
 
     def lock(self, name: str) -> FileLock:
-        return FileLock(os.path.join(self.root, "locks", name + ".lock"))
+        return FileLock(os.path.join(self.root, "locks", name + ".lock"), self.lock_timeout_s)
 
     def temp_path(self, hint: str) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hint)[-60:]

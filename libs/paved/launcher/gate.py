@@ -9,6 +9,13 @@ half-started server; if the engine fails, the public port is never opened. On dr
 listeners close first (new connections are refused) while established ones carry their
 in-flight requests to the end.
 
+Bounds: at most `max_connections` relayed connections at once (default 1024); one more is
+answered `503` with an OpenAI-style error body naming the limit on the HTTP route (closed at
+once on others, e.g. gRPC, which its client reports as UNAVAILABLE). A relayed connection with
+no bytes in either direction for `idle_timeout_s` (default 600 s; 0: never) is closed: a
+vanished client cannot pin a slot and two file descriptors for ever. Long generations that
+send nothing for that long need a larger value (streams send tokens; gRPC clients keepalives).
+
 Cost: one loopback hop per connection, and the child sees 127.0.0.1 as the peer address.
 """
 
@@ -18,13 +25,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("paved.launcher")
 _BUF = 256 * 1024
 _PATHS = ["/health/live", "/health/ready", "/status"]
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,13 +78,30 @@ class Route:
 class Gate:
     """Relays the public ports to the child's private ports once `open()` is called."""
 
-    def __init__(self, routes: list[Route]):
+    def __init__(
+        self,
+        routes: list[Route],
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    ):
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        if idle_timeout_s < 0:
+            raise ValueError("idle_timeout_s must be >= 0 (0: no idle timeout)")
         self.routes = routes
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         self._servers: list[asyncio.base_events.Server] = []
         self._conns: set[asyncio.Task] = set()
+        self._refusing: set[asyncio.Task] = set()
         self.bound: dict[str, tuple[str, int]] = {}
+        # Connections refused at the cap and closed idle, for /status and tests.
+        self.refused = 0
+        self.idle_closed = 0
 
     async def open(self) -> None:
+        _raise_fd_limit(2 * self.max_connections + 256)
         for route in self.routes:
             server = await asyncio.start_server(
                 lambda r, w, route=route: self._accept(r, w, route),
@@ -86,9 +114,39 @@ class Gate:
             self.bound[route.name] = server.sockets[0].getsockname()[:2]
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, route: Route) -> None:
+        if len(self._conns) >= self.max_connections:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 100 == 0:
+                log.warning(
+                    "gate %s: %d connections open, the limit (--max-connections %d); refusing (%d so far)",
+                    route.name,
+                    len(self._conns),
+                    self.max_connections,
+                    self.refused,
+                )
+            task = asyncio.get_running_loop().create_task(self._refuse(reader, writer, route))
+            self._refusing.add(task)
+            task.add_done_callback(self._refusing.discard)
+            return
         task = asyncio.get_running_loop().create_task(self._relay(reader, writer, route))
         self._conns.add(task)
         task.add_done_callback(self._conns.discard)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, route: Route) -> None:
+        try:
+            if route.name == "http":
+                writer.write(_busy_response(self.max_connections))
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+            # Closing with unread request bytes would reset the connection, and the client
+            # could lose the answer: read (briefly) what it sent first.
+            with contextlib.suppress(TimeoutError, OSError):
+                await asyncio.wait_for(reader.read(_BUF), 1.0)
+        except OSError:
+            pass
+        finally:
+            writer.close()
 
     async def _relay(
         self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter, route: Route
@@ -106,16 +164,32 @@ class Gate:
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        up = asyncio.ensure_future(_pipe(c_reader, u_writer))
-        down = asyncio.ensure_future(_pipe(u_reader, c_writer))
+        activity = [time.monotonic()]
+        up = asyncio.ensure_future(_pipe(c_reader, u_writer, activity))
+        down = asyncio.ensure_future(_pipe(u_reader, c_writer, activity))
+        watchers = {up, down}
+        idle = None
+        if self.idle_timeout_s:
+            idle = asyncio.ensure_future(_idle(activity, self.idle_timeout_s))
+            watchers.add(idle)
         try:
-            done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            if up in done and up.result():
+            done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+            if idle is not None and idle in done:
+                self.idle_closed += 1
+                log.info(
+                    "gate %s: closing a connection idle for %gs (--idle-timeout)",
+                    route.name,
+                    self.idle_timeout_s,
+                )
+            elif up in done and up.result():
                 # The client half-closed after its request: the answer may still be coming.
-                await down
+                rest = {down} if idle is None else {down, idle}
+                done, _ = await asyncio.wait(rest, return_when=asyncio.FIRST_COMPLETED)
+                if idle is not None and idle in done:
+                    self.idle_closed += 1
         finally:
             # The child ended the connection (or the client vanished): end both sides.
-            for task in (up, down):
+            for task in watchers:
                 task.cancel()
             for w in (c_writer, u_writer):
                 w.close()
@@ -137,15 +211,58 @@ class Gate:
 
     async def abort(self) -> None:
         self.close_listeners()
-        for task in list(self._conns):
+        for task in [*self._conns, *self._refusing]:
             task.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        await asyncio.gather(*self._conns, *self._refusing, return_exceptions=True)
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-    """Copy until EOF; True on a clean EOF (passed on as a half-close), False on an error."""
+def _busy_response(limit: int) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"this server has {limit} connections open, its limit (--max-connections); "
+                "retry shortly",
+                "type": "service_unavailable_error",
+                "param": None,
+                "code": "overloaded",
+            }
+        }
+    ).encode()
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Each relayed connection holds two descriptors: lift the soft limit toward the cap."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning(
+            "gate: the descriptor limit (%d) is below what --max-connections needs (%d)", target, wanted
+        )
+
+
+async def _idle(activity: list[float], timeout_s: float) -> None:
+    """Return once no byte moved for `timeout_s`."""
+    while True:
+        remaining = activity[0] + timeout_s - time.monotonic()
+        if remaining <= 0:
+            return
+        await asyncio.sleep(remaining)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, activity: list[float]) -> bool:
+    """Copy until EOF; True on a clean EOF (passed on as a half-close), False on an error.
+    `activity[0]` is the time bytes last moved (the idle timeout reads it)."""
     try:
         while data := await reader.read(_BUF):
+            activity[0] = time.monotonic()
             writer.write(data)
             await writer.drain()
         if writer.can_write_eof():

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -41,8 +42,16 @@ from collections.abc import Callable
 from typing import Any
 
 from paved.launcher import metrics_dir, plugins
-from paved.launcher.cache import Cache
-from paved.launcher.gate import AdminServer, Gate, Route, free_port, http_get
+from paved.launcher.cache import DEFAULT_LOCK_TIMEOUT_S, Cache
+from paved.launcher.gate import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    AdminServer,
+    Gate,
+    Route,
+    free_port,
+    http_get,
+)
 from paved.launcher.materialize import Materialized, Materializer
 from paved.launcher.storage import Downloader, MiB, TransferConfig, make_s3_client
 
@@ -95,6 +104,13 @@ def parser() -> argparse.ArgumentParser:
         else None,
         help="LRU budget for cached blobs, e.g. 200G (default: unbounded)",
     )
+    c.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=DEFAULT_LOCK_TIMEOUT_S,
+        help="seconds to wait for a cache lock another launcher holds (e.g. while it downloads the "
+        "same package) before failing with the holder's pid (default 3600)",
+    )
     c.add_argument("--refresh", action="store_true", help="re-read model.json even if the URI is cached")
     c.add_argument("--verify", action="store_true", help="re-hash cached files on a warm start")
     c.add_argument(
@@ -132,6 +148,20 @@ def parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
     e.add_argument("--stop-grace", type=float, default=15.0, help="extra seconds for the engine to shut down")
+    e.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="relayed connections open at once on the public ports; more get 503 (HTTP) or are "
+        "closed (default 1024)",
+    )
+    e.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="close a relayed connection after this many seconds without a byte either way "
+        "(default 600; 0: never)",
+    )
     e.add_argument(
         "--metrics-dir",
         default=os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
@@ -258,6 +288,13 @@ class Launcher:
             "entry_points": self.entry_points,
             "ports": {k: list(v) for k, v in self.gate.bound.items()} if self.gate else {},
             "child_pid": self.child.pid if self.child else None,
+            "connections": {
+                "open": self.gate.open_connections,
+                "refused": self.gate.refused,
+                "closed_idle": self.gate.idle_closed,
+            }
+            if self.gate
+            else None,
         }
 
     def _set_phase(self, phase: str) -> None:
@@ -374,7 +411,9 @@ class Launcher:
                     if "grpc" in spec.ports
                     else []
                 ),
-            ]
+            ],
+            max_connections=args.max_connections,
+            idle_timeout_s=args.idle_timeout,
         )
         try:
             await self.gate.open()
@@ -407,7 +446,8 @@ class Launcher:
             ),
         )
         tty = {"auto": None, "bar": True, "log": False}[args.progress]
-        materializer = Materializer(Cache(args.cache_dir, args.cache_max_bytes), downloader, args.verify, tty)
+        cache = Cache(args.cache_dir, args.cache_max_bytes, lock_timeout_s=args.lock_timeout)
+        materializer = Materializer(cache, downloader, args.verify, tty)
         try:
             return materializer.materialize(_resolve_uri(args.package), refresh=args.refresh)
         except Exception as e:
@@ -578,6 +618,17 @@ def materialize_only(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bad_bounds(args: argparse.Namespace) -> str | None:
+    """Why a bound flag is unusable, or None."""
+    if args.max_connections < 1:
+        return f"--max-connections must be >= 1, got {args.max_connections}"
+    if not math.isfinite(args.idle_timeout) or args.idle_timeout < 0:
+        return f"--idle-timeout must be >= 0 seconds (0: never), got {args.idle_timeout}"
+    if not math.isfinite(args.lock_timeout) or args.lock_timeout <= 0:
+        return f"--lock-timeout must be > 0 seconds, got {args.lock_timeout}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(
@@ -587,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.workers < 1 or args.max_attempts < 1 or args.part_size < MiB:
         print("launch: --workers and --max-attempts must be >= 1, --part-size >= 1MiB", file=sys.stderr)
+        return EXIT_USAGE
+    bad = _bad_bounds(args)
+    if bad:
+        print(f"launch: {bad}", file=sys.stderr)
         return EXIT_USAGE
     if args.materialize_only:
         return materialize_only(args)
