@@ -1,114 +1,51 @@
-"""A scripted engine implementing paved.engine.protocol.Engine, for fast frontend tests.
+"""The frontend tests' engine: paved's simulated engine (paved.engine.sim) plus scripting hooks.
 
-It produces deterministic text ("w0 w1 ..." or a scripted reply) one token per step, keeps
-every request it admitted, and records aborts, so tests can check what the frontend asked
-for and that it freed what it had to.
+Everything the engine contract says is the sim's own behaviour (one token per UTF-8 byte,
+deltas, finish reasons, stop strings, aborts on close, paved constraints sampled from the
+native masks). This subclass only adds what the tests script or inspect:
+  * the reply: "w0 w1 ... w7" or `reply(request)`, then finish_reason "stop";
+  * `requests` (every admitted request), `active` (open streams), `aborted` (request ids that
+    ended unfinished), `admission_error` (raised by the next `generate` calls);
+  * `step_delay_s` (seconds per token, settable while serving);
+  * a second, embedding model (`embed_name`) whose vector starts with the input's length;
+  * xgrammar constraints are accepted and recorded, not enforced (the tests check routing;
+    the sim itself refuses them);
+  * a `fake_engine_active_requests` gauge beside the sim's vLLM gauges.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client.core import GaugeMetricFamily
 
 from paved.engine.protocol import (
-    ChatPrompt,
-    ChoiceDelta,
+    Constraint,
     EmbedRequest,
     EmbedResult,
-    GenerateOutput,
     GenerateRequest,
     InvalidRequestError,
     ModelCard,
     ModelNotFoundError,
-    PromptTooLongError,
     TextPrompt,
-    TokenLogprob,
-    TokenPrompt,
-    TopLogprob,
 )
+from paved.engine.sim import SimConfig, SimEngine, SimStream
 
 MAX_MODEL_LEN = 256
+DEFAULT_REPLY = " ".join(f"w{i}" for i in range(8))
+
+# The stream type, under the name the tests have always imported.
+FakeStream = SimStream
 
 
 def tokens_of(text: str) -> list[str]:
-    """The fake tokenizer: one token per character."""
+    """The tokenizer as the tests count it: one token per character (per byte, for ASCII)."""
     return list(text)
 
 
-class FakeStream:
-    def __init__(
-        self, engine: FakeEngine, request: GenerateRequest, prompt: list[str], replies: list[list[str]]
-    ):
-        self.engine = engine
-        self.request = request
-        self.prompt = prompt
-        self.replies = replies
-        self.step = 0
-        self.first = True
-        self.finished = False
-        self.closed = False
-
-    def __aiter__(self) -> FakeStream:
-        return self
-
-    async def __anext__(self) -> GenerateOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        try:
-            await asyncio.sleep(self.engine.step_delay_s)
-        except BaseException:
-            await self.aclose()
-            raise
-        s = self.request.sampling
-        choices = []
-        budget = s.max_tokens if s.max_tokens is not None else MAX_MODEL_LEN - len(self.prompt)
-        for index, reply in enumerate(self.replies):
-            if self.step >= len(reply) or self.step >= budget:
-                continue
-            token = reply[self.step]
-            done = self.step + 1 >= len(reply) or self.step + 1 >= budget
-            finish = None
-            if done:
-                finish = "stop" if self.step + 1 >= len(reply) and not s.ignore_eos else "length"
-            logprobs = None
-            if s.logprobs is not None:
-                top = [TopLogprob(token, 100 + self.step, -0.5)][: s.logprobs]
-                logprobs = [TokenLogprob(token, 100 + self.step, -0.5, top)]
-            choices.append(ChoiceDelta(index, token, [100 + self.step], logprobs, finish))
-        self.step += 1
-        out = GenerateOutput(choices=choices)
-        if s.max_tokens == 0:
-            out.choices = [ChoiceDelta(i, finish_reason="length") for i in range(s.n)]
-        if self.first:
-            self.first = False
-            out.prompt_tokens = len(self.prompt)
-            out.cached_prompt_tokens = 0
-            if s.prompt_logprobs is not None:
-                out.prompt_logprobs = [
-                    TokenLogprob(t, i, None if i == 0 else -float(ord(t) % 7))
-                    for i, t in enumerate(self.prompt)
-                ]
-            if self.request.echo:
-                out.prompt_text = "".join(self.prompt)
-        if s.max_tokens == 0 or all(self.step >= min(len(r), budget) for r in self.replies):
-            out.finished = True
-            self.finished = True
-            await self.aclose()
-        return out
-
-    async def aclose(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.engine.active.pop(self.request.request_id, None)
-        if not self.finished:
-            self.engine.aborted.append(self.request.request_id)
-
-
-class FakeEngine:
+class FakeEngine(SimEngine):
     def __init__(
         self,
         *,
@@ -118,64 +55,73 @@ class FakeEngine:
         step_delay_s: float = 0.0,
         reply: Callable[[GenerateRequest], str] | None = None,
     ):
-        self.name = name
+        super().__init__(
+            SimConfig(
+                name,
+                tokens_per_s=_rate(step_delay_s),
+                max_num_seqs=64,
+                max_waiting=1024,
+                max_model_len=MAX_MODEL_LEN,
+                constraint_backends=("paved",) if "paved" in backends else (),
+            )
+        )
         self.embed_name = embed_name
         self.backends = backends
-        self.step_delay_s = step_delay_s
         self.reply = reply
         self.requests: list[GenerateRequest] = []
-        self.active: dict[str, FakeStream] = {}
         self.aborted: list[str] = []
         self.started = False
         self.stopped = False
         self.admission_error: Exception | None = None
 
+    # ---- scripting -------------------------------------------------------------------------
+    @property
+    def step_delay_s(self) -> float:
+        return 1.0 / self.tokens_per_s if self.tokens_per_s else 0.0
+
+    @step_delay_s.setter
+    def step_delay_s(self, value: float) -> None:
+        self.tokens_per_s = _rate(value)
+
+    @property
+    def active(self) -> dict:
+        """Requests whose stream is still open."""
+        return self._requests
+
+    def _reply(self, request: GenerateRequest, index: int) -> str | None:
+        return self.reply(request) if self.reply else DEFAULT_REPLY
+
+    def _xgrammar_constraint(self, c: Constraint):
+        if "xgrammar" not in self.backends:
+            return super()._xgrammar_constraint(c)
+        return None  # recorded in `requests`, not enforced
+
+    def _on_abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    # ---- the engine ------------------------------------------------------------------------
     async def start(self) -> None:
+        await super().start()
+        self._card = dataclasses.replace(self._card, constraint_backends=tuple(self.backends))
         self.started = True
 
     async def stop(self) -> None:
+        await super().stop()
         self.stopped = True
 
-    def ready(self) -> bool:
-        return self.started and not self.stopped
-
     def models(self) -> Sequence[ModelCard]:
-        cards = [
-            ModelCard(
-                self.name, "generate", MAX_MODEL_LEN, int(time.time()), constraint_backends=self.backends
-            )
-        ]
+        cards = list(super().models())
         if self.embed_name:
             cards.append(ModelCard(self.embed_name, "embed", MAX_MODEL_LEN, int(time.time())))
         return cards
 
-    def _prompt(self, request: GenerateRequest) -> list[str]:
-        p = request.prompt
-        if isinstance(p, ChatPrompt):
-            return tokens_of("".join(f"<{m['role']}>{m['content']}" for m in p.messages))
-        if isinstance(p, TokenPrompt):
-            return [chr(97 + t % 26) for t in p.token_ids]
-        return tokens_of(p.text)
-
-    async def generate(self, request: GenerateRequest) -> FakeStream:
+    async def generate(self, request: GenerateRequest) -> SimStream:
         if request.model != self.name:
             raise ModelNotFoundError(request.model)
         if self.admission_error is not None:
             raise self.admission_error
-        prompt = self._prompt(request)
-        s = request.sampling
-        if s.max_tokens is not None and len(prompt) + max(s.max_tokens, 1) > MAX_MODEL_LEN:
-            raise PromptTooLongError(
-                prompt_tokens=len(prompt),
-                max_tokens=s.max_tokens,
-                max_model_len=MAX_MODEL_LEN,
-                param="prompt",
-            )
+        stream = await super().generate(request)
         self.requests.append(request)
-        text = self.reply(request) if self.reply else " ".join(f"w{i}" for i in range(8))
-        replies = [tokens_of(text) for _ in range(s.n)]
-        stream = FakeStream(self, request, prompt, replies)
-        self.active[request.request_id] = stream
         return stream
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
@@ -190,17 +136,13 @@ class FakeEngine:
             vectors.append([float(n), 0.5, -0.25][: request.dimensions or 3])
         return EmbedResult(vectors, tokens)
 
-    async def tokenize(self, model: str, text: str, *, add_special_tokens: bool) -> list[int]:
-        return [ord(c) % 26 for c in text]
-
-    async def abort(self, request_id: str) -> None:
-        stream = self.active.get(request_id)
-        if stream is not None:
-            await stream.aclose()
-
     def metrics(self):
         family = GaugeMetricFamily(
             "fake_engine_active_requests", "Requests in flight.", labels=["model_name"]
         )
-        family.add_metric([self.name], len(self.active))
-        return [family]
+        family.add_metric([self.name], len(self._requests))
+        return [*super().metrics(), family]
+
+
+def _rate(step_delay_s: float) -> float:
+    return 1.0 / step_delay_s if step_delay_s > 0 else 0.0
