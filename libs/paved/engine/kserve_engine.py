@@ -75,19 +75,31 @@ _URI_OPTIONS = {
     "max_logprobs",
     "kind",
     "connect_timeout_s",
+    "rpc_timeout_s",
+    "request_timeout_s",
 }
 _BACKENDS = ("paved", "xgrammar")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "abort"}
 _HEALTH_INTERVAL_S = 5.0
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Deadlines of the remote calls: health and metadata RPCs answer at once on a healthy server;
+# a request (one ModelStreamInfer call, generation or embedding) may take as long as a long
+# generation. Both are URI options; request_timeout_s=0 means none.
+DEFAULT_RPC_TIMEOUT_S = 10.0
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 class _Aborted(Exception):
     """The call was cancelled by `KServeEngine.abort`."""
 
 
-def _status_error(e: grpc.aio.AioRpcError, target: str) -> EngineError:
+def _status_error(e: grpc.aio.AioRpcError, target: str, deadline: str = "") -> EngineError:
+    """`deadline` names the limit that set the call's deadline, for DEADLINE_EXCEEDED."""
     code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline:
+        return EngineUnavailableError(
+            f"remote KServe server {target}: no complete answer within {deadline} (DEADLINE_EXCEEDED)"
+        )
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequestError(details)
     if code == grpc.StatusCode.NOT_FOUND:
@@ -176,6 +188,8 @@ class KServeEngine:
         max_logprobs: int | None = None,
         kind: str | None = None,
         connect_timeout_s: float = 120.0,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ):
         if constraint_backends is not None and set(constraint_backends) - set(_BACKENDS):
             raise ValueError(
@@ -183,6 +197,14 @@ class KServeEngine:
             )
         if kind not in (None, "generate", "embed"):
             raise ValueError(f"kind must be 'generate' or 'embed', got {kind!r}")
+        for name, value, zero_ok in (
+            ("connect_timeout_s", connect_timeout_s, False),
+            ("rpc_timeout_s", rpc_timeout_s, False),
+            ("request_timeout_s", request_timeout_s, True),
+        ):
+            if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+                sign = "non-negative" if zero_ok else "positive"
+                raise ValueError(f"{name} must be a {sign} number of seconds, got {value}")
         self.target = target
         self.model = model
         self._tokenizer_path = tokenizer
@@ -193,6 +215,8 @@ class KServeEngine:
             "kind": kind,
         }
         self.connect_timeout_s = connect_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.request_timeout_s = request_timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
         self._card: ModelCard | None = None
@@ -206,7 +230,8 @@ class KServeEngine:
     @classmethod
     def from_uri(cls, uri: str, model: str, **overrides: Any) -> KServeEngine:
         """`kserve://HOST:PORT[?tokenizer=DIR&max_model_len=N&constraint_backends=paved,xgrammar
-        &max_logprobs=N&kind=generate|embed&connect_timeout_s=S]`; keyword overrides win."""
+        &max_logprobs=N&kind=generate|embed&connect_timeout_s=S&rpc_timeout_s=S
+        &request_timeout_s=S]`; keyword overrides win."""
         parts = urllib.parse.urlsplit(uri)
         if parts.scheme != SCHEME or not parts.hostname or parts.port is None or parts.path not in ("", "/"):
             raise ValueError(f"expected {SCHEME}://HOST:PORT[?options], got {uri!r}")
@@ -218,8 +243,12 @@ class KServeEngine:
         for key in ("max_model_len", "max_logprobs"):
             if key in options:
                 options[key] = int(options[key])
-        if "connect_timeout_s" in options:
-            options["connect_timeout_s"] = float(options["connect_timeout_s"])
+        for key in ("connect_timeout_s", "rpc_timeout_s", "request_timeout_s"):
+            if key in options:
+                try:
+                    options[key] = float(options[key])
+                except ValueError:
+                    raise ValueError(f"{key} must be a number of seconds, got {options[key]!r}") from None
         if "constraint_backends" in options:
             options["constraint_backends"] = [b for b in options["constraint_backends"].split(",") if b]
         options.update(overrides)
@@ -243,9 +272,16 @@ class KServeEngine:
         if self._tokenizer_path:
             self._tokenizer = await asyncio.to_thread(self._load_tokenizer, self._tokenizer_path)
         await self._wait_model_ready()
-        config = (
-            await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=self.model), timeout=30)
-        ).config
+        try:
+            config = (
+                await self._stub.ModelConfig(
+                    service_pb2.ModelConfigRequest(name=self.model), timeout=self.rpc_timeout_s
+                )
+            ).config
+        except grpc.aio.AioRpcError as e:
+            raise _status_error(
+                e, self.target, f"rpc_timeout_s={self.rpc_timeout_s:g} s (ModelConfig)"
+            ) from e
         self._card = self._describe(config)
         self._ready = True
         self._health = asyncio.create_task(self._watch_health(), name=f"kserve-health-{self.model}")
@@ -269,13 +305,16 @@ class KServeEngine:
         while True:
             try:
                 response = await self._stub.ModelReady(
-                    service_pb2.ModelReadyRequest(name=self.model), timeout=5
+                    service_pb2.ModelReadyRequest(name=self.model),
+                    timeout=max(min(self.rpc_timeout_s, deadline - time.monotonic()), 0.1),
                 )
                 if response.ready:
                     return
                 last = f"model {self.model!r} is not ready"
             except grpc.aio.AioRpcError as e:
                 last = f"{e.code().name}: {e.details()}"
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    last += f" (rpc_timeout_s={self.rpc_timeout_s:g} s)"
             if time.monotonic() >= deadline:
                 raise EngineUnavailableError(
                     f"remote KServe server {self.target}: model {self.model!r} not ready after "
@@ -324,10 +363,17 @@ class KServeEngine:
             await asyncio.sleep(_HEALTH_INTERVAL_S)
             try:
                 response = await self._stub.ModelReady(
-                    service_pb2.ModelReadyRequest(name=self.model), timeout=5
+                    service_pb2.ModelReadyRequest(name=self.model), timeout=self.rpc_timeout_s
                 )
                 ready = response.ready
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._ready:
+                    logger.warning(
+                        "remote model %s at %s: ModelReady got no answer within rpc_timeout_s=%g s",
+                        self.model,
+                        self.target,
+                        self.rpc_timeout_s,
+                    )
                 ready = False
             if ready != self._ready:
                 logger.warning(
@@ -420,7 +466,7 @@ class KServeEngine:
         if s.logprobs is not None:
             _tensor(infer, "return_logprobs", "BOOL", True)
 
-        call = self._stub.ModelStreamInfer()
+        call = self._stub.ModelStreamInfer(timeout=self.request_timeout_s or None)
         self._calls[request.request_id] = call
         try:
             await call.write(infer)
@@ -452,7 +498,8 @@ class KServeEngine:
         try:
             message = await call.read()
         except grpc.aio.AioRpcError as e:
-            raise _status_error(e, self.target) from e
+            hint = f"request_timeout_s={self.request_timeout_s:g} s" if self.request_timeout_s else ""
+            raise _status_error(e, self.target, hint) from e
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from a call cancelled by `abort`; only the
             # caller's own cancellation may propagate as such.
@@ -560,7 +607,7 @@ class KServeEngine:
             infer = service_pb2.ModelInferRequest(model_name=self.model, id=f"{request.request_id}-{i}")
             _tensor(infer, "embedding_request", "BYTES", json.dumps(body).encode())
             _tensor(infer, "return_num_input_tokens", "BOOL", True)
-            call = self._stub.ModelStreamInfer()
+            call = self._stub.ModelStreamInfer(timeout=self.request_timeout_s or None)
             try:
                 await call.write(infer)
                 await call.done_writing()
