@@ -21,8 +21,13 @@
     name = "llama"                # the model's name on the remote server
     engine = "kserve://scoring.internal:8001?tokenizer=/models/llama"
 
+    [[models]]                    # a simulated engine (no model runs; paved.engine.sim)
+    name = "sim"
+    engine = "sim://sim?tokens_per_s=30&max_num_seqs=16&kv_tokens=65536"
+
 Model keys are those of `paved.engine.vllm_config.VllmModelConfig`, or, with `engine`, those
-of `RemoteModelConfig` (URI options: `paved.engine.kserve_engine.KServeEngine.from_uri`).
+of `RemoteModelConfig` (URI options: `paved.engine.kserve_engine.KServeEngine.from_uri`,
+`paved.engine.sim.SimConfig.from_uri`).
 
 KServe v2 beside the OpenAI API, over the same engines, is on when a port is set:
 
@@ -59,10 +64,11 @@ _SERVER_KEYS = {
 
 @dataclass
 class RemoteModelConfig:
-    """A model served by a remote KServe v2 server (see paved.engine.kserve_engine)."""
+    """A model served by a remote KServe v2 server (see paved.engine.kserve_engine), or by the
+    simulated engine (`sim://`, see paved.engine.sim)."""
 
     name: str
-    engine: str  # kserve://HOST:PORT[?options]
+    engine: str  # kserve://HOST:PORT[?options] or sim://[MODEL][?options]
     max_queued_sequences: int = 1024
 
     @classmethod
@@ -82,12 +88,16 @@ class RemoteModelConfig:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("a remote model needs a non-empty 'name' (its name on the remote server)")
         if not isinstance(self.engine, str):
-            raise ValueError(f"remote model {self.name!r}: engine must be a kserve:// URI")
+            raise ValueError(f"remote model {self.name!r}: engine must be a kserve:// or sim:// URI")
         if not isinstance(self.max_queued_sequences, int) or self.max_queued_sequences < 1:
             raise ValueError(f"model {self.name!r}: max_queued_sequences must be a positive integer")
         self.make_engine()  # parses the URI: a bad one fails here, not at boot
 
     def make_engine(self):
+        if self.engine.startswith("sim://"):
+            from paved.engine.sim import SimEngine
+
+            return SimEngine.from_uri(self.engine, self.name)
         from paved.engine.kserve_engine import KServeEngine
 
         return KServeEngine.from_uri(self.engine, self.name)

@@ -2,7 +2,8 @@
 
 With no arguments it serves the tiny model fixture (//models/tiny) on 127.0.0.1:8000.
 `--engine kserve://HOST:PORT --model NAME` fronts a remote KServe v2 server (Triton with the
-vLLM backend, or another paved) instead of running vLLM here. `--kserve-grpc-port` /
+vLLM backend, or another paved) instead of running vLLM here; `--engine sim://MODEL?...` serves
+the simulated engine (paved.engine.sim: no model runs). `--kserve-grpc-port` /
 `--kserve-http-port` add KServe v2 listeners over the same engines (plus XGBoost models from
 `--kserve-model-dir`).
 """
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engine",
         metavar="URI",
         help="kserve://HOST:PORT[?tokenizer=DIR&max_model_len=N...]: a remote model over KServe v2 "
-        "gRPC instead of in-process vLLM",
+        "gRPC instead of in-process vLLM; sim://MODEL[?tokens_per_s=F&max_num_seqs=N&kv_tokens=N"
+        "&max_waiting=N&tokenizer=DIR]: the simulated engine",
     )
     m.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
     m.add_argument("--kind", choices=("generate", "embed"))
@@ -93,7 +95,12 @@ _VLLM_ONLY = ("served_model_name", "max_num_seqs", "dtype", "enforce_eager", "no
 
 
 def _remote_model(args: argparse.Namespace) -> RemoteModelConfig:
-    if not args.model:
+    name = args.model
+    if not name and args.engine.startswith("sim://"):
+        from paved.engine.sim import SimConfig
+
+        name = SimConfig.from_uri(args.engine).model  # sim://MODEL names the simulated model
+    if not name:
         raise ValueError("--engine needs --model NAME (the model's name on the remote server)")
     given = [f"--{f.replace('_', '-')}" for f in _VLLM_ONLY if getattr(args, f) not in (None, False)]
     if given:
@@ -103,7 +110,7 @@ def _remote_model(args: argparse.Namespace) -> RemoteModelConfig:
     query = "&".join(f"{k}={v}" for k, v in extra.items() if v is not None)
     if query:
         uri += ("&" if "?" in uri else "?") + query
-    model = RemoteModelConfig(name=args.model, engine=uri, max_queued_sequences=args.max_queued_sequences)
+    model = RemoteModelConfig(name=name, engine=uri, max_queued_sequences=args.max_queued_sequences)
     model.validate()
     return model
 
