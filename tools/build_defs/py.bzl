@@ -1,4 +1,8 @@
-"""paved_py_test: a py_test that runs its sources with pytest."""
+"""paved_py_test: a py_test that runs its sources with pytest.
+
+It adds no paved library: a test lists the targets it imports in `deps`, like any target
+(//tools/lint:layering_test checks that the list is exact).
+"""
 
 def paved_py_test(name, srcs, deps = [], **kwargs):
     native.py_test(
@@ -6,7 +10,7 @@ def paved_py_test(name, srcs, deps = [], **kwargs):
         srcs = srcs + ["//tools/build_defs:pytest_main.py"],
         main = "//tools/build_defs:pytest_main.py",
         args = ["$(rootpath %s)" % s for s in srcs],
-        deps = deps + ["//libs:paved"],
+        deps = deps,
         python_version = "PY3",
         **kwargs
     )

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import FastAPI
 
@@ -17,10 +17,17 @@ from paved.frontend.middleware import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddl
 from paved.frontend.registry import ModelRegistry
 from paved.frontend.state import AppState
 
-if TYPE_CHECKING:  # KServe (grpc, tritonclient) is imported only by processes that serve it
-    from paved.kserve.server import KServeServer
-
 logger = logging.getLogger(__name__)
+
+
+class SideServer(Protocol):
+    """A server run on the app's event loop over the same engines (paved.kserve.server's
+    KServeServer). Typed by shape: the KServe server depends on this package, not the reverse."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace_s: float = 5.0) -> None: ...
+
 
 # Big enough for a paved choice catalogue of ~100k titles (a few MB of JSON), small enough
 # that a stray upload cannot exhaust memory.
@@ -33,8 +40,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_buffered_body_bytes: int | None = None,
     on_start_failure: Callable[[BaseException], None] | None = None,
-    kserve: KServeServer | None = None,
-    on_kserve_started: Callable[[KServeServer], None] | None = None,
+    kserve: SideServer | None = None,
+    on_kserve_started: Callable[[SideServer], None] | None = None,
     kserve_grace_s: float = 5.0,
 ) -> FastAPI:
     """The app over `models`. Engines start in the background once the server runs, so
