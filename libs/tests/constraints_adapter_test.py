@@ -67,7 +67,11 @@ def reference_allowed(kind: str, history: list[int], max_tokens: int | None) -> 
 
 
 def params(kind: str, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, extra_args={EXTRA_ARGS_KEY: SPECS[kind]})
+    p = SamplingParams(max_tokens=max_tokens, extra_args={EXTRA_ARGS_KEY: SPECS[kind]})
+    # vLLM's input processor runs this on every request before the engine core sees it; it
+    # normalizes the spec in place, and the engine core trusts that.
+    PavedLogitsProcessor.validate_params(p)
+    return p
 
 
 class Request:

@@ -1,9 +1,17 @@
 """Constraint specs: the JSON-able description of a paved constraint carried by a request.
 
 A spec travels from the API (response_format, tool_choice, `vllm_xargs.paved_constraint`) to
-the engine core inside `SamplingParams.extra_args[EXTRA_ARGS_KEY]`. `validate_spec` is the
-single admission check: it runs in the frontend process (no vocabulary needed) and again in
-vLLM's `validate_params`, so a bad spec is a 400 before it is scheduled, never an engine error.
+the engine core inside `SamplingParams.extra_args[EXTRA_ARGS_KEY]`, with its canonical key in
+`extra_args[KEY_ARGS_KEY]`. `admit` is the single admission check (no vocabulary needed): it is
+memoized by the key, so a spec is validated once per process however often it is sent, and it
+costs milliseconds to seconds for big specs, so servers call it off the event loop
+(`asyncio.to_thread`). vLLM's `validate_params` then trusts the very object `admit` returned
+(`is_admitted`, an identity check) and validates anything else; the engine core re-checks only
+cheap invariants (`check_shape`), since vLLM runs `validate_params` on every request first.
+
+A JSON schema that is only an `enum`/`const` of JSON values (the 50k-value catalogue case) is
+lowered to a `choice` spec over the values' compact JSON texts: the catalogue engine compiles
+50k values in ~20 ms where the regex path would exceed its DFA state cap.
 
 Spec shapes (after normalization every field is present):
   {"type": "json_schema", "schema": {...}, "whitespace": "compact" | "standard" | "free"}
@@ -13,10 +21,14 @@ Spec shapes (after normalization every field is present):
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 EXTRA_ARGS_KEY = "paved_constraint"
+KEY_ARGS_KEY = "paved_constraint_key"
 
 MAX_SPEC_BYTES = 16 * 1024 * 1024  # a 100k-title catalogue is ~3 MB
 MAX_CHOICE_ITEMS = 1_000_000
@@ -79,10 +91,59 @@ def _json_schema(obj: dict) -> dict:
     whitespace = obj.get("whitespace", "compact")
     if whitespace not in WHITESPACE_MODES:
         _fail(f"'whitespace' must be one of {list(WHITESPACE_MODES)}, got {whitespace!r}")
+    lowered = enum_as_choice(schema)
+    if lowered is not None:
+        return lowered
     reason = json_schema_unsupported_reason(schema)
     if reason is not None:
         _fail(reason)
     return {"type": "json_schema", "schema": schema, "whitespace": whitespace}
+
+
+# Keywords that do not change what an enum/const schema accepts.
+_ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated"}
+_JSON_TYPES = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def enum_as_choice(schema: Any) -> dict | None:
+    """The `choice` spec equal to `schema` when it only lists values (`enum` or `const`, an
+    optional `type` every value satisfies, annotations); None otherwise.
+
+    Each value is emitted as its compact JSON text (`json.dumps`, ASCII escapes), one of the
+    texts that parse to it, so the output is always valid for the schema. A value longer than
+    a catalogue item keeps the schema on the regex path."""
+    if not isinstance(schema, dict) or not ({"enum", "const"} & schema.keys()):
+        return None
+    if set(schema) - _ANNOTATIONS - {"enum", "const", "type"}:
+        return None
+    if "enum" in schema and "const" in schema:
+        return None
+    values = schema["enum"] if "enum" in schema else [schema["const"]]
+    if not isinstance(values, list) or not values:
+        return None
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = [kind] if isinstance(kind, str) else kind
+        if not isinstance(kinds, list) or not all(k in _JSON_TYPES for k in kinds):
+            return None
+        values = [v for v in values if any(_JSON_TYPES[k](v) for k in kinds)]
+        if not values:
+            return None
+    try:
+        items = [json.dumps(v, separators=(",", ":"), allow_nan=False) for v in values]
+    except (TypeError, ValueError):
+        return None
+    if len(items) > MAX_CHOICE_ITEMS or any(len(item) > MAX_CHOICE_ITEM_BYTES for item in items):
+        return None
+    return {"type": "choice", "items": items, "k": 1, "separator": ", ", "distinct": False}
 
 
 def _regex(obj: dict) -> dict:
@@ -135,6 +196,94 @@ def json_schema_unsupported_reason(schema: Any) -> str | None:
     return None
 
 
-def spec_key(spec: dict) -> str:
-    """Canonical text of a normalized spec: equal specs share one compiled automaton."""
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+def spec_key(spec: Any) -> str:
+    """Canonical digest of a spec: equal specs share one compiled automaton and one
+    admission result. A digest, not the text, so it is cheap to carry and compare."""
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _Admitted:
+    """Bounded LRU of admission outcomes by raw spec digest: normalized spec or the error."""
+
+    def __init__(self, capacity: int):
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[dict | None, str | None, str | None]] = OrderedDict()
+        # Identity of every normalized spec handed out and still remembered -> its key.
+        self._issued: dict[int, tuple[dict, str]] = {}
+
+    def get(self, raw_key: str):
+        with self._lock:
+            hit = self._entries.get(raw_key)
+            if hit is not None:
+                self._entries.move_to_end(raw_key)
+            return hit
+
+    def put(self, raw_key: str, spec: dict | None, key: str | None, error: str | None) -> None:
+        with self._lock:
+            self._entries[raw_key] = (spec, key, error)
+            self._entries.move_to_end(raw_key)
+            if spec is not None:
+                self._issued[id(spec)] = (spec, key)
+            while len(self._entries) > self._capacity:
+                _, (dropped, _, _) = self._entries.popitem(last=False)
+                if dropped is not None:
+                    self._issued.pop(id(dropped), None)
+
+    def issued_key(self, spec: Any) -> str | None:
+        with self._lock:
+            entry = self._issued.get(id(spec))
+        return entry[1] if entry is not None and entry[0] is spec else None
+
+
+# Distinct specs remembered per process; each entry holds one normalized spec (big catalogues
+# are a few MB, so the bound is in entries of what clients actually repeat).
+ADMISSION_CACHE_ENTRIES = 256
+_admitted = _Admitted(ADMISSION_CACHE_ENTRIES)
+
+
+def admit(raw: Any) -> tuple[dict, str]:
+    """(normalized spec, its key) for a raw spec, validated once per distinct spec.
+
+    Raises ValueError as `validate_spec` does (the error is memoized too). Costs O(spec size)
+    for the digest and, on a miss, the native checks: call it off the event loop. The returned
+    dict must not be mutated (it is shared by every request with the same spec)."""
+    if isinstance(raw, str):
+        if len(raw) > MAX_SPEC_BYTES:
+            _fail(f"spec is larger than {MAX_SPEC_BYTES} bytes")
+        raw_key = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
+    else:
+        try:
+            raw_key = spec_key(raw)
+        except (TypeError, ValueError) as e:
+            _fail(f"spec is not JSON ({e})")
+    hit = _admitted.get(raw_key)
+    if hit is None:
+        try:
+            spec = validate_spec(raw)
+        except ValueError as e:
+            _admitted.put(raw_key, None, None, str(e))
+            raise
+        key = spec_key(spec)
+        _admitted.put(raw_key, spec, key, None)
+        return spec, key
+    spec, key, error = hit
+    if error is not None:
+        raise ValueError(error)
+    return spec, key
+
+
+def is_admitted(spec: Any, key: Any) -> bool:
+    """True when `spec` is the very object `admit` returned with `key` (and still remembered):
+    then it needs no re-validation. O(1), whatever the spec's size."""
+    return isinstance(key, str) and _admitted.issued_key(spec) == key
+
+
+def check_shape(spec: Any) -> None:
+    """The cheap invariants the engine core re-checks on a spec vLLM's `validate_params`
+    already admitted: a dict of a known type with that type's fields."""
+    if not isinstance(spec, dict) or spec.get("type") not in _FIELDS:
+        _fail("not a normalized spec")
+    if set(spec) != _FIELDS[spec["type"]]:
+        _fail(f"fields {sorted(spec)} are not those of a normalized {spec['type']!r} spec")

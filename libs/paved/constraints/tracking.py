@@ -19,8 +19,10 @@ running output-token list. The list, not the calls we receive, is the source of 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 logger = logging.getLogger(__name__)
 
@@ -86,49 +88,141 @@ class TrackedRequest:
         self.broken = False
 
 
-class PreemptionMemory:
-    """Remembers recently removed requests so a re-add after preemption can be recognized.
+def first_seen(params, prompt_len: int, budget: int | None) -> tuple[int, int | None]:
+    """(original prompt length, budget) of the request that owns `params`, as on its first add.
 
-    vLLM's BatchUpdate carries no request id; a re-added request arrives with the same
-    SamplingParams object. Entries keep that object alive, so its id() cannot be reused while
-    remembered; the memory is bounded (oldest forgotten first).
+    vLLM's BatchUpdate carries no request id; a request re-added after preemption arrives with
+    the same SamplingParams object (its prompt may have grown by the folded outputs). The
+    first values are stored on that object's own `extra_args` (the engine core's private copy),
+    so they live and die with the request: nothing is pinned after it ends and no id() can be
+    mistaken for another request's.
     """
+    extra = params.extra_args
+    seen = extra.get(_FIRST_SEEN)
+    if seen is None:
+        seen = extra[_FIRST_SEEN] = (prompt_len, budget)
+    return seen
 
-    def __init__(self, capacity: int = 4096):
-        self._capacity = capacity
-        self._entries: OrderedDict[int, tuple[object, int, int | None]] = OrderedDict()
 
-    def first_seen(self, params, prompt_len: int, budget: int | None) -> tuple[int, int | None]:
-        """(original prompt length, budget) for `params`, recorded on its first add."""
-        entry = self._entries.get(id(params))
-        if entry is not None and entry[0] is params:
-            return entry[1], entry[2]
-        self._entries[id(params)] = (params, prompt_len, budget)
-        self._entries.move_to_end(id(params))
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
-        return prompt_len, budget
+_FIRST_SEEN = "_paved_first_seen"
+# A DFA row is 256 int32 transitions plus an accepting flag; a catalogue trie node ~16 bytes.
+_BYTES_PER_STATE = {"json_schema": 1025, "regex": 1025, "choice": 16}
+
+
+def estimated_bytes(constraint) -> int:
+    """Host memory a compiled constraint holds: its automaton plus its filled mask cache."""
+    stats = constraint.stats()
+    return stats["dfa_states"] * _BYTES_PER_STATE.get(stats["kind"], 1025) + stats["cache_bytes"]
 
 
 class CompileCache:
-    """Bounded LRU of compiled constraints keyed by canonical spec text.
+    """Compiled constraints by spec key, bounded by entries and by one byte budget, shared by
+    threads (the engine core's step thread and the precompile pool).
 
     A Constraint is immutable and shared by all requests with the same spec, including its
-    lazily filled per-state mask cache, so repeated schemas compile once per engine.
+    lazily filled per-state mask cache, so repeated schemas compile once per engine. Sizes are
+    re-measured on every hit (mask caches grow as requests walk new states); least recently
+    used entries go first when the total is over budget. An evicted constraint stays alive for
+    the requests already holding it; only new requests compile it again.
     """
 
-    def __init__(self, compile_fn: Callable[[dict], object], capacity: int = 64):
+    def __init__(
+        self,
+        compile_fn: Callable[[dict], object],
+        capacity: int = 64,
+        max_bytes: int | None = None,
+        size_of: Callable[[object], int] = estimated_bytes,
+    ):
         self._compile = compile_fn
         self._capacity = capacity
-        self._entries: OrderedDict[str, object] = OrderedDict()
+        self._max_bytes = max_bytes
+        self._size_of = size_of
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self._bytes = 0
+        self._inflight: dict[str, Future] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def peek(self, key: str):
+        """The compiled constraint if cached (refreshing its LRU place and size), else None."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+        self._resize(key, hit[0])
+        return hit[0]
+
+    def inflight(self, key: str) -> Future | None:
+        """The running compile of `key`, if any."""
+        with self._lock:
+            return self._inflight.get(key)
 
     def get(self, key: str, spec: dict):
-        hit = self._entries.get(key)
+        """The compiled constraint for `spec`, compiling it here on a miss (or waiting for the
+        compile already running in the background). Raises what the compile raises."""
+        hit = self.peek(key)
         if hit is not None:
-            self._entries.move_to_end(key)
             return hit
-        compiled = self._compile(spec)
-        self._entries[key] = compiled
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
-        return compiled
+        return self.start(key, spec, None).result()
+
+    def start(self, key: str, spec: dict, executor) -> Future:
+        """A future of the compiled constraint: done at once when cached; otherwise the compile
+        runs on `executor` (None: in this thread before returning). Concurrent starts of one
+        key share one compile."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                done: Future = Future()
+                done.set_result(hit[0])
+                return done
+            running = self._inflight.get(key)
+            if running is not None:
+                return running
+            future = self._inflight[key] = Future()
+        if executor is None:
+            self._run(key, spec, future)
+        else:
+            executor.submit(self._run, key, spec, future)
+        return future
+
+    def _run(self, key: str, spec: dict, future: Future) -> None:
+        try:
+            compiled = self._compile(spec)
+        except BaseException as e:
+            with self._lock:
+                self._inflight.pop(key, None)
+            future.set_exception(e)
+            return
+        size = self._size_of(compiled)
+        with self._lock:
+            self._inflight.pop(key, None)
+            self._entries[key] = (compiled, size)
+            self._bytes += size
+            self._evict()
+        future.set_result(compiled)
+
+    def _resize(self, key: str, compiled) -> None:
+        size = self._size_of(compiled)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] is not compiled:
+                return
+            self._bytes += size - entry[1]
+            self._entries[key] = (compiled, size)
+            self._evict()
+
+    def _evict(self) -> None:
+        # Keep the newest entry even when it alone is over budget: its requests need it.
+        while len(self._entries) > 1 and (
+            len(self._entries) > self._capacity
+            or (self._max_bytes is not None and self._bytes > self._max_bytes)
+        ):
+            _, (_, size) = self._entries.popitem(last=False)
+            self._bytes -= size

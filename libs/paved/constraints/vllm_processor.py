@@ -13,14 +13,21 @@ Invariants the adapter keeps:
     computed (see `tracking.TrackedRequest`), whatever chunked prefill or preemption did;
   * EOS is allowed only where the constraint accepts, and the budget (max_tokens, bounded by
     the model's context) is known to the State so output closes before it runs out;
-  * bad specs fail in `validate_params` (HTTP 400 at admission), never inside the step.
+  * bad specs fail in `validate_params` (HTTP 400 at admission), never inside the step;
+  * nothing heavy runs on the step thread: specs are validated once per process
+    (`spec.admit`, off the event loop) and trusted here; compiles run on a small pool in the
+    worker process, started through `PavedWorkerExtension.paved_precompile` before the
+    request is added (paved's VllmEngine waits for it, as vLLM's structured-output manager
+    keeps a request waiting while its grammar compiles). A request whose spec was not
+    precompiled (another client of the same vLLM) compiles at its first step.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import _paved_constraints as native
 import numpy as np
@@ -30,14 +37,25 @@ from vllm.v1.sample.logits_processor.interface import LogitsProcessor as V1Logit
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from paved.constraints import spec as specs
-from paved.constraints.tracking import CompileCache, PreemptionMemory, TrackedRequest
+from paved.constraints.compiler import compile_spec
+from paved.constraints.tracking import CompileCache, TrackedRequest, first_seen
 from paved.constraints.vocab import token_bytes
 
 logger = logging.getLogger(__name__)
 
 LOGITS_PROCESSOR_FQCN = "paved.constraints.vllm_processor:PavedLogitsProcessor"
+# vLLM resolves worker extensions by dotted name (module.Class), not module:Class.
+WORKER_EXTENSION = "paved.constraints.vllm_processor.PavedWorkerExtension"
 # Threads that split a step's rows; the engine core's own thread waits on them.
 NUM_THREADS = int(os.environ.get("PAVED_CONSTRAINT_THREADS", "2"))
+# One budget per engine for compiled automata and their mask caches (each cache is also
+# capped natively at 64 MiB); least recently used constraints are dropped past it.
+CACHE_BYTES = int(os.environ.get("PAVED_CONSTRAINT_CACHE_BYTES", str(1 << 30)))
+CACHE_ENTRIES = 256
+# Longest a test hook may hold compiles (paved_hold_compiles).
+HOLD_LIMIT_S = 60.0
+# Background compiles per engine; more would only compete with the step for two cores.
+COMPILE_THREADS = 1
 
 
 def _eos_ids(model_config, tokenizer) -> list[int]:
@@ -64,7 +82,11 @@ class _Engine:
         self.vocab_size = vocab_size
         self.vocab = native.Vocab(token_bytes_by_id, eos_ids, vocab_size)
         self.max_model_len = max_model_len
-        self.cache = CompileCache(self._compile)
+        self.cache = CompileCache(self._compile, CACHE_ENTRIES, CACHE_BYTES)
+        self.compiles = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="paved-compile")
+        # Tests hold compiles here to observe a request waiting for its automaton.
+        self.compile_gate = threading.Event()
+        self.compile_gate.set()
         self.masker = native.BatchMasker(vocab_size, NUM_THREADS)
         # Device-path host buffers, grown to the largest batch seen and reused every step.
         self._unique = np.empty((0, native.bitmask_words(vocab_size)), dtype=np.int32)
@@ -88,26 +110,46 @@ class _Engine:
         )
 
     def _compile(self, spec: dict):
-        if spec["type"] == "json_schema":
-            return native.Constraint.json_schema(self.vocab, json.dumps(spec["schema"]), spec["whitespace"])
-        if spec["type"] == "regex":
-            return native.Constraint.regex(self.vocab, spec["pattern"])
-        return native.Constraint.choice(
-            self.vocab, spec["items"], spec["k"], spec["separator"], spec["distinct"]
-        )
+        if not self.compile_gate.is_set():
+            # Bounded: a test that forgets to release must not wedge the engine for good.
+            self.compile_gate.wait(HOLD_LIMIT_S)
+        return compile_spec(self.vocab, spec)
 
-    def track(self, params, prompt_ids, memory: PreemptionMemory) -> TrackedRequest | None:
-        raw = (params.extra_args or {}).get(specs.EXTRA_ARGS_KEY)
-        if raw is None:
+    def precompile(self, key: str, spec: dict | None) -> str:
+        """Start (or look up) the compile of `spec` under `key`, without waiting: "ready",
+        "pending", "unknown" (no such compile and no spec given) or "error: <why>"."""
+        future = None
+        if spec is None:
+            if self.cache.peek(key) is not None:
+                return "ready"
+            future = self.cache.inflight(key)
+            if future is None:
+                return "unknown"
+        else:
+            specs.check_shape(spec)
+            future = self.cache.start(key, spec, self.compiles)
+        if not future.done():
+            return "pending"
+        error = future.exception()
+        return "ready" if error is None else f"error: {error}"
+
+    def track(self, params, prompt_ids) -> TrackedRequest | None:
+        extra = params.extra_args or {}
+        spec = extra.get(specs.EXTRA_ARGS_KEY)
+        if spec is None:
             return None
-        spec = specs.validate_spec(raw)
+        # validate_params admitted this spec in the API process; only cheap invariants here.
+        specs.check_shape(spec)
+        key = extra.get(specs.KEY_ARGS_KEY)
+        if not isinstance(key, str):
+            key = specs.spec_key(spec)
         prompt_len = len(prompt_ids or ())
         budget = params.max_tokens
         context_left = self.max_model_len - prompt_len
         budget = context_left if budget is None else min(budget, context_left)
-        orig_prompt_len, budget = memory.first_seen(params, prompt_len, budget)
+        orig_prompt_len, budget = first_seen(params, prompt_len, budget)
         prefix = list(prompt_ids[orig_prompt_len:]) if prompt_ids and prompt_len > orig_prompt_len else []
-        constraint = self.cache.get(specs.spec_key(spec), spec)
+        constraint = self.cache.get(key, spec)
         try:
             state = constraint.new_state(budget)
         except ValueError as e:
@@ -137,6 +179,48 @@ class _Engine:
         return self.cache.get("__eos_only__", {"type": "regex", "pattern": "()"}).new_state(None)
 
 
+# Engines of this process (normally one), for the worker extension's RPCs.
+_ENGINES: list[_Engine] = []
+_ENGINES_LOCK = threading.Lock()
+
+
+def _register(engine: _Engine) -> _Engine:
+    with _ENGINES_LOCK:
+        _ENGINES.append(engine)
+    return engine
+
+
+class PavedWorkerExtension:
+    """Methods vLLM mixes into its worker (`worker_extension_cls`), reached with
+    `AsyncLLM.collective_rpc`. Each returns at once: the engine core runs utility calls between
+    steps, so nothing here may block it."""
+
+    def paved_precompile(self, key: str, spec: dict | None = None) -> str:
+        """Start compiling `spec` under `key` (spec None: report on `key`). See
+        `_Engine.precompile` for the answers; "unavailable" before the processor's engine is
+        built (the first constrained step builds it; paved's warm-up does that at start)."""
+        with _ENGINES_LOCK:
+            engines = list(_ENGINES)
+        if not engines:
+            return "unavailable"
+        answers = [engine.precompile(key, spec) for engine in engines]
+        for answer in answers:
+            if answer != "ready":
+                return answer
+        return "ready"
+
+    def paved_hold_compiles(self, hold: bool) -> bool:
+        """Test hook: while held, compiles wait before starting (a request stays "pending")."""
+        with _ENGINES_LOCK:
+            engines = list(_ENGINES)
+        for engine in engines:
+            if hold:
+                engine.compile_gate.clear()
+            else:
+                engine.compile_gate.set()
+        return bool(engines)
+
+
 def apply_bitmask_torch(logits: torch.Tensor, unique: torch.Tensor, row_index: torch.Tensor) -> None:
     """Device-side apply to [B, V] logits, in place, of host masks: int32 [U, W] distinct rows
     and int32 [B] row_index (row i's mask is unique[row_index[i]]). The host arrays may be
@@ -154,7 +238,6 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
     def __init__(self, vllm_config, *args):
         self._vllm_config = vllm_config
         self._engine: _Engine | None = None
-        self._memory = PreemptionMemory()
         # V1: persistent-batch index -> tracked request; V2: request slot -> tracked request.
         self._rows: dict[int, TrackedRequest] = {}
         # V1 keeps the live output-token list of each row; V2 reads tokens from req_states.
@@ -172,15 +255,22 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
 
     def _get_engine(self) -> _Engine:
         if self._engine is None:
-            self._engine = _Engine.from_vllm_config(self._vllm_config)
+            self._engine = _register(_Engine.from_vllm_config(self._vllm_config))
         return self._engine
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        raw = (sampling_params.extra_args or {}).get(specs.EXTRA_ARGS_KEY)
+        """Runs in the API process, on its event loop: O(1) for a spec paved's own frontend
+        admitted (the same object, see `spec.is_admitted`); anything else is validated here
+        (memoized) and normalized in place, so the engine core only ever sees normal specs."""
+        extra = sampling_params.extra_args or {}
+        raw = extra.get(specs.EXTRA_ARGS_KEY)
         if raw is None:
             return
-        specs.validate_spec(raw)
+        if not specs.is_admitted(raw, extra.get(specs.KEY_ARGS_KEY)):
+            spec, key = specs.admit(raw)
+            extra[specs.EXTRA_ARGS_KEY] = spec
+            extra[specs.KEY_ARGS_KEY] = key
         if sampling_params.ignore_eos:
             raise ValueError(f"{specs.EXTRA_ARGS_KEY} cannot be combined with ignore_eos")
         if getattr(sampling_params, "structured_outputs", None) is not None:
@@ -223,7 +313,7 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
             return None
         engine = self._get_engine()
         try:
-            return engine.track(params, prompt_ids, self._memory)
+            return engine.track(params, prompt_ids)
         except ValueError:
             # validate_params admitted it, so only an engine-side limit (e.g. the automaton
             # state cap for this vocabulary) lands here: end the request instead of the engine.

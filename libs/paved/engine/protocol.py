@@ -136,7 +136,9 @@ Prompt = TextPrompt | TokenPrompt | ChatPrompt
 class Constraint:
     """An output constraint and the backend chosen to enforce it.
 
-    backend "paved":    kind "paved", value = a spec normalized by paved.constraints.spec.
+    backend "paved":    kind "paved", value = a spec normalized by paved.constraints.spec,
+                        key = its canonical digest (`spec.admit` returns both; engines trust
+                        the pair and compile by the key).
     backend "xgrammar": kind "json_schema" (value: schema dict), "json_object" (value: None),
                         "regex" (str), "choice" (list[str]) or "grammar" (EBNF str).
     """
@@ -144,6 +146,7 @@ class Constraint:
     backend: ConstraintBackend
     kind: Literal["paved", "json_schema", "json_object", "regex", "choice", "grammar"]
     value: Any = None
+    key: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

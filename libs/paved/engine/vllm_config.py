@@ -34,6 +34,9 @@ class VllmModelConfig:
     # Frontend admission bound: sequences (n x prompts) admitted but not finished. Beyond
     # it requests get 503 + Retry-After instead of queueing without bound.
     max_queued_sequences: int = 1024
+    # Seconds a request may wait for its paved constraint to compile before a 400 (the
+    # compile finishes in the background and is cached, so a retry is served at once).
+    constraint_compile_budget_s: float = 30.0
     engine_args: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -68,5 +71,8 @@ class VllmModelConfig:
                 raise ValueError(f"model {self.name!r}: {key} must be a positive integer")
         if not isinstance(self.max_queued_sequences, int) or self.max_queued_sequences < 1:
             raise ValueError(f"model {self.name!r}: max_queued_sequences must be a positive integer")
+        budget = self.constraint_compile_budget_s
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 3600:
+            raise ValueError(f"model {self.name!r}: constraint_compile_budget_s must be in (0, 3600] seconds")
         if not isinstance(self.engine_args, Mapping):
             raise ValueError(f"model {self.name!r}: engine_args must be a table/object")

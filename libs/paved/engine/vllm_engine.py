@@ -10,6 +10,7 @@ from paved.engine import vllm_env
 vllm_env.apply_defaults()
 
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import importlib.metadata  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
@@ -139,10 +140,13 @@ class VllmEngine:
             kwargs["runner"] = "pooling"
         else:
             kwargs["structured_outputs_config"] = dict(STRUCTURED_OUTPUTS_CONFIG)
-            if self._paved and not _paved_registered_by_entry_point():
-                from paved.constraints.vllm_processor import LOGITS_PROCESSOR_FQCN
+            if self._paved:
+                from paved.constraints.vllm_processor import LOGITS_PROCESSOR_FQCN, WORKER_EXTENSION
 
-                kwargs["logits_processors"] = [LOGITS_PROCESSOR_FQCN]
+                if not _paved_registered_by_entry_point():
+                    kwargs["logits_processors"] = [LOGITS_PROCESSOR_FQCN]
+                # Compiles start before a request joins the batch (see _precompile).
+                kwargs["worker_extension_cls"] = WORKER_EXTENSION
         kwargs.update(config.engine_args)
         return AsyncEngineArgs(**kwargs)
 
@@ -301,13 +305,14 @@ class VllmEngine:
         constraint = s.constraint
         if constraint is not None:
             if constraint.backend == "paved":
-                if not self._paved:
-                    raise InvalidRequestError("paved's constraint engine is not enabled for this model")
-                from paved.constraints.spec import EXTRA_ARGS_KEY
+                from paved.constraints.spec import EXTRA_ARGS_KEY, KEY_ARGS_KEY
 
-                kwargs["extra_args"] = {EXTRA_ARGS_KEY: constraint.value}
+                kwargs["extra_args"] = {EXTRA_ARGS_KEY: constraint.value, KEY_ARGS_KEY: constraint.key}
             else:
                 kwargs["structured_outputs"] = _structured_outputs(constraint)
+        # Built per request and never shared: vLLM's deep copy of it (a big spec's every
+        # string) would otherwise run on the event loop.
+        kwargs["skip_clone"] = True
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError, VLLMClientError) as e:
@@ -323,7 +328,17 @@ class VllmEngine:
         prompt_ids, prompt_text = await self._render(request.prompt, param)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param=param)
-        params = self._sampling_params(request.sampling, len(prompt_ids), request.stream, param)
+        sampling = request.sampling
+        constraint = sampling.constraint
+        if constraint is not None and constraint.backend == "paved":
+            if not self._paved:
+                raise InvalidRequestError("paved's constraint engine is not enabled for this model")
+            if constraint.key is None:
+                constraint = await _admitted(constraint)
+                sampling = dataclasses.replace(sampling, constraint=constraint)
+        params = self._sampling_params(sampling, len(prompt_ids), request.stream, param)
+        if constraint is not None and constraint.backend == "paved":
+            await self._precompile(llm, constraint)
         try:
             # Already tokenized: a rendered input skips vLLM's thread-pool hop for raw prompts.
             collector = await llm.add_request(request.request_id, tokens_input(prompt_ids), params)
@@ -338,6 +353,47 @@ class VllmEngine:
         if request.echo and prompt_text is None:
             prompt_text = self._tokenizer.decode(prompt_ids)
         return _RequestStream(self, request, collector, prompt_ids, prompt_text)
+
+    async def _precompile(self, llm: AsyncLLM, constraint: Constraint) -> None:
+        """Wait, off the step thread and the event loop, until the engine core has compiled
+        `constraint`, so adding the request never stalls the running batch's steps.
+
+        The engine core answers utility calls between steps; polling backs off to 50 ms."""
+        budget = self.config.constraint_compile_budget_s
+        deadline = time.monotonic() + budget
+        spec: Any = constraint.value
+        delay = 0.002
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise InvalidRequestError(
+                    f"the output constraint did not compile within this model's compile time budget "
+                    f"({budget:g} s, constraint_compile_budget_s); simplify it, or retry: the compile "
+                    "goes on in the background and is cached",
+                    code="constraint_compile_budget",
+                )
+            try:
+                answers = await asyncio.wait_for(
+                    llm.collective_rpc("paved_precompile", args=(constraint.key, spec)), left
+                )
+            except TimeoutError:
+                continue
+            except EngineDeadError as e:
+                raise EngineUnavailableError(f"model {self.config.name!r}: engine has stopped") from e
+            spec = None  # sent once; later calls only ask about the key
+            pending = False
+            for answer in answers:
+                if answer.startswith("error: "):
+                    raise InvalidRequestError(
+                        f"the output constraint cannot be enforced for this model: {answer[7:]}"
+                    )
+                if answer == "unknown":
+                    spec = constraint.value  # evicted before it was used: send it again
+                pending = pending or answer in ("pending", "unknown")
+            if not pending:  # "ready", or "unavailable" (no processor yet: it compiles in step)
+                return
+            await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(delay * 2, 0.05)
 
     async def abort(self, request_id: str) -> None:
         internal = self._active.get(request_id)
@@ -445,6 +501,18 @@ class _RequestStream:
 
 
 # ---- conversions ---------------------------------------------------------------------------
+async def _admitted(constraint: Constraint) -> Constraint:
+    """A paved constraint built without `spec.admit` (warm-up, direct callers): admitted
+    here, off the event loop."""
+    from paved.constraints.spec import admit
+
+    try:
+        spec, key = await asyncio.to_thread(admit, constraint.value)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
+    return Constraint("paved", "paved", spec, key)
+
+
 def _structured_outputs(constraint: Constraint) -> StructuredOutputsParams:
     kind, value = constraint.kind, constraint.value
     if kind == "json_schema":

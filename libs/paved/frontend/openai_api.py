@@ -81,8 +81,8 @@ def _check_logprobs(card: ModelCard, count: int | None, param: str) -> None:
         raise APIError(400, f"{param} must be at most {card.max_logprobs} for model {card.id!r}", param=param)
 
 
-def _resolve(state: AppState, body: schemas.SamplingFields, card: ModelCard) -> structured.Resolved:
-    resolved = structured.resolve(body, card)
+async def _resolve(state: AppState, body: schemas.SamplingFields, card: ModelCard) -> structured.Resolved:
+    resolved = await structured.resolve_async(body, card)
     if resolved.constraint is not None:
         state.metrics.constrained.labels(card.id, resolved.constraint.backend).inc()
     return resolved
@@ -208,7 +208,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     served = _generative(state, body.model)
     card = served.card
     _check_logprobs(card, body.top_logprobs, "top_logprobs")
-    resolved = _resolve(state, body, card)
+    resolved = await _resolve(state, body, card)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt = ChatPrompt(messages=[_message_dict(m) for m in body.messages], tools=tools)
@@ -263,7 +263,7 @@ async def completions(body: schemas.CompletionRequest, request: Request):
     served = _generative(state, body.model)
     card = served.card
     _check_logprobs(card, body.logprobs, "logprobs")
-    resolved = _resolve(state, body, card)
+    resolved = await _resolve(state, body, card)
     prompts = _prompts(body.prompt)
     request_id = responses.new_id("cmpl")
     sampling = structured.sampling_options(

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from paved.engine import text
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -24,6 +26,19 @@ FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$"
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Body(Request):
+    """A whole request body: every string in it must be Unicode text (see paved.engine.text),
+    checked once here rather than per field (nested models do not repeat the walk)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        path = text.unencodable_path(data)
+        if path is not None:
+            raise ValueError(text.message(path))
+        return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +104,7 @@ class StreamOptions(Request):
     include_usage: bool | None = None
 
 
-class SamplingFields(Request):
+class SamplingFields(Body):
     """Fields common to chat and completions."""
 
     model: NonEmptyStr
@@ -280,7 +295,7 @@ class CompletionRequest(SamplingFields):
 # ---------------------------------------------------------------------------------------------
 # Embeddings.
 # ---------------------------------------------------------------------------------------------
-class EmbeddingRequest(Request):
+class EmbeddingRequest(Body):
     model: NonEmptyStr
     input: (
         NonEmptyStr
@@ -298,7 +313,7 @@ class EmbeddingRequest(Request):
 # ---------------------------------------------------------------------------------------------
 # Ranking (paved extension).
 # ---------------------------------------------------------------------------------------------
-class RankRequest(Request):
+class RankRequest(Body):
     """Score candidate continuations of one context by log-likelihood (one batched prefill)."""
 
     model: NonEmptyStr

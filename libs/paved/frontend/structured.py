@@ -6,17 +6,28 @@ Sources, at most one per request: `response_format` (json_object / json_schema),
 engine when they are inside its subset (compact, budget-aware: output closes before
 max_tokens runs out), otherwise to vLLM's xgrammar. Whatever cannot be enforced is a 400:
 a constraint is never dropped.
+
+Checking a spec costs up to hundreds of milliseconds (JSON Schema meta-validation, paved's
+native subset check and automaton limits), so `resolve_async` runs it on a small admission
+pool, never on the event loop, and every outcome is memoized by the spec's canonical digest:
+a schema sent again costs one hash (also off the loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jsonschema
 
-from paved.engine.protocol import Constraint, ModelCard, SamplingOptions
+from paved.engine.protocol import Constraint, EngineOverloadedError, ModelCard, SamplingOptions
 from paved.frontend.errors import APIError
 from paved.frontend.schemas import (
     ChatCompletionRequest,
@@ -26,6 +37,7 @@ from paved.frontend.schemas import (
     SamplingFields,
 )
 
+T = TypeVar("T")
 PAVED_CONSTRAINT_XARG = "paved_constraint"
 BACKEND_HEADER = "x-paved-constraint-backend"
 # Generic JSON object, the meaning of response_format json_object.
@@ -46,8 +58,51 @@ class Resolved:
     tool_mode: ToolMode | None = None
 
 
+# Admission work runs on its own threads so that a burst of heavy specs cannot take the
+# default executor (tokenization of long prompts) with it; past the queue bound a request is
+# refused (503) instead of waiting behind an unbounded backlog.
+ADMISSION_THREADS = 2
+ADMISSION_QUEUE = 64
+_pool = ThreadPoolExecutor(max_workers=ADMISSION_THREADS, thread_name_prefix="paved-admit")
+_pending = threading.BoundedSemaphore(ADMISSION_QUEUE)
+
+
+def has_constraint(request: SamplingFields) -> bool:
+    """Whether `request` names any output constraint (only those need the admission pool)."""
+    if isinstance(request.response_format, ResponseFormatJsonObject | ResponseFormatJsonSchema):
+        return True
+    if request.structured_outputs is not None or request.vllm_xargs:
+        return True
+    return isinstance(request, ChatCompletionRequest) and (
+        request.tool_choice is not None or bool(request.tools)
+    )
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the admission pool. Past ADMISSION_QUEUE pending calls it raises
+    EngineOverloadedError (HTTP 503 / gRPC UNAVAILABLE, retry) instead of queueing."""
+    if not _pending.acquire(blocking=False):
+        raise EngineOverloadedError(
+            f"{ADMISSION_QUEUE} constrained requests are already being admitted (the admission "
+            "queue's limit); retry shortly"
+        )
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_pool, fn, *args)
+    finally:
+        _pending.release()
+
+
+async def resolve_async(request: SamplingFields, card: ModelCard) -> Resolved:
+    """`resolve`, off the event loop when the request carries a constraint."""
+    if not has_constraint(request):
+        return resolve(request, card)
+    return await off_loop(resolve, request, card)
+
+
 def resolve(request: SamplingFields, card: ModelCard) -> Resolved:
-    """The constraint (and tool-call mode) `request` asks for, validated and routed."""
+    """The constraint (and tool-call mode) `request` asks for, validated and routed.
+
+    Blocking (see `resolve_async`)."""
     sources: list[tuple[str, Any]] = []
     rf = request.response_format
     if isinstance(rf, ResponseFormatJsonObject | ResponseFormatJsonSchema):
@@ -97,6 +152,32 @@ def resolve(request: SamplingFields, card: ModelCard) -> Resolved:
     return Resolved(_paved_spec(value, card, name))
 
 
+class _Routes:
+    """Bounded LRU: (schema digest, backends, json_object) -> Constraint or the 400's text."""
+
+    def __init__(self, capacity: int):
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, Constraint | str] = OrderedDict()
+
+    def get(self, key: tuple) -> Constraint | str | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple, value: Constraint | str) -> None:
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self._capacity:
+                self._entries.popitem(last=False)
+
+
+ROUTE_CACHE_ENTRIES = 256
+_routes = _Routes(ROUTE_CACHE_ENTRIES)
+
+
 def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -> Constraint:
     if isinstance(schema, str):
         try:
@@ -105,13 +186,36 @@ def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -
             raise APIError(400, f"the JSON schema is not valid JSON: {e}", param=param) from e
     if not isinstance(schema, dict):
         raise APIError(400, "a JSON schema must be an object", param=param)
+    try:
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError as e:  # NaN/Infinity: not JSON, and no backend could compare against it
+        raise APIError(400, f"the JSON schema is not valid JSON: {e}", param=param) from e
+    key = (hashlib.sha256(text.encode()).hexdigest(), card.constraint_backends, json_object)
+    hit = _routes.get(key)
+    if hit is None:
+        try:
+            hit = _route_json(schema, card, param, json_object)
+        except APIError as e:
+            if e.status != 400:
+                raise
+            _routes.put(key, e.message)
+            raise
+        _routes.put(key, hit)
+    if isinstance(hit, str):
+        raise APIError(400, hit, param=param)
+    return hit
+
+
+def _route_json(schema: dict, card: ModelCard, param: str, json_object: bool) -> Constraint:
     _check_schema(schema, param)
     if "paved" in card.constraint_backends:
         from paved.constraints import spec as paved_spec
 
-        if paved_spec.json_schema_unsupported_reason(schema) is None:
-            spec = _validated_spec({"type": "json_schema", "schema": schema, "whitespace": "compact"}, param)
-            return Constraint("paved", "paved", spec)
+        if (
+            paved_spec.enum_as_choice(schema) is not None
+            or paved_spec.json_schema_unsupported_reason(schema) is None
+        ):
+            return _validated_spec({"type": "json_schema", "schema": schema, "whitespace": "compact"}, param)
     if "xgrammar" in card.constraint_backends:
         if json_object:
             return Constraint("xgrammar", "json_object")
@@ -152,16 +256,17 @@ def _structured_outputs(value, card: ModelCard) -> Constraint:
 def _paved_spec(raw: Any, card: ModelCard, param: str) -> Constraint:
     if "paved" not in card.constraint_backends:
         raise APIError(400, f"paved's constraint engine is not enabled for model {card.id!r}", param=param)
-    return Constraint("paved", "paved", _validated_spec(raw, param))
+    return _validated_spec(raw, param)
 
 
-def _validated_spec(raw: Any, param: str) -> dict:
+def _validated_spec(raw: Any, param: str) -> Constraint:
     from paved.constraints import spec as paved_spec
 
     try:
-        return paved_spec.validate_spec(raw)
+        spec, key = paved_spec.admit(raw)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
+    return Constraint("paved", "paved", spec, key)
 
 
 # ---- tools ----------------------------------------------------------------------------------

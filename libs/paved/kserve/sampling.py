@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from paved.engine import text as unicode_text
 from paved.engine.protocol import ModelCard, SamplingOptions
 from paved.kserve.errors import invalid_argument
 from paved.kserve.wire import PAVED_CONSTRAINT
@@ -78,6 +79,9 @@ def parse_parameters(text: bytes | str, source: str) -> dict[str, Any]:
         raise invalid_argument(f"{source} is not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise invalid_argument(f"{source} must be a JSON object, got {type(value).__name__}")
+    path = unicode_text.unencodable_path(value)
+    if path is not None:
+        raise invalid_argument(f"{source}: {unicode_text.message(path)}")
     return value
 
 
@@ -106,6 +110,13 @@ def _int(params: dict, key: str, source: str, *, minimum: int, maximum: int | No
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise invalid_argument(f"{source}.{key} must be {bound}, got {value}")
     return value
+
+
+async def off_loop(fn, *args):
+    """The frontend's bounded admission pool (imported on first use, like the resolver)."""
+    from paved.frontend.structured import off_loop as run
+
+    return await run(fn, *args)
 
 
 def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str) -> SamplingOptions:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from paved.engine import text
 from paved.kserve.errors import invalid_argument, unsupported
 
 # v2 datatype -> numpy dtype (little-endian). BF16 has no numpy dtype and is rejected.
@@ -208,7 +209,10 @@ def from_json(tensor: str, datatype: str, shape: Sequence[int], data: Any) -> np
         if not all(isinstance(v, str) for v in flat):
             raise invalid_argument(f"tensor '{tensor}': BYTES data in JSON must be strings")
         out = np.empty(count, dtype=object)
-        out[:] = [v.encode() for v in flat]
+        try:
+            out[:] = [v.encode() for v in flat]
+        except UnicodeEncodeError:
+            raise invalid_argument(f"tensor '{tensor}': {text.message('data')}") from None
         return out.reshape(shape)
     if datatype == "BOOL":
         if not all(isinstance(v, bool) for v in flat):

@@ -1,0 +1,61 @@
+"""Text every engine can take: Unicode scalar values only.
+
+JSON may spell a lone UTF-16 surrogate (`"\\ud800"`) and Python then holds a `str` that
+cannot be encoded as UTF-8: tokenizers raise TypeError deep inside, gRPC cannot send it. Such
+input is refused at the edge (HTTP 400 / INVALID_ARGUMENT) with the path of the offending
+field. NUL and other control characters are valid scalar values and pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def unencodable_path(value: Any, path: str = "") -> str | None:
+    """The path (`messages.0.content`) of the first string in `value` (nested dicts, lists)
+    that is not valid Unicode text, or None. O(size); a single C-speed pass when all is well."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError, RecursionError):  # not plain JSON data, or very deep: walk
+        pass
+    return _walk(value, path)
+
+
+def _walk(value: Any, path: str) -> str | None:
+    # Iterative: request bodies may nest deeply and must not overflow the stack.
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return where or "(root)"
+        elif isinstance(item, dict):
+            entries = list(item.items())
+            for key, child in reversed(entries):
+                name = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and not _encodable(key):
+                    return (where or "(root)") + " (a key)"
+                stack.append((child, name))
+        elif isinstance(item, list | tuple):
+            for i in range(len(item) - 1, -1, -1):
+                stack.append((item[i], f"{where}.{i}" if where else str(i)))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def message(path: str) -> str:
+    return (
+        f"{path} contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+        "which is not Unicode text"
+    )
