@@ -154,6 +154,41 @@ TEST(JsonSchema, UnsupportedKeywordsNameKeywordAndPath) {
   EXPECT_EQ(ErrorOf(R"({"title":"t","description":"d","$schema":"x","examples":[1],"default":1,"type":"null"})"), "");
 }
 
+// `levels` definitions, each an anyOf of `fan_out` $refs to the next, the last an integer.
+std::string RefFanOut(int levels, int fan_out) {
+  std::string defs;
+  for (int i = 0; i < levels; ++i) {
+    std::string refs;
+    for (int k = 0; k < fan_out; ++k) refs += std::string(k ? "," : "") + R"({"$ref":"#/$defs/d)" + std::to_string(i + 1) + R"("})";
+    defs += R"("d)" + std::to_string(i) + R"(":{"anyOf":[)" + refs + "]},";
+  }
+  defs += R"("d)" + std::to_string(levels) + R"(":{"type":"integer"})";
+  return R"({"$defs":{)" + defs + R"(},"$ref":"#/$defs/d0"})";
+}
+
+// Found while writing the fuzz targets (regression input in fuzz/corpus/json_schema): every use
+// of a $ref was lowered afresh, so fan-out through a chain of $refs grew the tree exponentially
+// before any limit was checked (this 2.6 KB schema: 810k copies, 90 s, 1.7 GB under ASan). Now
+// a target is lowered once per depth and the compiler's NFA limit rejects the expansion.
+TEST(JsonSchema, RefFanOutIsSharedAndHitsTheNfaLimit) {
+  ExpectLanguage(RefFanOut(2, 3), {"7", "-12"}, {"\"a\""});
+  Ast ast;
+  LowerJsonSchema(RefFanOut(4, 30), JsonWhitespace::kCompact, &ast);
+  EXPECT_LT(ast.size(), 1000u);
+  EXPECT_NE(ErrorOf(RefFanOut(4, 30)).find("NFA states"), std::string::npos) << ErrorOf(RefFanOut(4, 30));
+}
+
+// Lowering expands keywords (integer bounds: ~140 nodes each), so a large document is stopped
+// by the tree's own node limit instead of allocating gigabytes first.
+TEST(JsonSchema, ExpressionTreeSizeIsLimited) {
+  std::string branches;
+  const std::string bounded = R"({"type":"integer","minimum":1,"maximum":1000000000000000000})";
+  for (size_t i = 0; i * 100 < kMaxAstNodes; ++i) branches += (i ? "," : "") + bounded;
+  const std::string schema = R"({"anyOf":[)" + branches + "]}";
+  ASSERT_LE(schema.size(), kMaxSpecBytes);
+  EXPECT_NE(ErrorOf(schema).find("expression tree exceeds"), std::string::npos) << ErrorOf(schema).substr(0, 200);
+}
+
 TEST(JsonSchema, RandomWalksProduceSchemaText) {
   const auto vocab = testing::ByteVocab();
   const std::string schema =

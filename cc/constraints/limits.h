@@ -18,6 +18,12 @@ constexpr int kMaxRegexNesting = 500;
 // and byte class, e.g. 100k states x 50 classes = 20 MB).
 constexpr int32_t kMaxNfaStates = 2'000'000;
 constexpr int32_t kMaxDfaStates = 100'000;
+// Nodes of the expression tree a pattern or schema is parsed / lowered into (136 bytes each plus
+// their vectors), checked as each node is added: the front ends expand some keywords (integer
+// bounds: ~140 nodes for 45 bytes of schema), so without it a 1 MiB document could take
+// gigabytes before the NFA limit was reached. Every node but concatenations (at most half of a
+// tree) compiles to at least one NFA state, so a tree this large has an NFA of 500k+ states.
+constexpr size_t kMaxAstNodes = 1'000'000;
 // Nesting of JSON Schema subschemas (objects, arrays, anyOf, $ref); also bounds $ref recursion.
 constexpr int kMaxSchemaDepth = 10;
 // Nesting of a value matched by an unconstrained subschema ({} or true).

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "cc/constraints/limits.h"
+
 namespace paved::constraints {
 namespace {
 
@@ -130,6 +132,9 @@ void CharSet::Normalize() {
 }
 
 int Ast::Add(Node node) {
+  if (nodes_.size() >= kMaxAstNodes)
+    throw ConstraintError("constraint is too large: its expression tree exceeds " + std::to_string(kMaxAstNodes) +
+                          " nodes");
   nodes_.push_back(std::move(node));
   return static_cast<int>(nodes_.size() - 1);
 }
