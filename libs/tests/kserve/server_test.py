@@ -325,6 +325,8 @@ def test_constraints_reach_the_engine(gc, engine, params, backend, kind):
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"extra_args": {"other": 1}}, "other"),
         ("not json", "not valid JSON"),
+        # Valid JSON, not Unicode text: a lone surrogate escape (was a tokenizer TypeError).
+        (r'{"stop": ["\ud800"]}', "stop.0 contains a lone UTF-16 surrogate"),
     ],
 )
 def test_bad_sampling_parameters_are_invalid_argument(gc, hc, params, needle):
@@ -616,3 +618,10 @@ def test_shared_admission_bound(loop):
     finally:
         client.close()
         loop.run(server.stop(grace_s=1))
+
+
+def test_http_json_text_with_a_lone_surrogate_is_400(server):
+    body = rb'{"inputs":[{"name":"text_input","datatype":"BYTES","shape":[1],"data":["\ud800"]}]}'
+    r = httpx.post(f"http://127.0.0.1:{server.http_port}/v2/models/{LLM}/infer", content=body)
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]
