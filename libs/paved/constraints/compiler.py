@@ -33,6 +33,10 @@ class SpecCompiler:
         self.vocab = vocab
         self._cache = CompileCache(lambda spec: compile_spec(vocab, spec), capacity)
 
+    def constraint(self, spec: dict) -> Constraint:
+        """The compiled spec (cached); raises ValueError when this vocabulary cannot hold it."""
+        return self._cache.get(specs.spec_key(spec), spec)
+
     def new_state(self, spec: dict, budget: int | None) -> State:
         """A State for one output of at most `budget` tokens (None: unbounded).
 
@@ -40,7 +44,7 @@ class SpecCompiler:
         small for the shortest valid output gives an unbounded State, as in vLLM: the output is
         then cut at max_tokens and ends with finish_reason "length".
         """
-        constraint = self._cache.get(specs.spec_key(spec), spec)
+        constraint = self.constraint(spec)
         try:
             return constraint.new_state(budget)
         except ValueError as e:

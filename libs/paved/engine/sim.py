@@ -487,7 +487,7 @@ class SimEngine:
             spec = c.value if specs.is_admitted(c.value, c.key) else specs.admit(c.value)[0]
             if s.ignore_eos:
                 raise ValueError(f"{specs.EXTRA_ARGS_KEY} cannot be combined with ignore_eos")
-            self._compiler.new_state(spec, budget)  # compiles (and caches) at admission
+            self._compiler.constraint(spec)  # compiled (and cached) at admission
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         return lambda: self._compiler.new_state(spec, budget)
