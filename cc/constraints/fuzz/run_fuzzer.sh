@@ -14,9 +14,8 @@ seeds="$2"
 work="${TEST_TMPDIR:-$(mktemp -d)}/corpus"
 artifacts="${TEST_UNDECLARED_OUTPUTS_DIR:-$work/..}/"
 mkdir -p "$work"
-# LeakSanitizer needs ptrace-like access that some sandboxes deny; leaks are not what these
-# runs look for, and the unit tests' sanitizer builds keep detect_leaks on.
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}"
+# Leaks count as findings too (LeakSanitizer works inside Bazel's linux-sandbox here).
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
 # New inputs go to the scratch directory first; the committed seeds are only read.
