@@ -16,8 +16,9 @@ batching server's capacity so that frontends, gateways and autoscalers see real 
 
 Output is deterministic: words drawn from a generator seeded by the prompt (and the request's
 seed and choice index unless temperature is 0), then EOS after a prompt-dependent number of
-words; other sampling knobs are validated but do not change the text. Structured outputs are real: a paved constraint is compiled by paved's native engine and
-every token is sampled from the mask it computes, so JSON outputs parse and match their schema.
+words; other sampling knobs are validated but do not change the text. Structured outputs are
+real: a paved constraint is compiled by paved's native engine and every token is sampled from
+the mask it computes, so JSON outputs parse and match their schema.
 xgrammar constraints are refused (InvalidRequestError), never dropped.
 
 The tokenizer is built in (one token per UTF-8 byte, plus EOS) or a Hugging Face tokenizer
