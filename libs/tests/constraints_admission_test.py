@@ -135,7 +135,7 @@ def test_cache_evicts_least_recently_used_past_the_byte_budget():
     assert compiled == ["a", "b", "c", "d"]
 
 
-def test_concurrent_starts_share_one_background_compile_and_errors_are_not_cached():
+def test_concurrent_starts_share_one_background_compile_and_failures_are_final():
     gate = threading.Event()
     calls = []
 
@@ -157,7 +157,11 @@ def test_concurrent_starts_share_one_background_compile_and_errors_are_not_cache
         with pytest.raises(ValueError, match="too many states"):
             failing.result(10)
     assert len(calls) == 2 and cache.inflight("k") is None
-    assert cache.peek("bad") is None  # a later request may try again
+    assert cache.peek("bad") is None
+    # A failure is final (compiles are deterministic): asked again, no second compile.
+    with pytest.raises(ValueError, match="too many states"):
+        cache.get("bad", {"fail": True})
+    assert cache.inflight("bad").exception() is not None and len(calls) == 2
     assert cache.start("k", {}, None).result() is first.result()
 
 

@@ -88,6 +88,12 @@ class TrackedRequest:
         self.broken = False
 
 
+def _failed_future(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
+
+
 def first_seen(params, prompt_len: int, budget: int | None) -> tuple[int, int | None]:
     """(original prompt length, budget) of the request that owns `params`, as on its first add.
 
@@ -120,7 +126,9 @@ class CompileCache:
     threads (the engine core's step thread and the precompile pool).
 
     A Constraint is immutable and shared by all requests with the same spec, including its
-    lazily filled per-state mask cache, so repeated schemas compile once per engine. Sizes are
+    lazily filled per-state mask cache, so repeated schemas compile once per engine. A failed
+    compile is remembered too (compiles are deterministic for a vocabulary; as many entries
+    as the capacity): asking again fails at once instead of compiling again. Sizes are
     re-measured on every hit (mask caches grow as requests walk new states); least recently
     used entries go first when the total is over budget. An evicted constraint stays alive for
     the requests already holding it; only new requests compile it again.
@@ -141,6 +149,7 @@ class CompileCache:
         self._entries: OrderedDict[str, tuple[object, int]] = OrderedDict()
         self._bytes = 0
         self._inflight: dict[str, Future] = {}
+        self._failed: OrderedDict[str, BaseException] = OrderedDict()
 
     @property
     def total_bytes(self) -> int:
@@ -160,9 +169,13 @@ class CompileCache:
         return hit[0]
 
     def inflight(self, key: str) -> Future | None:
-        """The running compile of `key`, if any."""
+        """The running compile of `key`, or its remembered failure, if any."""
         with self._lock:
-            return self._inflight.get(key)
+            running = self._inflight.get(key)
+            failed = self._failed.get(key)
+        if running is None and failed is not None:
+            return _failed_future(failed)
+        return running
 
     def get(self, key: str, spec: dict):
         """The compiled constraint for `spec`, compiling it here on a miss (or waiting for the
@@ -182,6 +195,9 @@ class CompileCache:
                 done: Future = Future()
                 done.set_result(hit[0])
                 return done
+            failed = self._failed.get(key)
+            if failed is not None:
+                return _failed_future(failed)
             running = self._inflight.get(key)
             if running is not None:
                 return running
@@ -195,9 +211,13 @@ class CompileCache:
     def _run(self, key: str, spec: dict, future: Future) -> None:
         try:
             compiled = self._compile(spec)
-        except BaseException as e:
+        except BaseException as e:  # handed to whoever waits on the future
             with self._lock:
                 self._inflight.pop(key, None)
+                if isinstance(e, Exception):
+                    self._failed[key] = e
+                    while len(self._failed) > self._capacity:
+                        self._failed.popitem(last=False)
             future.set_exception(e)
             return
         size = self._size_of(compiled)

@@ -118,7 +118,6 @@ class _Engine:
     def precompile(self, key: str, spec: dict | None) -> str:
         """Start (or look up) the compile of `spec` under `key`, without waiting: "ready",
         "pending", "unknown" (no such compile and no spec given) or "error: <why>"."""
-        future = None
         if spec is None:
             if self.cache.peek(key) is not None:
                 return "ready"
