@@ -517,7 +517,10 @@ class SimEngine:
             raise InvalidRequestError("the prompt is empty", param=param)
         s = request.sampling
         budget = self._validate(s, len(prompt_ids), param)
-        new_state = self._constraint_state(s.constraint, s, budget)
+        if s.constraint is None:
+            new_state = None
+        else:  # a check or compile can take long: off the loop, like VllmEngine's
+            new_state = await asyncio.to_thread(self._constraint_state, s.constraint, s, budget)
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         kv = s.n * (len(prompt_ids) + budget)
