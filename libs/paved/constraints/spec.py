@@ -222,6 +222,10 @@ class _Admitted:
 
     def put(self, raw_key: str, spec: dict | None, key: str | None, error: str | None) -> None:
         with self._lock:
+            previous = self._entries.get(raw_key)
+            if previous is not None and previous[0] is not None:
+                # Two threads admitted the same spec at once: the loser's object is dropped.
+                self._issued.pop(id(previous[0]), None)
             self._entries[raw_key] = (spec, key, error)
             self._entries.move_to_end(raw_key)
             if spec is not None:

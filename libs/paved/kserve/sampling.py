@@ -89,9 +89,13 @@ def _json_value(value: Any, where: str) -> Any:
     """vLLM's backend sends nested objects as JSON text; accept both forms."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            value = json.loads(value)
         except json.JSONDecodeError as e:
             raise invalid_argument(f"{where} is a string but not valid JSON: {e}") from e
+        # The outer parse saw only text; escapes inside it are decoded just now.
+        path = unicode_text.unencodable_path(value)
+        if path is not None:
+            raise invalid_argument(f"{where}: {unicode_text.message(path)}")
     return value
 
 

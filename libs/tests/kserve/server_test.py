@@ -327,6 +327,7 @@ def test_constraints_reach_the_engine(gc, engine, params, backend, kind):
         ("not json", "not valid JSON"),
         # Valid JSON, not Unicode text: a lone surrogate escape (was a tokenizer TypeError).
         (r'{"stop": ["\ud800"]}', "stop.0 contains a lone UTF-16 surrogate"),
+        (r'{"structured_outputs": "{\"regex\": \"\\ud800\"}"}', "regex contains a lone UTF-16 surrogate"),
     ],
 )
 def test_bad_sampling_parameters_are_invalid_argument(gc, hc, params, needle):
