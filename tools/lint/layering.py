@@ -10,7 +10,8 @@ between layers) and reports, with file and line:
   * an import of a module owned by a target that is neither the importer's own target nor one
     of its direct `deps` (strict deps: a transitive path does not count, so every BUILD target
     names exactly what it uses). `python -m paved.x` / `python -c "import paved.x"` command
-    lines are arrows too; they may also be declared as `data`;
+    lines are arrows too, declared in `deps` as well: the child inherits the parent's sys.path,
+    which Bazel builds from `deps` only (a `data` target's `imports` never reach it);
   * a `deps` entry on a paved Python target that no source of the target uses;
   * a library module that belongs to no target (it would be missing at run time);
   * an import cycle between modules (Bazel only rules out cycles between targets);
@@ -516,9 +517,7 @@ def check(root: str, targets: dict[str, Target] | None = None) -> list[Finding]:
         file_imports[path] = resolved
 
         for t in g.owners[path]:
-            allowed = set(t.deps) | set(t.data)
             reach = set(g.closure(t.label))
-            reach_run = reach | {x for d in t.data for x in g.closure(d)}
             declared = []
             for imp, module, files in resolved:
                 if not files:
@@ -527,9 +526,8 @@ def check(root: str, targets: dict[str, Target] | None = None) -> list[Finding]:
                 if t.label in owners:
                     declared.append((imp, module))
                     continue
-                ok = owners & set(t.deps) or (imp.how != "import" and owners & set(t.data))
-                if ok:
-                    used[t.label] |= owners & allowed
+                if owners & set(t.deps):
+                    used[t.label] |= owners & set(t.deps)
                     declared.append((imp, module))
                     continue
                 findings.append(
@@ -551,7 +549,7 @@ def check(root: str, targets: dict[str, Target] | None = None) -> list[Finding]:
                         owners = {o.label for o in g.owners.get(f, [])}
                         if owners & set(t.deps):
                             used[t.label] |= owners & set(t.deps)
-                        if not owners & (reach if imp.how == "import" else reach_run):
+                        if not owners & reach:
                             findings.append(
                                 Finding(
                                     path,
@@ -574,8 +572,7 @@ def check(root: str, targets: dict[str, Target] | None = None) -> list[Finding]:
                     Finding(
                         t.build_file,
                         t.line,
-                        f"{t.label} depends on {d} but none of its sources imports it "
-                        "(drop it; a process it only starts belongs in data)",
+                        f"{t.label} depends on {d} but none of its sources imports it (drop it)",
                     )
                 )
 
