@@ -25,7 +25,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NoReturn
 
 EXTRA_ARGS_KEY = "paved_constraint"
 KEY_ARGS_KEY = "paved_constraint_key"
@@ -50,7 +50,7 @@ def _native():
     return _paved_constraints
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise ValueError(f"invalid {EXTRA_ARGS_KEY}: {message}")
 
 
@@ -228,7 +228,7 @@ class _Admitted:
                 self._issued.pop(id(previous[0]), None)
             self._entries[raw_key] = (spec, key, error)
             self._entries.move_to_end(raw_key)
-            if spec is not None:
+            if spec is not None and key is not None:  # an admitted spec always has its key
                 self._issued[id(spec)] = (spec, key)
             while len(self._entries) > self._capacity:
                 _, (dropped, _, _) = self._entries.popitem(last=False)

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import _paved_constraints as native
 import numpy as np
@@ -231,6 +232,24 @@ def apply_bitmask_torch(logits: torch.Tensor, unique: torch.Tensor, row_index: t
     logits.masked_fill_(~allowed, float("-inf"))
 
 
+_V = TypeVar("_V")
+
+
+def _swap(table: dict[int, _V], src: int, dst: int) -> None:
+    a, b = table.pop(src, None), table.pop(dst, None)
+    if a is not None:
+        table[dst] = a
+    if b is not None:
+        table[src] = b
+
+
+def _move(table: dict[int, _V], src: int, dst: int) -> None:
+    moved = table.pop(src, None)
+    table.pop(dst, None)
+    if moved is not None:
+        table[dst] = moved
+
+
 class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
     """Masks logits of requests that carry a paved constraint spec."""
 
@@ -241,7 +260,7 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
         self._rows: dict[int, TrackedRequest] = {}
         # V1 keeps the live output-token list of each row; V2 reads tokens from req_states.
         self._outputs: dict[int, list[int]] = {}
-        self._req_states = args[0] if len(args) == 1 else None
+        self._req_states_or_none = args[0] if len(args) == 1 else None
 
     @classmethod
     def for_vocab(
@@ -251,6 +270,13 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
         proc = cls(None, req_states) if req_states is not None else cls(None, None, False)
         proc._engine = _Engine(token_bytes_by_id, eos_ids, len(token_bytes_by_id), max_model_len)
         return proc
+
+    @property
+    def _req_states(self):
+        """Model Runner V2's request states, which only it passes to the constructor."""
+        if self._req_states_or_none is None:
+            raise RuntimeError("a Model Runner V2 hook ran on a processor built without req_states")
+        return self._req_states_or_none
 
     def _get_engine(self) -> _Engine:
         if self._engine is None:
@@ -294,18 +320,11 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
                 self._outputs[index] = output_ids
         for src, dst, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
-                for table in (self._rows, self._outputs):
-                    a, b = table.pop(src, None), table.pop(dst, None)
-                    if a is not None:
-                        table[dst] = a
-                    if b is not None:
-                        table[src] = b
+                _swap(self._rows, src, dst)
+                _swap(self._outputs, src, dst)
             else:
-                for table in (self._rows, self._outputs):
-                    moved = table.pop(src, None)
-                    table.pop(dst, None)
-                    if moved is not None:
-                        table[dst] = moved
+                _move(self._rows, src, dst)
+                _move(self._outputs, src, dst)
 
     def _admit(self, params, prompt_ids) -> TrackedRequest | None:
         if params is None or specs.EXTRA_ARGS_KEY not in (params.extra_args or {}):

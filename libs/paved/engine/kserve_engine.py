@@ -28,7 +28,7 @@ import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import grpc
 import numpy as np
@@ -39,15 +39,18 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from paved.engine.protocol import (
     ChatPrompt,
     ChoiceDelta,
+    ConstraintBackend,
     EmbedRequest,
     EmbedResult,
     EngineError,
     EngineOverloadedError,
     EngineUnavailableError,
+    FinishReason,
     GenerateOutput,
     GenerateRequest,
     InvalidRequestError,
     ModelCard,
+    ModelKind,
     ModelNotFoundError,
     TextPrompt,
     TokenLogprob,
@@ -55,6 +58,9 @@ from paved.engine.protocol import (
     TopLogprob,
 )
 from paved.engine.streams import Closing
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 from paved.kserve.tensors import from_raw, serialize_bytes
 from paved.kserve.wire import (
     ERROR_CODE_PARAMETER,
@@ -78,8 +84,8 @@ _URI_OPTIONS = {
     "rpc_timeout_s",
     "request_timeout_s",
 }
-_BACKENDS = ("paved", "xgrammar")
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "abort"}
+_BACKENDS: tuple[ConstraintBackend, ...] = ("paved", "xgrammar")
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "abort"}
 _HEALTH_INTERVAL_S = 5.0
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Deadlines of the remote calls: health and metadata RPCs answer at once on a healthy server;
@@ -174,6 +180,15 @@ def _logprobs(text: bytes, top: int) -> list[TokenLogprob] | None:
     return result
 
 
+class _Overrides(TypedDict):
+    """What the URI or the caller fixed; None: the remote model's published value."""
+
+    max_model_len: int | None
+    constraint_backends: tuple[ConstraintBackend, ...] | None
+    max_logprobs: int | None
+    kind: ModelKind | None
+
+
 class KServeEngine:
     """One remote model over KServe v2 gRPC."""
 
@@ -208,11 +223,14 @@ class KServeEngine:
         self.target = target
         self.model = model
         self._tokenizer_path = tokenizer
-        self._overrides = {
+        self._overrides: _Overrides = {
             "max_model_len": max_model_len,
-            "constraint_backends": tuple(constraint_backends) if constraint_backends is not None else None,
+            # Both checked against their Literal's values above.
+            "constraint_backends": tuple(cast(Sequence[ConstraintBackend], constraint_backends))
+            if constraint_backends is not None
+            else None,
             "max_logprobs": max_logprobs,
-            "kind": kind,
+            "kind": cast(ModelKind | None, kind),
         }
         self.connect_timeout_s = connect_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -220,7 +238,7 @@ class KServeEngine:
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
         self._card: ModelCard | None = None
-        self._tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._ready = False
         self._health: asyncio.Task | None = None
         self._calls: dict[str, grpc.aio.StreamStreamCall] = {}
@@ -274,7 +292,7 @@ class KServeEngine:
         await self._wait_model_ready()
         try:
             config = (
-                await self._stub.ModelConfig(
+                await self._rpc.ModelConfig(
                     service_pb2.ModelConfigRequest(name=self.model), timeout=self.rpc_timeout_s
                 )
             ).config
@@ -294,7 +312,7 @@ class KServeEngine:
         )
 
     @staticmethod
-    def _load_tokenizer(path: str):
+    def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
@@ -304,7 +322,7 @@ class KServeEngine:
         last = "no answer"
         while True:
             try:
-                response = await self._stub.ModelReady(
+                response = await self._rpc.ModelReady(
                     service_pb2.ModelReadyRequest(name=self.model),
                     timeout=max(min(self.rpc_timeout_s, deadline - time.monotonic()), 0.1),
                 )
@@ -330,6 +348,8 @@ class KServeEngine:
             or params.get(PARAM_KIND)
             or ("embed" if "embedding_request" in inputs and "text_input" not in inputs else "generate")
         )
+        if kind not in ("generate", "embed"):
+            raise ValueError(f"remote model {self.model!r} publishes kind {kind!r}, not generate or embed")
         max_model_len = self._overrides["max_model_len"] or int(params.get(PARAM_MAX_MODEL_LEN, "0"))
         if not max_model_len and self._tokenizer is not None:
             max_model_len = int(getattr(self._tokenizer, "model_max_length", 0) or 0)
@@ -340,10 +360,14 @@ class KServeEngine:
                 f"remote model {self.model!r} does not publish its context length; "
                 "add ?max_model_len=N to the URI"
             )
-        backends = self._overrides["constraint_backends"]
-        if backends is None:
+        backends: tuple[ConstraintBackend, ...]
+        if self._overrides["constraint_backends"] is not None:
+            backends = self._overrides["constraint_backends"]
+        else:
             if PARAM_CONSTRAINT_BACKENDS in params:
-                backends = tuple(b for b in params[PARAM_CONSTRAINT_BACKENDS].split(",") if b)
+                # In the published order; a name this client does not know it cannot ask for.
+                published = params[PARAM_CONSTRAINT_BACKENDS].split(",")
+                backends = tuple(known for b in published for known in _BACKENDS if known == b)
             else:
                 # Triton's vLLM backend builds StructuredOutputsParams (xgrammar) from sampling_parameters.
                 backends = ("xgrammar",) if kind == "generate" else ()
@@ -354,7 +378,7 @@ class KServeEngine:
             max_model_len=max_model_len,
             created=int(time.time()),
             owned_by=f"kserve://{self.target}",
-            constraint_backends=tuple(backends),
+            constraint_backends=backends,
             max_logprobs=max_logprobs,
         )
 
@@ -362,7 +386,7 @@ class KServeEngine:
         while True:
             await asyncio.sleep(_HEALTH_INTERVAL_S)
             try:
-                response = await self._stub.ModelReady(
+                response = await self._rpc.ModelReady(
                     service_pb2.ModelReadyRequest(name=self.model), timeout=self.rpc_timeout_s
                 )
                 ready = response.ready
@@ -397,6 +421,13 @@ class KServeEngine:
     def models(self) -> Sequence[ModelCard]:
         return [self._card] if self._card is not None else []
 
+    @property
+    def _rpc(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        """The stub start() made; every RPC after start() goes through it."""
+        if self._stub is None:
+            raise EngineUnavailableError(f"model {self.model!r}: remote engine not started")
+        return self._stub
+
     # ---- requests ------------------------------------------------------------------------------
     def _check(self, model: str) -> ModelCard:
         if model != self.model:
@@ -424,7 +455,8 @@ class KServeEngine:
             if prompt.tools:
                 kwargs["tools"] = list(prompt.tools)
             try:
-                return self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs)
+                # tokenize=False: the rendered text (transformers' annotation also covers token ids).
+                return cast(str, self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs))
             except Exception as e:
                 raise InvalidRequestError(
                     f"the model's chat template rejected the messages: {e}", param=param
@@ -466,7 +498,7 @@ class KServeEngine:
         if s.logprobs is not None:
             _tensor(infer, "return_logprobs", "BOOL", True)
 
-        call = self._stub.ModelStreamInfer(timeout=self.request_timeout_s or None)
+        call = self._rpc.ModelStreamInfer(timeout=self.request_timeout_s or None)
         self._calls[request.request_id] = call
         try:
             await call.write(infer)
@@ -485,14 +517,15 @@ class KServeEngine:
         # cancel the call (closing an unstarted generator runs none of its code).
         return Closing(self._stream(request, call, first, text, prompt_ids), lambda: self._end(request, call))
 
-    def _end(self, request: GenerateRequest, call) -> None:
+    def _end(self, request: GenerateRequest, call: grpc.aio.StreamStreamCall) -> None:
         """After the stream closed. A stream that ran has already settled its call; one that
         never ran still owns it: cancelling is how a KServe client aborts (the server then
         aborts the engine request)."""
-        if self._calls.get(request.request_id) is call:
-            del self._calls[request.request_id]
-            self._counts["cancelled"] += 1
-            call.cancel()
+        if request.request_id not in self._calls or self._calls[request.request_id] is not call:
+            return
+        del self._calls[request.request_id]
+        self._counts["cancelled"] += 1
+        call.cancel()
 
     async def _read(self, call) -> service_pb2.ModelInferResponse | None:
         try:
@@ -503,7 +536,8 @@ class KServeEngine:
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from a call cancelled by `abort`; only the
             # caller's own cancellation may propagate as such.
-            if call.cancelled() and not asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            if call.cancelled() and not (task is not None and task.cancelling()):
                 raise _Aborted() from None
             raise
         if message is grpc.aio.EOF:
@@ -607,7 +641,7 @@ class KServeEngine:
             infer = service_pb2.ModelInferRequest(model_name=self.model, id=f"{request.request_id}-{i}")
             _tensor(infer, "embedding_request", "BYTES", json.dumps(body).encode())
             _tensor(infer, "return_num_input_tokens", "BOOL", True)
-            call = self._stub.ModelStreamInfer(timeout=self.request_timeout_s or None)
+            call = self._rpc.ModelStreamInfer(timeout=self.request_timeout_s or None)
             try:
                 await call.write(infer)
                 await call.done_writing()

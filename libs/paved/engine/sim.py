@@ -46,7 +46,7 @@ import time
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import Metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -59,6 +59,7 @@ from paved.engine.protocol import (
     EmbedResult,
     EngineOverloadedError,
     EngineUnavailableError,
+    FinishReason,
     GenerateOutput,
     GenerateRequest,
     InvalidRequestError,
@@ -71,6 +72,9 @@ from paved.engine.protocol import (
     TokenPrompt,
     TopLogprob,
 )
+
+if TYPE_CHECKING:
+    from paved.constraints.compiler import SpecCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,11 @@ class SimConfig:
             self.kv_tokens = self.max_model_len * self.max_num_seqs
         self.validate()
 
+    @property
+    def kv_capacity(self) -> int:
+        """kv_tokens with its default applied."""
+        return self.max_model_len * self.max_num_seqs if self.kv_tokens is None else self.kv_tokens
+
     def validate(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("the sim engine needs a model name (sim://MODEL)")
@@ -120,9 +129,9 @@ class SimConfig:
             low = 0 if key in ("max_waiting", "max_logprobs") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-        if self.kv_tokens < self.max_model_len:
+        if self.kv_capacity < self.max_model_len:
             raise ValueError(
-                f"kv_tokens ({self.kv_tokens}) must hold at least one full context "
+                f"kv_tokens ({self.kv_capacity}) must hold at least one full context "
                 f"(max_model_len {self.max_model_len})"
             )
         if set(self.constraint_backends) - {"paved"}:
@@ -217,7 +226,8 @@ class HFTokenizer:
         kwargs: dict[str, Any] = {"add_generation_prompt": prompt.add_generation_prompt, "tokenize": False}
         if prompt.tools:
             kwargs["tools"] = list(prompt.tools)
-        return self._tok.apply_chat_template(list(prompt.messages), **kwargs)
+        # tokenize=False: the rendered text (transformers' annotation also covers token ids).
+        return cast(str, self._tok.apply_chat_template(list(prompt.messages), **kwargs))
 
 
 # ---- one request -----------------------------------------------------------------------------
@@ -236,7 +246,7 @@ class _Choice:
         self.text = ""  # decoded output, stop string removed
         self.sent_text = 0
         self.sent_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.reported = False
 
@@ -304,12 +314,12 @@ class SimEngine:
     def __init__(self, config: SimConfig):
         self.config = config
         self.name = config.model
-        self._tokenizer: ByteTokenizer | HFTokenizer | None = None
-        self._compiler = None
+        self._tokenizer_or_none: ByteTokenizer | HFTokenizer | None = None
+        self._compiler: SpecCompiler | None = None
         self._card: ModelCard | None = None
         self._ready = False
         self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()
         self._waiting: list[_SimRequest] = []
         self._running: list[_SimRequest] = []
         self._requests: dict[str, _SimRequest] = {}
@@ -332,6 +342,12 @@ class SimEngine:
         self.config = dataclasses.replace(self.config, tokens_per_s=value)
 
     @property
+    def _tokenizer(self) -> ByteTokenizer | HFTokenizer:
+        if self._tokenizer_or_none is None:
+            raise EngineUnavailableError(f"model {self.name!r} is still loading")
+        return self._tokenizer_or_none
+
+    @property
     def num_running(self) -> int:
         """Sequences decoding now (n per running request), as vllm:num_requests_running."""
         return sum(r.n for r in self._running)
@@ -342,7 +358,7 @@ class SimEngine:
 
     @property
     def kv_usage(self) -> float:
-        return self._kv_reserved / self.config.kv_tokens
+        return self._kv_reserved / self.config.kv_capacity
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -350,9 +366,9 @@ class SimEngine:
             return
         config = self.config
         if config.tokenizer:
-            self._tokenizer = await asyncio.to_thread(HFTokenizer, config.tokenizer)
+            self._tokenizer_or_none = await asyncio.to_thread(HFTokenizer, config.tokenizer)
         else:
-            self._tokenizer = ByteTokenizer()
+            self._tokenizer_or_none = ByteTokenizer()
         self._vocab_size = len(self._tokenizer.token_bytes)
         # Best closer first: a string's quote, then the end of an object or array, then a comma.
         self._closers = sorted(
@@ -375,7 +391,8 @@ class SimEngine:
             max_model_len=config.max_model_len,
             created=int(time.time()),
             owned_by="paved-sim",
-            constraint_backends=tuple(config.constraint_backends),
+            # validate() admits no other backend.
+            constraint_backends=("paved",) if "paved" in config.constraint_backends else (),
             max_logprobs=config.max_logprobs,
         )
         self._wake = asyncio.Event()
@@ -479,7 +496,8 @@ class SimEngine:
             )
         if c.backend != "paved":
             return self._xgrammar_constraint(c)
-        if self._compiler is None:
+        compiler = self._compiler
+        if compiler is None:
             raise InvalidRequestError("paved's constraint engine is not enabled for this model")
         from paved.constraints import spec as specs
 
@@ -488,10 +506,10 @@ class SimEngine:
             spec = c.value if specs.is_admitted(c.value, c.key) else specs.admit(c.value)[0]
             if s.ignore_eos:
                 raise ValueError(f"{specs.EXTRA_ARGS_KEY} cannot be combined with ignore_eos")
-            self._compiler.constraint(spec)  # compiled (and cached) at admission
+            compiler.constraint(spec)  # compiled (and cached) at admission
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
-        return lambda: self._compiler.new_state(spec, budget)
+        return lambda: compiler.new_state(spec, budget)
 
     def _xgrammar_constraint(self, c: Constraint):
         """Hook: the sim does not run xgrammar, so such constraints are refused."""
@@ -524,7 +542,7 @@ class SimEngine:
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         kv = s.n * (len(prompt_ids) + budget)
-        if kv > self.config.kv_tokens:
+        if kv > self.config.kv_capacity:
             raise InvalidRequestError(
                 f"the request needs {kv} KV tokens (n={s.n} x (prompt {len(prompt_ids)} + {budget})), "
                 f"more than this engine's kv_tokens ({self.config.kv_tokens}); lower max_tokens or n"
@@ -602,7 +620,7 @@ class SimEngine:
 
     def _fits(self, n: int, kv: int) -> bool:
         config = self.config
-        return self.num_running + n <= config.max_num_seqs and self._kv_reserved + kv <= config.kv_tokens
+        return self.num_running + n <= config.max_num_seqs and self._kv_reserved + kv <= config.kv_capacity
 
     def _admit(self) -> None:
         while self._waiting:
@@ -655,7 +673,8 @@ class SimEngine:
         if finished:
             req.done = True
             for c in req.choices:
-                self._success[c.finish_reason] += 1
+                if c.finish_reason is not None:  # every one is, as `finished` says
+                    self._success[c.finish_reason] += 1
             self._release(req, "finished")
 
     def _decode(self, req: _SimRequest, c: _Choice, s: SamplingOptions) -> None:

@@ -16,7 +16,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, cast  # noqa: E402
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
@@ -28,6 +28,7 @@ from vllm.inputs.engine import tokens_input  # noqa: E402
 from vllm.outputs import STREAM_FINISHED, RequestOutput  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
+from vllm.tokenizers.protocol import TokenizerLike  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: E402
@@ -80,7 +81,7 @@ class VllmEngine:
         self._registry = CollectorRegistry(auto_describe=True)
         self._paved = False
         self._defaults: dict[str, Any] = {}
-        self._tokenizer = None
+        self._tokenizer_or_none: TokenizerLike | None = None
         self._vocab_size = 0
         # Caller's request id -> AsyncLLM's internal id, for `abort`.
         self._active: dict[str, str] = {}
@@ -98,7 +99,7 @@ class VllmEngine:
             AsyncLLM.from_engine_args, args, stat_loggers=[_stat_logger_class(self._registry)]
         )
         llm = self._llm
-        self._tokenizer = llm.get_tokenizer()
+        self._tokenizer_or_none = llm.get_tokenizer()
         self._vocab_size = llm.model_config.get_vocab_size()
         self._defaults = llm.model_config.get_diff_sampling_param()
         backends: tuple = ()
@@ -219,6 +220,19 @@ class VllmEngine:
         return self._registry.collect()
 
     # ---- requests --------------------------------------------------------------------
+    # Both are set by start(); a request reaches them only after _engine_for() said so.
+    @property
+    def _tokenizer(self) -> TokenizerLike:
+        if self._tokenizer_or_none is None:
+            raise EngineUnavailableError(f"model {self.config.name!r} is still loading")
+        return self._tokenizer_or_none
+
+    @property
+    def _loaded_card(self) -> ModelCard:
+        if self._card is None:
+            raise EngineUnavailableError(f"model {self.config.name!r} is still loading")
+        return self._card
+
     def _engine_for(self, model: str) -> AsyncLLM:
         if model != self.config.name:
             raise ModelNotFoundError(f"model {model!r} is not served by this engine")
@@ -258,7 +272,8 @@ class VllmEngine:
         if prompt.tools:
             kwargs["tools"] = list(prompt.tools)
         try:
-            return self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs)
+            # tokenize=False: the rendered text (the annotation also covers token ids).
+            return cast(str, self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs))
         except Exception as e:  # jinja2 errors, or the template tripping over an input it rejects
             raise InvalidRequestError(
                 f"the model's chat template rejected the messages: {e}", param="messages"
@@ -267,7 +282,7 @@ class VllmEngine:
     def _sampling_params(
         self, s: SamplingOptions, prompt_len: int, stream: bool, param: str
     ) -> SamplingParams:
-        max_model_len = self._card.max_model_len
+        max_model_len = self._loaded_card.max_model_len
         prefill_only = s.max_tokens == 0
         if s.max_tokens is None:
             max_tokens = self._defaults.get("max_tokens") or max(max_model_len - prompt_len, 1)
@@ -320,7 +335,7 @@ class VllmEngine:
 
     async def generate(self, request: GenerateRequest) -> GenerateStream:
         llm = self._engine_for(request.model)
-        if self._card.kind != "generate":
+        if self._loaded_card.kind != "generate":
             raise InvalidRequestError(
                 f"model {request.model!r} is an embedding model; it cannot generate", param="model"
             )
@@ -402,17 +417,17 @@ class VllmEngine:
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
         llm = self._engine_for(request.model)
-        if self._card.kind != "embed":
+        if self._loaded_card.kind != "embed":
             raise InvalidRequestError(f"model {request.model!r} does not produce embeddings", param="model")
         prompts = [await self._render(p, "input") for p in request.inputs]
         for i, (ids, _) in enumerate(prompts):
             if not ids:
                 raise InvalidRequestError(f"input[{i}] is empty", param="input")
-            if len(ids) > self._card.max_model_len:
+            if len(ids) > self._loaded_card.max_model_len:
                 raise PromptTooLongError(
                     prompt_tokens=len(ids),
                     max_tokens=0,
-                    max_model_len=self._card.max_model_len,
+                    max_model_len=self._loaded_card.max_model_len,
                     param="input",
                 )
         params = PoolingParams(task="embed", dimensions=request.dimensions)
@@ -421,6 +436,8 @@ class VllmEngine:
             final = None
             async for out in llm.encode(tokens_input(ids), params, f"{request.request_id}-{i}"):
                 final = out
+            if final is None:
+                raise RuntimeError(f"vLLM ended input[{i}]'s embedding stream without an output")
             return final.outputs.data.tolist()
 
         try:
@@ -607,7 +624,8 @@ def _stat_logger_class(registry: CollectorRegistry) -> type:
     each model keeps its own series (labelled model_name) and /metrics merges them.
     """
 
-    def bound(metric_cls):
+    # Any: mypy takes no class held in a variable as a base.
+    def bound(metric_cls: Any) -> type:
         class Bound(metric_cls):
             def __init__(self, *args, **kwargs):
                 kwargs.setdefault("registry", registry)

@@ -403,7 +403,7 @@ async def rank(body: schemas.RankRequest, request: Request):
         )
     finally:
         await admitted.close()
-    ranked = []
+    ranked: list[dict[str, Any]] = []
     for i, (ids, result) in enumerate(zip(candidates, results, strict=True)):
         scored = (result.prompt_logprobs or [])[len(context) :]
         logprob = math.fsum(e.logprob for e in scored if e.logprob is not None)

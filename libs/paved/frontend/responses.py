@@ -99,7 +99,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 # ---- logprobs -------------------------------------------------------------------------------
-def _top_entry(token: str, logprob: float) -> dict[str, Any]:
+def _top_entry(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 

@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         access_log=args.access_log,
         log_level=args.log_level,
-        timeout_graceful_shutdown=config.drain_timeout_s,
+        # uvicorn annotates int but hands it to asyncio.wait_for, which takes fractions too.
+        timeout_graceful_shutdown=config.drain_timeout_s,  # type: ignore[arg-type]
     )
     server = _Server(uv_config, models)
     shown = f"[{host}]" if ":" in host else host

@@ -290,12 +290,12 @@ def _tool_mode(request: ChatCompletionRequest) -> tuple[ToolMode | None, dict | 
             raise APIError(
                 400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
             )
-        schema = _parameters(tool)
+        schema: dict[str, Any] = _parameters(tool)
         if defs:
             schema["$defs"] = defs
         return ToolMode("named", tool.function.name), schema
     # "required": a non-empty JSON array of {"name", "parameters"} calls (vLLM's shape).
-    schema: dict[str, Any] = {
+    schema = {
         "type": "array",
         "minItems": 1,
         "items": {

@@ -129,10 +129,12 @@ def _dotted(node: ast.AST) -> str:
 
 
 def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    if handler.type is None:
+        return True
     names = {
         _dotted(t) for t in (handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type])
     }
-    return handler.type is None or bool(names & {"ImportError", "ModuleNotFoundError", "Exception"})
+    return bool(names & {"ImportError", "ModuleNotFoundError", "Exception"})
 
 
 class _Collector(ast.NodeVisitor):
@@ -148,16 +150,19 @@ class _Collector(ast.NodeVisitor):
         return module.split(".")[0] in self.roots
 
     def visit_Try(self, node: ast.Try) -> None:
+        self._visit_try(node)
+
+    def visit_TryStar(self, node: ast.TryStar) -> None:
+        self._visit_try(node)
+
+    def _visit_try(self, node: ast.Try | ast.TryStar) -> None:
         guarded = any(_catches_import_error(h) for h in node.handlers)
         self._optional += guarded
         for stmt in node.body:
             self.visit(stmt)
         self._optional -= guarded
-        for part in (node.handlers, node.orelse, node.finalbody):
-            for stmt in part:
-                self.visit(stmt)
-
-    visit_TryStar = visit_Try
+        for child in [*node.handlers, *node.orelse, *node.finalbody]:
+            self.visit(child)
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -355,7 +360,8 @@ class Wheel:
                             head = a.name.split(".")[0]
                             out[head] = _Binding("module", source=(head, ""))
                 elif isinstance(node, ast.ImportFrom):
-                    src = self._absolute(module, node.level, node.module) if node.level else node.module
+                    # Only a relative import may leave out the module.
+                    src = self._absolute(module, node.level, node.module) if node.level else node.module or ""
                     for a in node.names:
                         if a.name == "*":
                             out.setdefault("*" + src, _Binding("star", source=(src, "*")))

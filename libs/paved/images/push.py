@@ -206,7 +206,7 @@ def vendor_base(reg: Registry, repository: str, digest: str, out_dir: str | Path
 
 
 def main_vendor_base(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="vendor-base", description=vendor_base.__doc__.split(";")[0])
+    ap = argparse.ArgumentParser(prog="vendor-base", description=(vendor_base.__doc__ or "").split(";")[0])
     ap.add_argument("--registry", required=True, help="HOST:PORT of the registry that mirrors the base")
     ap.add_argument("--repository", required=True, help="e.g. paved/base/gpu")
     ap.add_argument("--digest", required=True, help="the base's manifest (or index) digest")

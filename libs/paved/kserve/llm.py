@@ -225,6 +225,7 @@ class LlmModel(ServedModel):
         if unknown:
             raise invalid_argument(f"embedding_request: unknown field(s) {unknown}")
         value = body.get("input")
+        prompt: TextPrompt | TokenPrompt
         if isinstance(value, str) and value:
             prompt = TextPrompt(value)
         elif (
@@ -313,7 +314,8 @@ class _State:
             c.tokens += delta.token_count
             c.new_tokens += delta.token_count
             for lp in delta.logprobs or ():
-                c.cumulative_logprob += lp.logprob
+                if lp.logprob is not None:  # None only for a prompt's first token
+                    c.cumulative_logprob += lp.logprob
                 c.logprobs.append(lp)
                 c.new_logprobs.append(lp)
             if delta.finish_reason is not None:

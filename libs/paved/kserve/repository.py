@@ -49,7 +49,7 @@ class ModelRepository:
         self.classic = {m.name: m for m in classic}
         if len(self.classic) != len(classic):
             raise ValueError("two classic models share a name")
-        self._llm: dict[str, ServedModel] = {}
+        self._llm: dict[str, LlmModel] = {}
         self._loads: list[asyncio.Task] = []
 
     # ---- lifecycle -------------------------------------------------------------------------

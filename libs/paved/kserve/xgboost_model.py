@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 from google.protobuf import json_format
@@ -87,7 +88,7 @@ class XGBoostModel(ServedModel):
         self.model_file = os.path.join(directory, config.default_model_filename or DEFAULT_MODEL_FILE)
         self._state: ModelState = "LOADING"
         self._reason = "not loaded yet"
-        self._booster = None
+        self._booster: Any = None  # an xgboost.Booster once loaded (xgboost ships no types)
         self.batcher: DynamicBatcher | None = None
 
     @classmethod
@@ -193,7 +194,7 @@ class XGBoostModel(ServedModel):
             )
         self._state, self._reason = "READY", ""
 
-    def _load_booster(self):
+    def _load_booster(self) -> Any:
         import xgboost
 
         if not os.path.isfile(self.model_file):

@@ -91,7 +91,8 @@ def build_package(
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     placed: list[tuple[str, str]] = []  # (package-relative path, source file)
-    weights, tokenizer = [], []
+    weights: list[dict[str, Any]] = []
+    tokenizer: list[dict[str, Any]] = []
     for rel in _walk(hf_dir):
         src = os.path.join(hf_dir, rel)
         entry = {"path": rel, "sha256": sha256_file(src), "size": os.path.getsize(src)}
@@ -148,6 +149,7 @@ def _write_tar(out: str, manifest: bytes, placed: list[tuple[str, str]]) -> None
 
     raw = open(out, "wb")  # noqa: SIM115 (closed below; gzip needs mtime=0 for reproducibility)
     try:
+        fileobj: io.BufferedIOBase
         if out.endswith(".tar"):
             fileobj = raw
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import resource
@@ -30,6 +31,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("paved.launcher")
 _BUF = 256 * 1024
@@ -104,7 +106,7 @@ class Gate:
         _raise_fd_limit(2 * self.max_connections + 256)
         for route in self.routes:
             server = await asyncio.start_server(
-                lambda r, w, route=route: self._accept(r, w, route),
+                functools.partial(self._accept, route=route),
                 route.public_host,
                 route.public_port,
                 reuse_address=True,
@@ -167,8 +169,8 @@ class Gate:
         activity = [time.monotonic()]
         up = asyncio.ensure_future(_pipe(c_reader, u_writer, activity))
         down = asyncio.ensure_future(_pipe(u_reader, c_writer, activity))
-        watchers = {up, down}
-        idle = None
+        watchers: set[asyncio.Future[Any]] = {up, down}
+        idle: asyncio.Future[None] | None = None
         if self.idle_timeout_s:
             idle = asyncio.ensure_future(_idle(activity, self.idle_timeout_s))
             watchers.add(idle)
@@ -183,7 +185,7 @@ class Gate:
                 )
             elif up in done and up.result():
                 # The client half-closed after its request: the answer may still be coming.
-                rest = {down} if idle is None else {down, idle}
+                rest: set[asyncio.Future[Any]] = {down} if idle is None else {down, idle}
                 done, _ = await asyncio.wait(rest, return_when=asyncio.FIRST_COMPLETED)
                 if idle is not None and idle in done:
                     self.idle_closed += 1
@@ -281,9 +283,12 @@ class AdminServer:
         self._server: asyncio.base_events.Server | None = None
         self.address: tuple[str, int] | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Listens; returns the bound (host, port)."""
         self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
-        self.address = self._server.sockets[0].getsockname()[:2]
+        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        self.address = (bound_host, bound_port)
+        return self.address
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

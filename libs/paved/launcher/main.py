@@ -315,14 +315,21 @@ class Launcher:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
+        def settle(error: BaseException | None, result: object) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
         def work() -> None:
             try:
                 result = fn()
             except BaseException as e:
-                err = e
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
+                loop.call_soon_threadsafe(settle, e, None)
             else:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+                loop.call_soon_threadsafe(settle, None, result)
 
         threading.Thread(target=work, daemon=True, name="paved-launcher-work").start()
         stop = asyncio.ensure_future(self._stop.wait())
@@ -342,11 +349,11 @@ class Launcher:
         if args.admin_port is not None:
             admin = AdminServer(self.status, self.ready)
             try:
-                await admin.start(args.admin_host, args.admin_port)
+                admin_address = await admin.start(args.admin_host, args.admin_port)
             except OSError as e:
                 print(f"launcher: start failed: cannot bind the admin port: {e}", file=sys.stderr, flush=True)
                 return EXIT_FAILED
-            log.info("admin endpoints on http://%s:%d (/health/ready, /status)", *admin.address)
+            log.info("admin endpoints on http://%s:%d (/health/ready, /status)", *admin_address)
         state_dir = tempfile.mkdtemp(prefix="paved-launcher-")
         try:
             return await self._run(state_dir)
@@ -399,7 +406,7 @@ class Launcher:
 
         self._set_phase("starting")
         spec = child_spec(args, m, state_dir)
-        await self._start_child(spec, env)
+        child = await self._start_child(spec, env)
         if not await self._wait_ready(spec):
             return self._stopped_before_ready()
 
@@ -424,7 +431,7 @@ class Launcher:
         # Scripts and tests read this line.
         print(f"paved launcher: ready: {m.package.model_id}:{m.package.version} on {ports}", flush=True)
 
-        child_exit = asyncio.ensure_future(self.child.wait())
+        child_exit = asyncio.ensure_future(child.wait())
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({child_exit, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not stop.done():
@@ -460,7 +467,7 @@ class Launcher:
         except plugins.PluginError as e:
             raise LaunchError(str(e)) from None
 
-    async def _start_child(self, spec: ChildSpec, env: dict[str, str]) -> None:
+    async def _start_child(self, spec: ChildSpec, env: dict[str, str]) -> asyncio.subprocess.Process:
         log.info("starting: %s", shlex.join(spec.argv))
         try:
             self.child = await asyncio.create_subprocess_exec(
@@ -477,6 +484,7 @@ class Launcher:
         except OSError as e:
             raise LaunchError(f"cannot start {spec.argv[0]}: {e}") from None
         self._tee = asyncio.ensure_future(self._tee_output(self.child.stdout))
+        return self.child
 
     async def _tee_output(self, stream: asyncio.StreamReader | None) -> None:
         if stream is None:

@@ -15,6 +15,7 @@ match is fetched once more (a flip in transit), then the start fails; nothing pa
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -272,7 +273,9 @@ class Materializer:
             # (two launchers each waiting for the other's blob would deadlock otherwise).
             for n, lock in theirs:
                 with lock.held(
-                    waiting=lambda n=n: log.info("%s: another launcher is fetching it; waiting", n.label)
+                    waiting=functools.partial(
+                        log.info, "%s: another launcher is fetching it; waiting", n.label
+                    )
                 ):
                     if cache.has_blob(n.sha256, n.size):
                         progress.add(n.size)

@@ -27,14 +27,14 @@ import hashlib
 import json
 import posixpath
 import re
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paved.images.lock import engine_override_error
 
 MODEL_JSON = "model.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 _SHA256 = r"^[0-9a-f]{64}$"
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 

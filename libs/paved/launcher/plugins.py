@@ -131,9 +131,13 @@ def _child_main(argv: list[str]) -> int:
     allow = os.environ.get("VLLM_PLUGINS")
     if allow is not None:
         allowed = {n.strip() for n in allow.split(",") if n.strip()}
-        for ep in eps:
-            if ep["from_package"] and ep["group"] == "vllm.general_plugins" and ep["name"] not in allowed:
-                errors.append(f"plugin {ep['name']!r} is not in VLLM_PLUGINS={allow!r}; vLLM would skip it")
+        for info in eps:
+            if (
+                info["from_package"]
+                and info["group"] == "vllm.general_plugins"
+                and info["name"] not in allowed
+            ):
+                errors.append(f"plugin {info['name']!r} is not in VLLM_PLUGINS={allow!r}; vLLM would skip it")
     with contextlib.suppress(BrokenPipeError):
         print(json.dumps({"entry_points": eps, "errors": errors}), flush=True)
     return 0

@@ -291,8 +291,8 @@ class Downloader:
                 failed = [f for f in done if f.exception() is not None]
                 if failed:
                     cancel.set()
-                    for f in pending:
-                        f.cancel()
+                    for fut in pending:
+                        fut.cancel()
                     wait(pending)
                     raise failed[0].exception()  # type: ignore[misc]
             result = {}

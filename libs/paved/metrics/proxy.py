@@ -208,6 +208,8 @@ class MetricsProxy:
         """The upstream's exposition text, validated; raises UpstreamError."""
         deadline = time.monotonic() + self.timeout_s
         url = urllib.parse.urlsplit(upstream.url)
+        if not url.hostname:
+            raise UpstreamError("config", f"upstream URL {upstream.url!r} names no host")
         conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(url.hostname, url.port, timeout=self.timeout_s)
         try:

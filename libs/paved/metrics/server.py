@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"metrics_proxy: {e}", file=sys.stderr)
         return 2
     server = make_server(proxy, args.host, args.port)
-    host, port = server.server_address[:2]
+    host, port = server.socket.getsockname()[:2]
     stop = threading.Event()
 
     def on_signal(*_: object) -> None:
