@@ -211,7 +211,7 @@ class CompileCache:
     def _run(self, key: str, spec: dict, future: Future) -> None:
         try:
             compiled = self._compile(spec)
-        except BaseException as e:  # handed to whoever waits on the future
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             with self._lock:
                 self._inflight.pop(key, None)
                 if isinstance(e, Exception):

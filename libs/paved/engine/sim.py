@@ -560,7 +560,7 @@ class SimEngine:
             choices.append(
                 _Choice(
                     index,
-                    random.Random(seed if greedy else seed + index),
+                    random.Random(seed if greedy else seed + index),  # noqa: S311 - simulated sampling, not secrets
                     list(reversed(self._tokenizer.encode(script, add_special_tokens=False)))
                     if script is not None
                     else None,

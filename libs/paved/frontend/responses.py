@@ -205,7 +205,7 @@ async def guarded_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
             yield event
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
         error = to_api_error(e)
         yield sse(error_body(error.status, error.message, error.param, error.code))
 
@@ -309,7 +309,7 @@ async def merge(
         try:
             async for out in stream:
                 await queue.put((i, out))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put((i, e))
             return
         await queue.put((i, done))

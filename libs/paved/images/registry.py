@@ -160,7 +160,7 @@ class Registry:
                     ok=(201,),
                 )
         else:
-            assert data is not None
+            assert data is not None  # noqa: S101 - the branch above took the no-data case
             self.request(
                 "PUT",
                 target,

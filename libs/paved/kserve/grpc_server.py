@@ -208,7 +208,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     f"model '{model.name}' sent {len(results)} responses; use ModelStreamInfer for it"
                 )
             return encode_response(model, request.id, results[0])
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every error becomes a gRPC status
             error = from_exception(e)
         await context.abort(error.code, error.message)
 
@@ -256,7 +256,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await aclose(responses)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - one request's error ends that request only
                 await fail(request, model.name if model else request.model_name, from_exception(e))
 
         async def read() -> None:
@@ -280,7 +280,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 # The client half-closed: finish what it sent, then end the call.
                 while tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the writer is told
                 failed = e
             # Not in a `finally`: a cancelled reader must not wait for room in a queue nobody reads.
             await queue.put(done)

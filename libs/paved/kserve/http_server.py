@@ -420,7 +420,7 @@ def create_http_app(
             try:
                 async for response in responses:
                     yield b"data: " + json.dumps(_generate_json(model, response)).encode() + b"\n\n"
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
                 yield b"data: " + json.dumps({"error": from_exception(e).message}).encode() + b"\n\n"
 
         return _EventStream(events(), responses)

@@ -326,7 +326,7 @@ class Launcher:
         def work() -> None:
             try:
                 result = fn()
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - re-raised by the awaiting coroutine
                 loop.call_soon_threadsafe(settle, e, None)
             else:
                 loop.call_soon_threadsafe(settle, None, result)
@@ -374,7 +374,10 @@ class Launcher:
 
     async def _run(self, state_dir: str) -> int:
         args = self.args
-        metrics_path = os.path.abspath(args.metrics_dir) if args.metrics_dir else None
+        # abspath reads the working directory: a syscall, kept off the loop like the others.
+        metrics_path = (
+            await asyncio.to_thread(os.path.abspath, args.metrics_dir) if args.metrics_dir else None
+        )
         if metrics_path:
             try:
                 self._metrics_lock = metrics_dir.prepare(metrics_path)
@@ -526,7 +529,7 @@ class Launcher:
 
     async def _wait_ready(self, spec: ChildSpec) -> bool:
         """True once the child answers 200; False on a stop signal; LaunchError otherwise."""
-        assert self.child is not None
+        assert self.child is not None  # noqa: S101 - set by _start_child, which ran before
         deadline = time.monotonic() + self.args.start_timeout
         port = spec.ports["http"]
         while True:
@@ -556,7 +559,7 @@ class Launcher:
 
     async def _drain(self, child_exit: asyncio.Future) -> int:
         args = self.args
-        assert self.gate is not None and self.child is not None
+        assert self.gate is not None and self.child is not None  # noqa: S101 - set before ready
         self._set_phase("draining")
         self.gate.close_listeners()
         open_conns = self.gate.open_connections

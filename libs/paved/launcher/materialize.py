@@ -299,7 +299,7 @@ class Materializer:
             got.update(self.downloader.fetch_all(remote, progress))
             for tmp, n in temps.items():
                 if n.member is not None:
-                    assert tar is not None
+                    assert tar is not None  # noqa: S101 - members come only from a tarball
                     got[tmp] = _extract_member(tar, n, tmp, progress)
             bad = [(tmp, n) for tmp, n in temps.items() if got[tmp] != n.sha256]
             for tmp, n in temps.items():
@@ -401,7 +401,7 @@ def _extract_member(tar: tarfile.TarFile, need: _Need, dest: str, progress: Prog
         )
     h = hashlib.sha256()
     src = tar.extractfile(info)
-    assert src is not None
+    assert src is not None  # noqa: S101 - _check_member admitted only regular files
     with open(dest, "wb") as out:
         while chunk := src.read(4 << 20):
             h.update(chunk)

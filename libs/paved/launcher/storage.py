@@ -265,7 +265,7 @@ class Downloader:
 
     def _backoff(self, attempt: int) -> float:
         cfg = self.config
-        return min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+        return min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)  # noqa: S311 - retry jitter
 
     def fetch_all(self, fetches: Sequence[Fetch], progress: Progress | None = None) -> dict[str, str]:
         """Fetch every file; returns {dest: sha256}. On failure raises TransferError (temp files

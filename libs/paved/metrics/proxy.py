@@ -183,8 +183,10 @@ class MetricsProxy:
                 self._warn_once("corrupt", f, f"skipping metrics file {f}: {problem}")
         try:
             return list(MultiProcessCollector.merge(files, accumulate=True)), len(corrupt), True
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - any file may be the bad one: find it below, one by one
+            log.debug(
+                "merging %d metrics files failed (%s: %s); checking each", len(files), type(e).__name__, e
+            )
         good = []
         for f in files:
             try:
@@ -192,14 +194,14 @@ class MetricsProxy:
                 good.append(f)
             except FileNotFoundError:
                 continue  # removed since the glob (a dead process's live gauge)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a torn or foreign file is skipped, reported once
                 corrupt.append(f)
                 self._warn_once(
                     "corrupt", f, f"skipping unreadable metrics file {f}: {type(e).__name__}: {e}"
                 )
         try:
             return list(MultiProcessCollector.merge(good, accumulate=True)), len(corrupt), True
-        except Exception as e:  # files changed between the checks: give up on this scrape
+        except Exception as e:  # noqa: BLE001 - files changed between the checks: give up on this scrape
             self._warn_once("corrupt", path, f"cannot merge {path}: {type(e).__name__}: {e}")
             return [], len(corrupt), False
 
@@ -318,7 +320,7 @@ class MetricsProxy:
             return self.fetch(upstream), time.monotonic() - t0, None
         except UpstreamError as e:
             return "", time.monotonic() - t0, e
-        except Exception as e:  # never let one upstream fail the scrape
+        except Exception as e:  # noqa: BLE001 - never let one upstream fail the scrape
             return "", time.monotonic() - t0, UpstreamError("internal", f"{type(e).__name__}: {e}")
 
     def render_safely(self) -> bytes:
