@@ -251,17 +251,20 @@ class Downloader:
             except Exception as e:
                 if not _classify(e) or attempt == cfg.max_attempts:
                     raise TransferError(f"{what}: {type(e).__name__}: {e}") from e
-                delay = self._backoff(attempt)
-                log.warning(
-                    "%s: attempt %d failed (%s: %s); retrying in %.2fs",
-                    what,
-                    attempt,
-                    type(e).__name__,
-                    e,
-                    delay,
-                )
-                time.sleep(delay)
+                self._pause_before_retry(what, attempt, e)
         raise AssertionError("unreachable")
+
+    def _pause_before_retry(self, what: str, attempt: int, error: BaseException) -> None:
+        delay = self._backoff(attempt)
+        log.warning(
+            "%s: attempt %d failed (%s: %s); retrying in %.2fs",
+            what,
+            attempt,
+            type(error).__name__,
+            error,
+            delay,
+        )
+        time.sleep(delay)
 
     def _backoff(self, attempt: int) -> float:
         cfg = self.config
@@ -338,16 +341,7 @@ class Downloader:
                         f"{what}: {type(e).__name__}: {e}"
                         + (f" (after {attempt} attempts)" if attempt > 1 else "")
                     ) from e
-                delay = self._backoff(attempt)
-                log.warning(
-                    "%s: attempt %d failed (%s: %s); retrying in %.2fs",
-                    what,
-                    attempt,
-                    type(e).__name__,
-                    e,
-                    delay,
-                )
-                time.sleep(delay)
+                self._pause_before_retry(what, attempt, e)
         job.part_done(i)
 
     def _get_range(
