@@ -1,6 +1,7 @@
 #include "cc/constraints/batch_masker.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -93,7 +94,72 @@ void ThreadPool::WorkerLoop(int thread_index) {
   }
 }
 
+FillTuner::FillTuner(bool can_wake, bool can_stream) {
+  for (int p = 0; p < kPlans; ++p) allowed_[p] = (can_wake || !(p & kWakeNow)) && (can_stream || !(p & kStream));
+}
+
+double FillTuner::Median(const Plan& p) const {
+  const int n = std::min(p.n, kWindow);
+  double v[kWindow];
+  std::copy(p.ns_per_byte, p.ns_per_byte + n, v);
+  std::nth_element(v, v + n / 2, v + n);
+  return v[n / 2];
+}
+
+int FillTuner::BestLocked(const SizeClass& c) const {
+  int best = -1;
+  double best_ns = 0;
+  for (int p = 0; p < kPlans; ++p) {
+    if (!allowed_[p]) continue;
+    if (c.plans[p].n < kWarmup) return -1;
+    const double ns = Median(c.plans[p]);
+    if (best < 0 || ns < best_ns) best = p, best_ns = ns;
+  }
+  return best;
+}
+
+int FillTuner::Best(int size_class) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return BestLocked(classes_[size_class]);
+}
+
+int FillTuner::Pick(int64_t bytes, int* size_class) {
+  int k = 0;
+  while (k + 1 < kClasses && bytes >= (kMinBytes << (k + 1))) ++k;
+  *size_class = k;
+  std::lock_guard<std::mutex> lock(mu_);
+  SizeClass& c = classes_[k];
+  ++c.calls;
+  // Warm-up: the allowed plan with the fewest calls, so each gets kWarmup in turn.
+  int fewest = -1;
+  for (int p = 0; p < kPlans; ++p)
+    if (allowed_[p] && c.plans[p].n < kWarmup && (fewest < 0 || c.plans[p].n < c.plans[fewest].n)) fewest = p;
+  if (fewest >= 0) return fewest;
+  const int best = BestLocked(c);
+  if (c.calls % kExploreEvery == 0) {
+    for (int step = 0; step < kPlans; ++step) {
+      const int p = c.next_explore;
+      c.next_explore = (c.next_explore + 1) % kPlans;
+      if (allowed_[p] && p != best) return p;
+    }
+  }
+  return best;
+}
+
+void FillTuner::Record(int size_class, int plan, int64_t bytes, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Plan& p = classes_[size_class].plans[plan];
+  p.ns_per_byte[p.n % kWindow] = 1e9 * seconds / static_cast<double>(bytes);
+  ++p.n;
+}
+
 namespace {
+
+int PlanFromEnvironment() {
+  const char* v = std::getenv("PAVED_CONSTRAINTS_FILL_PLAN");
+  if (v == nullptr || v[0] < '0' || v[0] > '3' || v[1] != '\0') return -1;
+  return v[0] - '0';
+}
 
 // A call that writes at least this much (bitmask or logits) wakes the pool's workers at once
 // rather than after wake_after. On the 2-core VM a woken worker starts tens of µs later; a
@@ -119,7 +185,10 @@ int CheckedNumThreads(int num_threads) {
 }  // namespace
 
 BatchMasker::BatchMasker(int32_t vocab_size, int num_threads, std::chrono::microseconds wake_after)
-    : vocab_size_(CheckedVocabSize(vocab_size)), pool_(CheckedNumThreads(num_threads), wake_after) {
+    : vocab_size_(CheckedVocabSize(vocab_size)),
+      pool_(CheckedNumThreads(num_threads), wake_after),
+      tuner_(pool_.num_threads() > 1, HaveStreamingStores()),
+      forced_plan_(PlanFromEnvironment()) {
   scratch_.assign(static_cast<size_t>(pool_.num_threads()), std::vector<uint32_t>(static_cast<size_t>(num_words())));
   all_allowed_.assign(static_cast<size_t>(num_words()), ~0u);
   if (vocab_size_ % 32 != 0) all_allowed_.back() = (1u << (vocab_size_ % 32)) - 1;
@@ -134,17 +203,36 @@ void BatchMasker::Validate(const State* const* states, int64_t rows) const {
   }
 }
 
+void BatchMasker::set_fill_plan(int plan) {
+  if (plan < -1 || plan >= FillTuner::kPlans)
+    throw ConstraintError("fill plan must be in [-1, 3], got " + std::to_string(plan));
+  forced_plan_.store(plan, std::memory_order_relaxed);
+}
+
 void BatchMasker::FillBitmask(const State* const* states, int64_t rows, int32_t* bitmask) {
   const int64_t words = num_words();
-  const bool heavy = rows * words * 4 >= kWakeNowBytes;
+  const int64_t bytes = rows * words * 4;
+  int plan = forced_plan_.load(std::memory_order_relaxed);
+  int size_class = -1;
+  if (plan < 0 && bytes >= FillTuner::kMinBytes) plan = tuner_.Pick(bytes, &size_class);
+  if (plan < 0) plan = bytes >= kWakeNowBytes ? FillTuner::kWakeNow : 0;  // the default, untuned
+  const bool stream = (plan & FillTuner::kStream) != 0;
+  const auto start = std::chrono::steady_clock::now();
   pool_.Run(rows, [&](int64_t i, int) {
     auto* row = reinterpret_cast<uint32_t*>(bitmask + i * words);
-    if (states[i] != nullptr) {
-      states[i]->FillMask(row);
-      return;
+    const uint32_t* mask = all_allowed_.data();
+    std::shared_ptr<const CachedMask> hold;
+    if (states[i] != nullptr) mask = states[i]->Mask(row, &hold);
+    if (mask == row) return;  // built in place (finished state, budget-restricted miss)
+    if (stream) {
+      CopyMaskRowStreaming(row, mask, words);
+    } else {
+      std::memcpy(row, mask, static_cast<size_t>(words) * 4);
     }
-    std::memcpy(row, all_allowed_.data(), static_cast<size_t>(words) * 4);
-  }, heavy);
+  }, (plan & FillTuner::kWakeNow) != 0);
+  if (size_class >= 0)
+    tuner_.Record(size_class, plan, bytes,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 int64_t BatchMasker::FillUniqueBitmask(const State* const* states, int64_t rows, int32_t* unique,

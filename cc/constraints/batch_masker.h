@@ -81,6 +81,57 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
+// How a large FillBitmask call writes its rows: bit 0 wakes the pool's workers at once (else
+// the caller starts alone and wakes them after wake_after), bit 1 copies cached masks with
+// streaming stores (CopyMaskRowStreaming) instead of memcpy.
+//
+// Which is fastest depends on the CPU and on the load, and the differences are large: at B=64,
+// V=128k (1 MiB), after a 32 MiB write, the 2-core Intel Xeon VM took 79 µs with two threads
+// against 122 µs alone, streaming stores were 35% slower there; the 2-vCPU AMD EPYC VM under
+// load ~3 took 82-88 µs alone, 108-121 µs with the worker woken (a wake can deschedule the
+// caller: up to 1.3 ms at load 8), and streaming stores cut the copy of cold rows by ~30%
+// (docs/benchmarks.md, "AMD EPYC"). So the masker measures: per size class, each allowed plan
+// runs a few calls, then the plan with the lowest median time per byte over its last kWindow
+// calls is used, and every kExploreEvery-th call re-measures another plan, so a change of load
+// moves the choice. Only the timing differs between plans, never the bits written.
+class FillTuner {
+ public:
+  static constexpr int kPlans = 4;
+  static constexpr int kWakeNow = 1;
+  static constexpr int kStream = 2;
+  // Calls that write less than this keep the default plan (0): at 256 KiB and below a call
+  // costs tens of µs and two clock reads and a lock would be a visible share of it.
+  static constexpr int64_t kMinBytes = int64_t{256} << 10;
+  static constexpr int kWindow = 4;
+  static constexpr int kWarmup = 2;
+  static constexpr int kExploreEvery = 8;
+
+  FillTuner(bool can_wake, bool can_stream);
+  // The plan for a call writing `bytes`, and its size class (pass both to Record).
+  int Pick(int64_t bytes, int* size_class);
+  void Record(int size_class, int plan, int64_t bytes, double seconds);
+  // The plan Pick would use now outside exploration (-1 before every plan has kWarmup calls).
+  int Best(int size_class) const;
+
+ private:
+  static constexpr int kClasses = 8;  // kMinBytes * 2^k, the last one open-ended
+  struct Plan {
+    double ns_per_byte[kWindow] = {};
+    int n = 0;  // calls recorded, the window holds min(n, kWindow) of them
+  };
+  struct SizeClass {
+    Plan plans[kPlans];
+    uint64_t calls = 0;
+    int next_explore = 0;
+  };
+  double Median(const Plan& p) const;
+  int BestLocked(const SizeClass& c) const;
+
+  bool allowed_[kPlans];
+  mutable std::mutex mu_;
+  SizeClass classes_[kClasses];
+};
+
 class BatchMasker {
  public:
   // Throws ConstraintError for vocab_size outside [1, kMaxVocabSize] or num_threads
@@ -94,8 +145,14 @@ class BatchMasker {
   // Throws ConstraintError unless every non-null state uses this vocabulary size. Call it
   // before FillBitmask / FillUniqueBitmask / Apply, which assume it.
   void Validate(const State* const* states, int64_t rows) const;
-  // bitmask: int32 [rows, num_words()]. Rows without a state allow every token.
+  // bitmask: int32 [rows, num_words()]. Rows without a state allow every token. Calls that
+  // write at least FillTuner::kMinBytes pick their plan with fill_tuner().
   void FillBitmask(const State* const* states, int64_t rows, int32_t* bitmask);
+  // -1 (the default): measure (FillTuner); 0-3: always this FillTuner plan, whatever the size
+  // (tests, and pinning a plan by hand: PAVED_CONSTRAINTS_FILL_PLAN=0..3 in the environment
+  // when the masker is built).
+  void set_fill_plan(int plan);
+  const FillTuner& fill_tuner() const { return tuner_; }
   // The same masks, each distinct one written once, for a consumer that gathers rows on the
   // device: row i's mask is unique[row_index[i]]. unique: int32 [rows, num_words()], of which
   // the first n (returned) rows hold the masks and the rest are scratch (unspecified
@@ -114,6 +171,8 @@ class BatchMasker {
  private:
   int32_t vocab_size_;
   ThreadPool pool_;
+  FillTuner tuner_;
+  std::atomic<int> forced_plan_{-1};
   std::vector<std::vector<uint32_t>> scratch_;  // one mask row per pool thread
   std::vector<uint32_t> all_allowed_;           // the mask of rows without a state
   // FillUniqueBitmask's per-call scratch, kept to avoid allocating per step (one call at a

@@ -118,6 +118,70 @@ TEST(BatchMasker, UniqueBitmaskGathersToTheFullBitmask) {
   }
 }
 
+// Every fill plan (threads woken or not, memcpy or streaming stores) writes the same bits, at
+// a size the tuner measures (>= FillTuner::kMinBytes) and in a small batch, forced or picked.
+TEST(BatchMasker, EveryFillPlanWritesTheSameBits) {
+  const auto& vocab = SharedVocab();
+  const Batch b = MakeBatch();
+  const int64_t words = vocab->num_words();
+  // Odd row counts and an offset start: rows straddle 32-byte boundaries, so the streaming
+  // copy's unaligned head and tail are exercised.
+  for (int64_t rows : {int64_t{7}, FillTuner::kMinBytes / (words * 4) + 3}) {
+    std::vector<const State*> states(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) states[static_cast<size_t>(i)] = b.rows[static_cast<size_t>(i) % b.rows.size()];
+    std::vector<int32_t> expected(static_cast<size_t>(rows * words));
+    BatchMasker reference(vocab->size(), 1);
+    reference.set_fill_plan(0);
+    reference.FillBitmask(states.data(), rows, expected.data());
+    for (int threads : {1, 2}) {
+      BatchMasker masker(vocab->size(), threads, std::chrono::microseconds(0));
+      for (int plan = -1; plan < FillTuner::kPlans; ++plan) {
+        masker.set_fill_plan(plan);
+        // Auto (-1) runs enough calls to pass the warm-up and an exploration step.
+        const int calls = plan < 0 ? FillTuner::kPlans * FillTuner::kWarmup + FillTuner::kExploreEvery + 1 : 2;
+        for (int c = 0; c < calls; ++c) {
+          std::vector<int32_t> bitmask(static_cast<size_t>(rows * words) + 1, 0x5a5a5a5a);
+          masker.FillBitmask(states.data(), rows, bitmask.data() + 1);
+          ASSERT_TRUE(std::equal(expected.begin(), expected.end(), bitmask.begin() + 1))
+              << "rows " << rows << " threads " << threads << " plan " << plan << " call " << c;
+          EXPECT_EQ(bitmask[0], 0x5a5a5a5a);
+        }
+      }
+      EXPECT_THROW(masker.set_fill_plan(4), ConstraintError);
+    }
+  }
+}
+
+TEST(FillTuner, WarmsEveryAllowedPlanThenPicksTheFastest) {
+  FillTuner tuner(/*can_wake=*/true, /*can_stream=*/false);  // plans 0 and 1 allowed
+  const int64_t bytes = FillTuner::kMinBytes;
+  int seen[FillTuner::kPlans] = {};
+  for (int c = 0; c < 2 * FillTuner::kWarmup; ++c) {
+    int k;
+    const int plan = tuner.Pick(bytes, &k);
+    ASSERT_TRUE(plan == 0 || plan == 1) << plan;
+    ++seen[plan];
+    tuner.Record(k, plan, bytes, plan == 1 ? 1e-5 : 2e-5);  // plan 1 is twice as fast
+  }
+  EXPECT_EQ(seen[0], FillTuner::kWarmup);
+  EXPECT_EQ(seen[1], FillTuner::kWarmup);
+  EXPECT_EQ(tuner.Best(0), 1);
+  // Exploitation picks plan 1 except on every kExploreEvery-th call, which re-measures plan 0.
+  int zeros = 0;
+  for (int c = 0; c < 4 * FillTuner::kExploreEvery; ++c) {
+    int k;
+    const int plan = tuner.Pick(bytes, &k);
+    zeros += plan == 0;
+    tuner.Record(k, plan, bytes, plan == 1 ? 1e-5 : 2e-5);
+  }
+  EXPECT_EQ(zeros, 4);
+  // A size class of its own: larger calls start their warm-up afresh.
+  int k;
+  tuner.Pick(8 * bytes, &k);
+  EXPECT_EQ(k, 3);
+  EXPECT_EQ(tuner.Best(3), -1);
+}
+
 TEST(BatchMasker, ApplyMasksExactlyTheDisallowedLogits) {
   const auto& vocab = SharedVocab();
   const Batch b = MakeBatch();

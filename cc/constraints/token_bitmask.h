@@ -35,6 +35,15 @@ class TokenBitmask {
   std::vector<uint32_t> words_;
 };
 
+// Whether CopyMaskRowStreaming uses non-temporal stores on this CPU (x86-64 with AVX2).
+bool HaveStreamingStores();
+
+// Copies `words` mask words to `dst` with non-temporal stores that bypass the caches, then a
+// store fence (the stores are visible to other threads once it returns); memcpy where the CPU
+// has no such stores. Which of the two is faster depends on the CPU and on what is cached:
+// BatchMasker measures both (batch_masker.h).
+void CopyMaskRowStreaming(uint32_t* dst, const uint32_t* src, int64_t words);
+
 // Writes -inf into every logit of `row` (float32 [vocab_size]) whose bit is clear in `mask`
 // (BitmaskWords(vocab_size) words).
 void ApplyMaskRow(float* row, const uint32_t* mask, int64_t vocab_size);
