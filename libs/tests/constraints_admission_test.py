@@ -71,7 +71,7 @@ def test_json_schema_specs_are_lowered_by_validation():
 def test_admit_validates_each_distinct_spec_once(monkeypatch):
     calls = []
     real = specs.validate_spec
-    monkeypatch.setattr(specs, "validate_spec", lambda raw: calls.append(raw) or real(raw))
+    monkeypatch.setattr(specs, "validate_spec", lambda raw, **kw: calls.append(raw) or real(raw, **kw))
     raw = {"type": "regex", "pattern": "admit-once-[0-9]+"}
     spec, key = specs.admit(raw)
     again, key2 = specs.admit(dict(raw))  # equal, not identical: same digest
@@ -84,7 +84,7 @@ def test_admit_memoizes_errors_too(monkeypatch):
     bad = {"type": "regex", "pattern": "(unclosed"}
     with pytest.raises(ValueError) as first:
         specs.admit(bad)
-    monkeypatch.setattr(specs, "validate_spec", lambda raw: pytest.fail("checked twice"))
+    monkeypatch.setattr(specs, "validate_spec", lambda raw, **kw: pytest.fail("checked twice"))
     with pytest.raises(ValueError) as second:
         specs.admit(dict(bad))
     assert str(second.value) == str(first.value)

@@ -95,17 +95,25 @@ def _engine(budget_s: float = 30.0) -> VllmEngine:
 CONSTRAINT = Constraint("paved", "paved", {"type": "regex", "pattern": "x"}, "k" * 64)
 
 
-def test_precompile_sends_the_spec_once_then_polls_the_key():
-    llm = ScriptedLLM("pending", "pending", "ready")
+def test_precompile_asks_by_key_sends_the_spec_once_then_polls():
+    llm = ScriptedLLM("unknown", "pending", "pending", "ready")
     asyncio.run(_engine()._precompile(llm, CONSTRAINT))
-    assert llm.calls[0] == ("paved_precompile", "k" * 64, CONSTRAINT.value)
-    assert llm.calls[1:] == [("paved_precompile", "k" * 64, None)] * 2
+    key = "k" * 64
+    assert llm.calls[0] == ("paved_precompile", key, None)
+    assert llm.calls[1] == ("paved_precompile", key, CONSTRAINT.value)
+    assert llm.calls[2:] == [("paved_precompile", key, None)] * 2
+
+
+def test_a_spec_the_worker_has_is_never_sent_again():
+    llm = ScriptedLLM("ready")
+    asyncio.run(_engine()._precompile(llm, CONSTRAINT))
+    assert llm.calls == [("paved_precompile", "k" * 64, None)]
 
 
 def test_precompile_resends_an_evicted_spec_and_accepts_unavailable():
-    llm = ScriptedLLM("pending", "unknown", "ready")
+    llm = ScriptedLLM("unknown", "pending", "unknown", "ready")
     asyncio.run(_engine()._precompile(llm, CONSTRAINT))
-    assert [c[2] is not None for c in llm.calls] == [True, False, True]
+    assert [c[2] is not None for c in llm.calls] == [False, True, False, True]
     llm = ScriptedLLM("unavailable")
     asyncio.run(_engine()._precompile(llm, CONSTRAINT))  # compiles at its first step instead
     assert len(llm.calls) == 1

@@ -25,6 +25,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from json.encoder import encode_basestring_ascii as _ascii_json_string
 from typing import Any, NoReturn
 
 EXTRA_ARGS_KEY = "paved_constraint"
@@ -54,7 +55,7 @@ def _fail(message: str) -> NoReturn:
     raise ValueError(f"invalid {EXTRA_ARGS_KEY}: {message}")
 
 
-def validate_spec(obj: Any) -> dict:
+def validate_spec(obj: Any, *, size: int | None = None) -> dict:
     """Return the normalized spec or raise ValueError saying what is wrong and where.
 
     `obj` may be a dict or its JSON text (REST `vllm_xargs` values are often strings).
@@ -74,7 +75,7 @@ def validate_spec(obj: Any) -> dict:
     unknown = sorted(set(obj) - _FIELDS[kind])
     if unknown:
         _fail(f"unknown field(s) {unknown} for type {kind!r}")
-    if len(json.dumps(obj)) > MAX_SPEC_BYTES:
+    if (len(json.dumps(obj)) if size is None else size) > MAX_SPEC_BYTES:
         _fail(f"spec is larger than {MAX_SPEC_BYTES} bytes")
     return {"json_schema": _json_schema, "regex": _regex, "choice": _choice}[kind](obj)
 
@@ -138,7 +139,14 @@ def enum_as_choice(schema: Any) -> dict | None:
         if not values:
             return None
     try:
-        items = [json.dumps(v, separators=(",", ":"), allow_nan=False) for v in values]
+        # Strings (the catalogue case) through json's C escaper: the text json.dumps gives,
+        # without its per-call overhead on 50k values.
+        items = [
+            _ascii_json_string(v)
+            if isinstance(v, str)
+            else json.dumps(v, separators=(",", ":"), allow_nan=False)
+            for v in values
+        ]
     except (TypeError, ValueError):
         return None
     if len(items) > MAX_CHOICE_ITEMS or any(len(item) > MAX_CHOICE_ITEM_BYTES for item in items):
@@ -199,8 +207,15 @@ def json_schema_unsupported_reason(schema: Any) -> str | None:
 def spec_key(spec: Any) -> str:
     """Canonical digest of a spec: equal specs share one compiled automaton and one
     admission result. A digest, not the text, so it is cheap to carry and compare."""
-    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(_canonical(spec).encode()).hexdigest()
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 class _Admitted:
@@ -257,19 +272,22 @@ def admit(raw: Any) -> tuple[dict, str]:
         if len(raw) > MAX_SPEC_BYTES:
             _fail(f"spec is larger than {MAX_SPEC_BYTES} bytes")
         raw_key = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
+        size = None
     else:
         try:
-            raw_key = spec_key(raw)
+            text = _canonical(raw)
         except (TypeError, ValueError) as e:
             _fail(f"spec is not JSON ({e})")
+        raw_key, size = hashlib.sha256(text.encode()).hexdigest(), len(text)
     hit = _admitted.get(raw_key)
     if hit is None:
         try:
-            spec = validate_spec(raw)
+            spec = validate_spec(raw, size=size)
         except ValueError as e:
             _admitted.put(raw_key, None, None, str(e))
             raise
-        key = spec_key(spec)
+        # Already normal (all fields given): its key is the digest just taken.
+        key = raw_key if not isinstance(raw, str) and spec == raw else spec_key(spec)
         _admitted.put(raw_key, spec, key, None)
         return spec, key
     spec, key, error = hit

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import _paved_constraints as native
@@ -38,6 +37,7 @@ from vllm.v1.sample.logits_processor.interface import LogitsProcessor as V1Logit
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from paved.constraints import spec as specs
+from paved.constraints.background import background_executor
 from paved.constraints.compiler import compile_spec
 from paved.constraints.tracking import CompileCache, TrackedRequest, first_seen
 from paved.constraints.vocab import token_bytes
@@ -84,7 +84,7 @@ class _Engine:
         self.vocab = native.Vocab(token_bytes_by_id, eos_ids, vocab_size)
         self.max_model_len = max_model_len
         self.cache = CompileCache(self._compile, CACHE_ENTRIES, CACHE_BYTES)
-        self.compiles = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="paved-compile")
+        self.compiles = background_executor(COMPILE_THREADS, "paved-compile")
         # Tests hold compiles here to observe a request waiting for its automaton.
         self.compile_gate = threading.Event()
         self.compile_gate.set()

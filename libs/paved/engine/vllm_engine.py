@@ -376,7 +376,8 @@ class VllmEngine:
         The engine core answers utility calls between steps; polling backs off to 50 ms."""
         budget = self.config.constraint_compile_budget_s
         deadline = time.monotonic() + budget
-        spec: Any = constraint.value
+        # Ask by key first: a spec the worker has (any repeat) is never sent again.
+        spec: Any = None
         delay = 0.002
         while True:
             left = deadline - time.monotonic()
@@ -403,10 +404,12 @@ class VllmEngine:
                         f"the output constraint cannot be enforced for this model: {answer[7:]}"
                     )
                 if answer == "unknown":
-                    spec = constraint.value  # evicted before it was used: send it again
+                    spec = constraint.value  # new to the worker (or evicted): send it
                 pending = pending or answer in ("pending", "unknown")
             if not pending:  # "ready", or "unavailable" (no processor yet: it compiles in step)
                 return
+            if spec is not None:
+                continue  # send it at once; nothing is compiling yet
             await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
             delay = min(delay * 2, 0.05)
 

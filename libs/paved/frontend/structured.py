@@ -21,12 +21,12 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import jsonschema
 
+from paved.constraints.background import background_executor
 from paved.engine.protocol import Constraint, EngineOverloadedError, ModelCard, SamplingOptions
 from paved.frontend.errors import APIError
 from paved.frontend.schemas import (
@@ -63,7 +63,7 @@ class Resolved:
 # refused (503) instead of waiting behind an unbounded backlog.
 ADMISSION_THREADS = 2
 ADMISSION_QUEUE = 64
-_pool = ThreadPoolExecutor(max_workers=ADMISSION_THREADS, thread_name_prefix="paved-admit")
+_pool = background_executor(ADMISSION_THREADS, "paved-admit")
 _pending = threading.BoundedSemaphore(ADMISSION_QUEUE)
 
 
@@ -208,19 +208,23 @@ def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -
 
 def _route_json(schema: dict, card: ModelCard, param: str, json_object: bool) -> Constraint:
     _check_schema(schema, param)
+    reason = None
     if "paved" in card.constraint_backends:
         from paved.constraints import spec as paved_spec
 
-        if (
-            paved_spec.enum_as_choice(schema) is not None
-            or paved_spec.json_schema_unsupported_reason(schema) is None
-        ):
-            return _validated_spec({"type": "json_schema", "schema": schema, "whitespace": "compact"}, param)
+        # One check: admission either normalizes it (paved enforces it) or says why not.
+        try:
+            spec, key = paved_spec.admit({"type": "json_schema", "schema": schema, "whitespace": "compact"})
+        except ValueError as e:
+            reason = str(e)
+        else:
+            return Constraint("paved", "paved", spec, key)
     if "xgrammar" in card.constraint_backends:
         if json_object:
             return Constraint("xgrammar", "json_object")
         return Constraint("xgrammar", "json_schema", schema)
-    raise APIError(400, f"model {card.id!r} cannot enforce this JSON schema", param=param)
+    because = f" ({reason})" if reason else ""
+    raise APIError(400, f"model {card.id!r} cannot enforce this JSON schema{because}", param=param)
 
 
 def _check_schema(schema: dict, param: str) -> None:
