@@ -136,3 +136,11 @@ def test_precompile_on_a_dead_engine_is_unavailable():
 
     with pytest.raises(EngineUnavailableError):
         asyncio.run(_engine()._precompile(Dead(), CONSTRAINT))
+
+
+def test_precompile_without_the_worker_extension_leaves_the_compile_to_the_step():
+    class NoExtension:
+        async def collective_rpc(self, method, args=()):
+            raise RuntimeError("Call to collective_rpc method failed: no attribute 'paved_precompile'")
+
+    asyncio.run(_engine()._precompile(NoExtension(), CONSTRAINT))  # returns; no 500

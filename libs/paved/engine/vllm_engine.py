@@ -396,6 +396,11 @@ class VllmEngine:
                 continue
             except EngineDeadError as e:
                 raise EngineUnavailableError(f"model {self.config.name!r}: engine has stopped") from e
+            except Exception as e:  # noqa: BLE001 - the RPC is an optimization; the step compiles
+                # E.g. engine_args replaced paved's worker extension: the automaton is then built
+                # at the request's first step, as for any client of vLLM without it.
+                logger.warning("paved precompile unavailable for model %s (%s)", self.config.name, e)
+                return
             spec = None  # sent once; later calls only ask about the key
             pending = False
             for answer in answers:
