@@ -77,7 +77,10 @@ def test_admit_validates_each_distinct_spec_once(monkeypatch):
     again, key2 = specs.admit(dict(raw))  # equal, not identical: same digest
     assert again is spec and key2 == key and len(calls) == 1
     # The JSON-text form is its own raw digest (one more check), same normalized key.
-    assert specs.admit(json.dumps(raw))[1] == key and len(calls) == 2
+    from_text, text_key = specs.admit(json.dumps(raw))
+    assert text_key == key and len(calls) == 2
+    # One object per key: a holder of either stays trusted by validate_params.
+    assert from_text is spec and specs.is_admitted(spec, key)
 
 
 def test_admit_memoizes_errors_too(monkeypatch):

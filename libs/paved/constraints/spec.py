@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections import OrderedDict
 from json.encoder import encode_basestring_ascii as _ascii_json_string
 from typing import Any, NoReturn
+
+from paved.constraints.lru import LockedLRU
 
 EXTRA_ARGS_KEY = "paved_constraint"
 KEY_ARGS_KEY = "paved_constraint_key"
@@ -141,12 +141,7 @@ def enum_as_choice(schema: Any) -> dict | None:
     try:
         # Strings (the catalogue case) through json's C escaper: the text json.dumps gives,
         # without its per-call overhead on 50k values.
-        items = [
-            _ascii_json_string(v)
-            if isinstance(v, str)
-            else json.dumps(v, separators=(",", ":"), allow_nan=False)
-            for v in values
-        ]
+        items = [_ascii_json_string(v) if isinstance(v, str) else _compact(v) for v in values]
     except (TypeError, ValueError):
         return None
     if len(items) > MAX_CHOICE_ITEMS or any(len(item) > MAX_CHOICE_ITEM_BYTES for item in items):
@@ -218,48 +213,13 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-class _Admitted:
-    """Bounded LRU of admission outcomes by raw spec digest: normalized spec or the error."""
-
-    def __init__(self, capacity: int):
-        self._capacity = capacity
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, tuple[dict | None, str | None, str | None]] = OrderedDict()
-        # Identity of every normalized spec handed out and still remembered -> its key.
-        self._issued: dict[int, tuple[dict, str]] = {}
-
-    def get(self, raw_key: str):
-        with self._lock:
-            hit = self._entries.get(raw_key)
-            if hit is not None:
-                self._entries.move_to_end(raw_key)
-            return hit
-
-    def put(self, raw_key: str, spec: dict | None, key: str | None, error: str | None) -> None:
-        with self._lock:
-            previous = self._entries.get(raw_key)
-            if previous is not None and previous[0] is not None:
-                # Two threads admitted the same spec at once: the loser's object is dropped.
-                self._issued.pop(id(previous[0]), None)
-            self._entries[raw_key] = (spec, key, error)
-            self._entries.move_to_end(raw_key)
-            if spec is not None and key is not None:  # an admitted spec always has its key
-                self._issued[id(spec)] = (spec, key)
-            while len(self._entries) > self._capacity:
-                _, (dropped, _, _) = self._entries.popitem(last=False)
-                if dropped is not None:
-                    self._issued.pop(id(dropped), None)
-
-    def issued_key(self, spec: Any) -> str | None:
-        with self._lock:
-            entry = self._issued.get(id(spec))
-        return entry[1] if entry is not None and entry[0] is spec else None
-
-
 # Distinct specs remembered per process; each entry holds one normalized spec (big catalogues
 # are a few MB, so the bound is in entries of what clients actually repeat).
 ADMISSION_CACHE_ENTRIES = 256
-_admitted = _Admitted(ADMISSION_CACHE_ENTRIES)
+# Raw spec digest -> (normalized spec, its key) or the error's text.
+_outcomes: LockedLRU[str, tuple[dict, str] | str] = LockedLRU(ADMISSION_CACHE_ENTRIES)
+# Key -> the normalized spec object handed out for it (what `is_admitted` compares against).
+_issued: LockedLRU[str, dict] = LockedLRU(ADMISSION_CACHE_ENTRIES)
 
 
 def admit(raw: Any) -> tuple[dict, str]:
@@ -279,27 +239,31 @@ def admit(raw: Any) -> tuple[dict, str]:
         except (TypeError, ValueError) as e:
             _fail(f"spec is not JSON ({e})")
         raw_key, size = hashlib.sha256(text.encode()).hexdigest(), len(text)
-    hit = _admitted.get(raw_key)
-    if hit is None:
-        try:
-            spec = validate_spec(raw, size=size)
-        except ValueError as e:
-            _admitted.put(raw_key, None, None, str(e))
-            raise
-        # Already normal (all fields given): its key is the digest just taken.
-        key = raw_key if not isinstance(raw, str) and spec == raw else spec_key(spec)
-        _admitted.put(raw_key, spec, key, None)
-        return spec, key
-    spec, key, error = hit
-    if error is not None:
-        raise ValueError(error)
+    hit = _outcomes.get(raw_key)
+    if isinstance(hit, str):
+        raise ValueError(hit)
+    if hit is not None:
+        _issued.put(hit[1], hit[0])  # trusted as long as it is in use
+        return hit
+    try:
+        spec = validate_spec(raw, size=size)
+    except ValueError as e:
+        _outcomes.put(raw_key, str(e))
+        raise
+    # Already normal (all fields given): its key is the digest just taken.
+    key = raw_key if not isinstance(raw, str) and spec == raw else spec_key(spec)
+    # One object per key (the same spec sent as text and as an object, or admitted by two
+    # threads at once): every holder then passes `is_admitted`.
+    spec = _issued.get(key) or spec
+    _outcomes.put(raw_key, (spec, key))
+    _issued.put(key, spec)
     return spec, key
 
 
 def is_admitted(spec: Any, key: Any) -> bool:
     """True when `spec` is the very object `admit` returned with `key` (and still remembered):
     then it needs no re-validation. O(1), whatever the spec's size."""
-    return isinstance(key, str) and _admitted.issued_key(spec) == key
+    return isinstance(key, str) and _issued.get(key) is spec
 
 
 def check_shape(spec: Any) -> None:

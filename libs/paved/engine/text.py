@@ -18,9 +18,9 @@ def unencodable_path(value: Any, path: str = "") -> str | None:
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
         return None
-    except UnicodeEncodeError:
-        pass
-    except (TypeError, ValueError, RecursionError):  # not plain JSON data, or very deep: walk
+    # UnicodeEncodeError (a ValueError): some string is bad; TypeError: not plain JSON data;
+    # RecursionError: very deep. The walk finds the place, or that all is well.
+    except (ValueError, TypeError, RecursionError):
         pass
     return _walk(value, path)
 

@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -27,6 +26,7 @@ from typing import Any, Literal, TypeVar
 import jsonschema
 
 from paved.constraints.background import background_executor
+from paved.constraints.lru import LockedLRU
 from paved.engine.protocol import Constraint, EngineOverloadedError, ModelCard, SamplingOptions
 from paved.frontend.errors import APIError
 from paved.frontend.schemas import (
@@ -152,30 +152,9 @@ def resolve(request: SamplingFields, card: ModelCard) -> Resolved:
     return Resolved(_paved_spec(value, card, name))
 
 
-class _Routes:
-    """Bounded LRU: (schema digest, backends, json_object) -> Constraint or the 400's text."""
-
-    def __init__(self, capacity: int):
-        self._capacity = capacity
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, Constraint | str] = OrderedDict()
-
-    def get(self, key: tuple) -> Constraint | str | None:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-            return hit
-
-    def put(self, key: tuple, value: Constraint | str) -> None:
-        with self._lock:
-            self._entries[key] = value
-            while len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
-
-
 ROUTE_CACHE_ENTRIES = 256
-_routes = _Routes(ROUTE_CACHE_ENTRIES)
+# (schema digest, backends, json_object) -> the Constraint, or the 400's text.
+_routes: LockedLRU[tuple, Constraint | str] = LockedLRU(ROUTE_CACHE_ENTRIES)
 
 
 def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -> Constraint:
