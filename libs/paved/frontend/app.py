@@ -13,9 +13,10 @@ from fastapi import FastAPI
 from paved.frontend import openai_api, ops_api
 from paved.frontend.errors import install_error_handlers
 from paved.frontend.metrics import FrontendMetrics
-from paved.frontend.middleware import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware, MetricsMiddleware
+from paved.frontend.middleware import MetricsMiddleware
 from paved.frontend.registry import ModelRegistry
 from paved.frontend.state import AppState
+from paved.http.body_limit import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
 

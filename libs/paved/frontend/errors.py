@@ -7,7 +7,6 @@ to the status a client can act on: 400 fix the request, 404 wrong model, 413 too
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,19 +20,9 @@ from paved.engine.protocol import (
     InvalidRequestError,
     ModelNotFoundError,
 )
+from paved.http.errors import error_body
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "client_closed_request",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
 
 
 class APIError(Exception):
@@ -52,19 +41,6 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
 
 
 def error_response(

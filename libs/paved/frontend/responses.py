@@ -18,8 +18,9 @@ from typing import Any
 
 from paved.engine.protocol import GenerateOutput, TokenLogprob
 from paved.frontend import schemas
-from paved.frontend.errors import error_body, to_api_error
+from paved.frontend.errors import to_api_error
 from paved.frontend.structured import ToolMode
+from paved.http.errors import error_body
 
 logger = logging.getLogger(__name__)
 

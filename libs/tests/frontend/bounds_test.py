@@ -11,10 +11,10 @@ import pytest
 
 from paved.engine.protocol import ChoiceDelta, GenerateOutput
 from paved.frontend.app import create_app
-from paved.frontend.middleware import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
 from paved.frontend.registry import ModelRegistry
 from paved.frontend.responses import MERGE_QUEUE_SIZE, merge
 from paved.frontend.server import main
+from paved.http.body_limit import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
 
 
 # ---- chunked bodies buffered at once --------------------------------------------------------------
