@@ -1,0 +1,380 @@
+"""Choosing a backend for a request: version (pin, current, sticky split), health (readiness,
+passive ejection) and load balancing (weighted, least outstanding, prefix affinity with bounded
+load).
+
+Concurrency: a Router belongs to one event loop and is called only from it; every method is
+synchronous and completes without awaiting, so no locks are needed and `set_table` is atomic
+with respect to `pick`/`begin`/`end`. Do not share a Router between threads.
+
+Invariants:
+- `pick` returns only a backend of the table in force with weight > 0, not marked unready by
+  the health checker, not ejected and not in `exclude`; otherwise it raises NoBackendError.
+- Per-backend state (outstanding, ejection, readiness) is keyed by backend id and survives a
+  `set_table` for the ids that stay; a removed backend's state lives on only until its
+  in-flight requests end, so `end` after a swap never fails and nothing leaks.
+- Passive ejection never leaves more than `max_ejection_percent` of a model's backends
+  ejected (so with one backend, never); active readiness failures remove backends regardless.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from paved.gateway.errors import GatewayError, NoBackendError
+from paved.gateway.routes import Backend, ModelRoute, RoutesTable
+
+VNODES_PER_WEIGHT = 64
+MAX_VNODES_PER_BACKEND = 1024
+MAX_RING_POINTS = 262_144
+
+
+@dataclass(frozen=True)
+class Pick:
+    backend: Backend
+    alias: str
+    version: str
+
+
+@dataclass
+class _State:
+    url: str
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    ejected_until: float | None = None
+    times_ejected: int = 0
+    returned_at: float | None = None
+    # Back from an ejection and not yet succeeded: one failure re-ejects it.
+    probation: bool = False
+    # None: not checked yet, served as ready (a fresh gateway serves at once; passive ejection
+    # catches a dead backend before the first health round does).
+    ready: bool | None = None
+    # In the table in force; False for a removed backend kept until its requests end.
+    routed: bool = True
+
+
+class _Ring:
+    """A consistent-hash ring over backends, `VNODES_PER_WEIGHT` points per unit of weight."""
+
+    def __init__(self, backends: list[Backend]):
+        counts = [min(MAX_VNODES_PER_BACKEND, max(1, round(VNODES_PER_WEIGHT * b.weight))) for b in backends]
+        total = sum(counts)
+        if total > MAX_RING_POINTS:
+            counts = [max(1, c * MAX_RING_POINTS // total) for c in counts]
+        points: list[tuple[int, int]] = []
+        for index, (b, n) in enumerate(zip(backends, counts, strict=True)):
+            for v in range(n):
+                points.append((_hash64(f"{b.id}#{v}".encode()), index))
+        points.sort()
+        self.hashes = [h for h, _ in points]
+        self.owners = [i for _, i in points]
+        self.backends = backends
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+def not_found(model: str) -> GatewayError:
+    """Worded exactly like errors.ModelNotAllowedError so the two cannot be told apart."""
+    return GatewayError(
+        404,
+        f"The model '{model}' does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+class Router:
+    def __init__(
+        self,
+        table: RoutesTable,
+        *,
+        eject_after_failures: int = 3,
+        eject_base_s: float = 5.0,
+        eject_max_s: float = 60.0,
+        max_ejection_percent: float = 50.0,
+        bounded_load: float = 1.25,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ):
+        if eject_after_failures < 1:
+            raise ValueError("eject_after_failures must be >= 1")
+        if not (0 < eject_base_s <= eject_max_s):
+            raise ValueError("need 0 < eject_base_s <= eject_max_s")
+        if not 0 <= max_ejection_percent <= 100:
+            raise ValueError("max_ejection_percent must be in 0..100")
+        if not (bounded_load >= 1.0 and math.isfinite(bounded_load)):
+            # Below 1 the capacities sum to less than the load and no backend may qualify.
+            raise ValueError("bounded_load must be >= 1")
+        self._eject_after = eject_after_failures
+        self._eject_base = eject_base_s
+        self._eject_max = eject_max_s
+        self._max_eject_pct = max_ejection_percent
+        self._bounded_load = bounded_load
+        self._clock = clock
+        self._rng = rng or random.Random()  # noqa: S311 (load spreading, not security)
+        self._states: dict[str, _State] = {}
+        self._table = table
+        self._aliases_of: dict[str, tuple[str, ...]] = {}
+        self._rings: dict[tuple[str, tuple[str, ...]], _Ring] = {}
+        self.set_table(table)
+
+    # -- table ------------------------------------------------------------------------------
+
+    @property
+    def table(self) -> RoutesTable:
+        return self._table
+
+    def set_table(self, table: RoutesTable) -> None:
+        """Swap the table. State of surviving ids is kept (readiness is reset when the id's
+        url changed: it is a different server); removed ids drop once idle."""
+        if not isinstance(table, RoutesTable):
+            raise TypeError("set_table needs a RoutesTable")
+        aliases_of: dict[str, list[str]] = {}
+        urls: dict[str, str] = {}
+        for route in table.models.values():
+            for b in route.backends:
+                aliases_of.setdefault(b.id, []).append(route.alias)
+                urls[b.id] = b.url
+        for backend_id, state in list(self._states.items()):
+            if backend_id in urls:
+                continue
+            if state.outstanding > 0:
+                state.routed = False
+            else:
+                del self._states[backend_id]
+        for backend_id, url in urls.items():
+            kept = self._states.get(backend_id)
+            if kept is None:
+                self._states[backend_id] = _State(url=url)
+                continue
+            kept.routed = True
+            if kept.url != url:
+                kept.url = url
+                kept.ready = None
+        self._aliases_of = {k: tuple(v) for k, v in aliases_of.items()}
+        self._rings = {}
+        self._table = table
+
+    def aliases(self) -> list[str]:
+        return list(self._table.models)
+
+    def models(self) -> list[ModelRoute]:
+        """The routes of the table in force, in table order."""
+        return list(self._table.models.values())
+
+    @staticmethod
+    def split_model(model: str) -> tuple[str, str | None]:
+        """ "alias@version" -> (alias, version); "alias" -> (alias, None)."""
+        alias, sep, version = model.partition("@")
+        return alias, (version if sep else None)
+
+    def route(self, model: str) -> ModelRoute:
+        """The route of `model` ("alias" or "alias@version"); 404 for an unknown alias or a
+        version no backend of it serves."""
+        if not isinstance(model, str):
+            raise not_found(str(model))
+        alias, version = self.split_model(model)
+        route = self._table.models.get(alias)
+        if route is None or (version is not None and version not in route.versions):
+            raise not_found(model)
+        return route
+
+    # -- picking ----------------------------------------------------------------------------
+
+    def _sticky_version(self, route: ModelRoute, sticky_key: str) -> str:
+        shares = sorted((v, s) for v, s in (route.split or {}).items() if s > 0)
+        total = sum(s for _, s in shares)
+        # Uniform in [0, 1), identical on every replica for the same key and alias.
+        u = _hash64(f"{route.alias}\x00{sticky_key}".encode()) / 2**64
+        acc = 0.0
+        for version, share in shares:
+            acc += share / total
+            if u < acc:
+                return version
+        return shares[-1][0]
+
+    def _versions(self, route: ModelRoute, pinned: str | None, sticky_key: str) -> tuple[str, ...]:
+        if pinned is not None:
+            return (pinned,)
+        if route.current is not None:
+            return (route.current,)
+        if route.split is not None:
+            return (self._sticky_version(route, sticky_key),)
+        return route.versions
+
+    def _available(self, backend_id: str, now: float) -> bool:
+        state = self._states[backend_id]
+        if state.ready is False:
+            return False
+        return not self._ejected(state, now)
+
+    def _ejected(self, state: _State, now: float) -> bool:
+        if state.ejected_until is None:
+            return False
+        if now < state.ejected_until:
+            return True
+        # The ejection ran out: the backend returns on probation.
+        state.returned_at = state.ejected_until
+        state.ejected_until = None
+        state.consecutive_failures = 0
+        state.probation = True
+        return False
+
+    def pick(
+        self,
+        model: str,
+        *,
+        sticky_key: str,
+        affinity: bytes | None = None,
+        exclude: Collection[str] = (),
+    ) -> Pick:
+        """A backend for one request to `model`. `sticky_key` (e.g. the tenant or user) keeps a
+        caller on one version of a split; `affinity` (bytes of the prompt's leading tokens)
+        keys prefix affinity; `exclude` lists ids already tried (retries)."""
+        route = self.route(model)
+        _, pinned = self.split_model(model)
+        versions = self._versions(route, pinned, sticky_key)
+        now = self._clock()
+        in_versions = [b for b in route.backends if b.version in versions]
+        candidates = [
+            b for b in in_versions if b.weight > 0 and b.id not in exclude and self._available(b.id, now)
+        ]
+        if not candidates:
+            n = len(in_versions)
+            raise NoBackendError(
+                f"No backend can serve model '{model}' right now: none of its {n} "
+                f"backend{'s' if n != 1 else ''} is healthy."
+            )
+        if len(candidates) == 1:
+            chosen = candidates[0]
+        elif route.strategy == "weighted":
+            chosen = self._rng.choices(candidates, weights=[b.weight for b in candidates])[0]
+        elif route.strategy == "prefix_affinity" and affinity is not None:
+            chosen = self._affinity(route, versions, candidates, affinity)
+        else:
+            chosen = self._least_outstanding(candidates)
+        return Pick(chosen, route.alias, chosen.version)
+
+    def _least_outstanding(self, candidates: list[Backend]) -> Backend:
+        # (outstanding + 1) / weight: when all are idle the heavier backend still wins, and a
+        # weight-2 backend takes a second request before a weight-1 one takes its first.
+        best: list[Backend] = []
+        best_score = math.inf
+        for b in candidates:
+            score = (self._states[b.id].outstanding + 1) / b.weight
+            if score < best_score:
+                best, best_score = [b], score
+            elif score == best_score:
+                best.append(b)
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _ring(self, route: ModelRoute, versions: tuple[str, ...]) -> _Ring:
+        key = (route.alias, versions)
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = _Ring([b for b in route.backends if b.version in versions and b.weight > 0])
+            self._rings[key] = ring
+        return ring
+
+    def _affinity(
+        self, route: ModelRoute, versions: tuple[str, ...], candidates: list[Backend], affinity: bytes
+    ) -> Backend:
+        """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): walk
+        clockwise from the key's point to the first candidate below the capacity
+        ceil(c * (total + 1) / n). Some candidate is always below it since c >= 1."""
+        ring = self._ring(route, versions)
+        ids = {b.id for b in candidates}
+        total = sum(self._states[i].outstanding for i in ids)
+        cap = math.ceil(self._bounded_load * (total + 1) / len(ids))
+        start = bisect.bisect_left(ring.hashes, _hash64(affinity))
+        n_points = len(ring.hashes)
+        seen: set[int] = set()
+        for step in range(n_points):
+            owner = ring.owners[(start + step) % n_points]
+            if owner in seen:
+                continue
+            seen.add(owner)
+            b = ring.backends[owner]
+            if b.id in ids and self._states[b.id].outstanding < cap:
+                return b
+            if len(seen) == len(ring.backends):
+                break
+        return self._least_outstanding(candidates)  # unreachable while c >= 1; a safe answer
+
+    # -- request accounting and passive ejection -------------------------------------------
+
+    def begin(self, backend_id: str) -> None:
+        """A request to `backend_id` starts (pair with exactly one `end`)."""
+        state = self._states.get(backend_id)
+        if state is None:
+            # Picked under a table swapped out before the request began: track it until it ends.
+            state = self._states[backend_id] = _State(url="", routed=False)
+        state.outstanding += 1
+
+    def end(self, backend_id: str, *, ok: bool) -> None:
+        """A request ends; ok=False for a connect error, 5xx, timeout or reset."""
+        state = self._states.get(backend_id)
+        if state is None:
+            return
+        state.outstanding = max(0, state.outstanding - 1)
+        if not state.routed:
+            if state.outstanding == 0:
+                del self._states[backend_id]
+            return
+        now = self._clock()
+        if self._ejected(state, now):
+            # A request begun before the ejection: its outcome says nothing new.
+            return
+        if ok:
+            state.consecutive_failures = 0
+            state.probation = False
+            return
+        state.consecutive_failures += 1
+        if state.probation or state.consecutive_failures >= self._eject_after:
+            self._maybe_eject(backend_id, state, now)
+
+    def _maybe_eject(self, backend_id: str, state: _State, now: float) -> None:
+        for alias in self._aliases_of.get(backend_id, ()):
+            route = self._table.models[alias]
+            allowed = math.floor(len(route.backends) * self._max_eject_pct / 100)
+            ejected = sum(1 for b in route.backends if self._ejected(self._states[b.id], now))
+            if ejected + 1 > allowed:
+                return
+        if state.returned_at is not None and now - state.returned_at >= self._eject_max:
+            # Healthy for a long while since its last ejection: start the backoff over.
+            state.times_ejected = 0
+        state.times_ejected += 1
+        state.ejected_until = now + min(self._eject_max, self._eject_base * state.times_ejected)
+        state.probation = False
+        state.consecutive_failures = 0
+
+    def set_ready(self, backend_id: str, ready: bool) -> None:
+        """The health checker's verdict; unknown ids (removed meanwhile) are ignored."""
+        state = self._states.get(backend_id)
+        if state is not None and state.routed:
+            state.ready = bool(ready)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per backend id: its load and health, for an admin view or metrics."""
+        now = self._clock()
+        out: dict[str, dict[str, object]] = {}
+        for backend_id, state in self._states.items():
+            ejected = self._ejected(state, now)
+            out[backend_id] = {
+                "url": state.url,
+                "outstanding": state.outstanding,
+                "ready": state.ready is not False,
+                "checked": state.ready is not None,
+                "ejected_until": state.ejected_until if ejected else None,
+                "times_ejected": state.times_ejected,
+                "consecutive_failures": state.consecutive_failures,
+                "routed": state.routed,
+            }
+        return out

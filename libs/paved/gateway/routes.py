@@ -1,0 +1,424 @@
+"""The gateway's routes table: which model aliases exist, which backends (paved frontends) serve
+each alias and version, and how requests spread over them.
+
+File format (JSON, or TOML with `[[models]]` and `[[models.backends]]`)::
+
+    {"models": [{"alias": "tiny", "strategy": "least_outstanding",
+                 "split": {"v1": 0.9, "v2": 0.1}, "current": null,
+                 "backends": [{"url": "http://127.0.0.1:8001", "version": "v1", "weight": 1}]}]}
+
+Invariants of a `RoutesTable` built by `parse_routes` (the router relies on them):
+- aliases are unique and contain no '@' (that separates a version pin: "alias@version");
+- within a model backend ids are unique; one id names one server everywhere (the same id in two
+  models has the same urls), so per-backend state (load, ejection, readiness) is keyed by id;
+- weights are finite and >= 0 (0 = drained: routed to by nothing);
+- `split` and `current` name only versions some backend of the model serves;
+- `revision` is a hash of the normalised content: equal tables have equal revisions whatever
+  the file's format, key order or whitespace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import ipaddress
+import json
+import math
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+MAX_FILE_BYTES = 4 * 1024 * 1024
+MAX_BACKENDS = 10_000
+MAX_WEIGHT = 1_000_000.0
+MAX_AFFINITY_PREFIX_TOKENS = 65_536
+
+STRATEGIES = ("least_outstanding", "weighted", "prefix_affinity")
+KINDS = ("generate", "embed", "kserve")
+
+# Model names in the wild look like "meta-llama/Llama-3.1-8B" or "org:model+lora"; '@' is
+# reserved for version pins and whitespace/control characters would make logs ambiguous.
+_ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,255}")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+_ID = re.compile(r"[\x21-\x7e]{1,512}")
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+_MODEL_KEYS = frozenset(
+    {"alias", "backends", "strategy", "split", "current", "tokenizer", "affinity_prefix_tokens", "kind"}
+)
+_BACKEND_KEYS = frozenset(
+    {"id", "url", "version", "weight", "upstream_model", "kserve_grpc", "kserve_http", "region"}
+)
+
+
+class RoutesError(ValueError):
+    """A routes table that cannot be used; the message starts with the offending field's path
+    (e.g. "models[0].backends[1].url: ...")."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One paved frontend serving one version of a model.
+
+    `url` is the OpenAI base (it serves /v1/... and /health/ready); `kserve_grpc` is
+    "host:port", `kserve_http` a base URL. An empty `id` becomes `url`; an empty
+    `upstream_model` becomes the route's alias (see `ModelRoute`)."""
+
+    id: str
+    url: str
+    version: str
+    weight: float = 1.0
+    upstream_model: str = ""
+    kserve_grpc: str | None = None
+    kserve_http: str | None = None
+    region: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", self.url)
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """An alias and its backends. `current` is the version the bare alias follows (None: every
+    version, by `split` shares when set, else by weight); `split` maps version -> share for
+    sticky A/B (a caller's key always lands on the same version while the split is unchanged).
+    `current` takes precedence over `split` so a split can be staged before it takes effect."""
+
+    alias: str
+    backends: tuple[Backend, ...]
+    strategy: str = "least_outstanding"
+    split: Mapping[str, float] | None = None
+    current: str | None = None
+    tokenizer: str | None = None
+    affinity_prefix_tokens: int = 256
+    kind: str = "generate"
+
+    def __post_init__(self) -> None:
+        backends = tuple(
+            b if b.upstream_model else dataclasses.replace(b, upstream_model=self.alias)
+            for b in self.backends
+        )
+        object.__setattr__(self, "backends", backends)
+        if self.split is not None:
+            object.__setattr__(self, "split", MappingProxyType(dict(self.split)))
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        """The versions the backends serve, in first-seen order."""
+        return tuple(dict.fromkeys(b.version for b in self.backends))
+
+
+@dataclass(frozen=True)
+class RoutesTable:
+    models: Mapping[str, ModelRoute]
+    revision: str
+
+    @classmethod
+    def of(cls, routes: Iterable[ModelRoute]) -> RoutesTable:
+        """A validated table of already-built routes (the revision is computed): what a
+        control-plane source or a test builds without going through a file."""
+        routes = tuple(routes)
+        return parse_routes({"models": [_route_to_obj(r) for r in routes]})
+
+    def to_obj(self) -> dict[str, Any]:
+        """The table in file form (JSON-serialisable); parse_routes(t.to_obj()) == t."""
+        return {"models": [_route_to_obj(r) for r in self.models.values()]}
+
+
+class RoutesSource(Protocol):
+    """Where the live table comes from (a file today, a control-plane watch next). `start`
+    installs the first table into the router or raises RoutesError; afterwards a bad update
+    keeps the last good table and is reported in `last_error` (None once an update applies)."""
+
+    @property
+    def revision(self) -> str | None: ...
+
+    @property
+    def last_error(self) -> str | None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def _route_to_obj(r: ModelRoute) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "alias": r.alias,
+        "strategy": r.strategy,
+        "kind": r.kind,
+        "affinity_prefix_tokens": r.affinity_prefix_tokens,
+        "backends": [{k: v for k, v in dataclasses.asdict(b).items() if v is not None} for b in r.backends],
+    }
+    if r.split is not None:
+        obj["split"] = dict(r.split)
+    if r.current is not None:
+        obj["current"] = r.current
+    if r.tokenizer is not None:
+        obj["tokenizer"] = r.tokenizer
+    return obj
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+def _fail(path: str, message: str) -> RoutesError:
+    return RoutesError(f"{path}: {message}")
+
+
+def _check_keys(obj: Any, allowed: frozenset[str], path: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise _fail(path, f"must be an object, got {type(obj).__name__}")
+    unknown = sorted(str(k) for k in obj if k not in allowed)
+    if unknown:
+        raise _fail(f"{path}.{unknown[0]}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+    return obj
+
+
+def _string(obj: dict[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise _fail(f"{path}.{key}", "is required")
+        return None
+    if not isinstance(value, str):
+        raise _fail(f"{path}.{key}", f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(path, f"must be a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise _fail(path, "must be finite")
+    if number < 0:
+        raise _fail(path, f"must be >= 0, got {value}")
+    if number > MAX_WEIGHT:
+        raise _fail(path, f"must be <= {MAX_WEIGHT:g}, got {value}")
+    return number
+
+
+def _host(host: str | None, path: str) -> str:
+    """A loopback IP literal or a DNS hostname; only the shape is checked (nothing resolves)."""
+    if not host:
+        raise _fail(path, "has no host")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if not ip.is_loopback:
+            raise _fail(path, f"an IP host must be loopback, got {host}; name other hosts by hostname")
+        return host
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):
+        raise _fail(path, f"host {host!r} is not a valid hostname")
+    return host
+
+
+def _http_url(value: str, path: str) -> str:
+    """An http:// base URL (scheme, host, optional port; no path, query, fragment or user)."""
+    if len(value) > 2048:
+        raise _fail(path, "is longer than 2048 characters")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as e:
+        raise _fail(path, f"{value!r} is not a valid URL ({e})") from None
+    if parts.scheme != "http":
+        raise _fail(path, f"must be an http:// URL, got {value!r}")
+    if parts.username is not None or parts.password is not None:
+        raise _fail(path, "must not carry credentials")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise _fail(path, f"must be a base URL (scheme://host[:port]) without path or query, got {value!r}")
+    _host(parts.hostname, path)
+    if port == 0:
+        raise _fail(path, "port must be 1-65535")
+    return value.rstrip("/")
+
+
+def _host_port(value: str, path: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _fail(path, f"must be host:port, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    _host(host, path)
+    return value
+
+
+def _backend(obj: Any, path: str, alias: str, kind: str) -> Backend:
+    obj = _check_keys(obj, _BACKEND_KEYS, path)
+    url = _http_url(_string(obj, "url", path, required=True) or "", f"{path}.url")
+    version = _string(obj, "version", path, required=True) or ""
+    if "@" in version:
+        raise _fail(f"{path}.version", "must not contain '@'")
+    if not _VERSION.fullmatch(version):
+        raise _fail(f"{path}.version", f"{version!r} must match {_VERSION.pattern}")
+    backend_id = _string(obj, "id", path) or url
+    if not _ID.fullmatch(backend_id):
+        raise _fail(f"{path}.id", "must be 1-512 printable ASCII characters without spaces")
+    weight = _number(obj.get("weight", 1.0), f"{path}.weight")
+    upstream = _string(obj, "upstream_model", path) or alias
+    if len(upstream) > 512:
+        raise _fail(f"{path}.upstream_model", "is longer than 512 characters")
+    grpc = _string(obj, "kserve_grpc", path)
+    if grpc is not None:
+        _host_port(grpc, f"{path}.kserve_grpc")
+    khttp = _string(obj, "kserve_http", path)
+    if khttp is not None:
+        khttp = _http_url(khttp, f"{path}.kserve_http")
+    if kind == "kserve" and grpc is None and khttp is None:
+        raise _fail(path, "a kserve model's backend needs kserve_grpc or kserve_http")
+    region = _string(obj, "region", path)
+    if region is not None and not _ID.fullmatch(region):
+        raise _fail(f"{path}.region", "must be 1-512 printable ASCII characters without spaces")
+    return Backend(backend_id, url, version, weight, upstream, grpc, khttp, region)
+
+
+def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
+    obj = _check_keys(obj, _MODEL_KEYS, path)
+    alias = _string(obj, "alias", path, required=True) or ""
+    if "@" in alias:
+        raise _fail(
+            f"{path}.alias", f"{alias!r} contains '@', which is reserved for version pins (alias@version)"
+        )
+    if not _ALIAS.fullmatch(alias):
+        raise _fail(f"{path}.alias", f"{alias!r} must match {_ALIAS.pattern}")
+    strategy = _string(obj, "strategy", path) or "least_outstanding"
+    if strategy not in STRATEGIES:
+        raise _fail(f"{path}.strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    kind = _string(obj, "kind", path) or "generate"
+    if kind not in KINDS:
+        raise _fail(f"{path}.kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    tokenizer = _string(obj, "tokenizer", path)
+    if tokenizer is not None and not tokenizer:
+        raise _fail(f"{path}.tokenizer", "must not be empty")
+    apt = obj.get("affinity_prefix_tokens", 256)
+    if isinstance(apt, bool) or not isinstance(apt, int) or not 1 <= apt <= MAX_AFFINITY_PREFIX_TOKENS:
+        raise _fail(
+            f"{path}.affinity_prefix_tokens", f"must be an integer in 1..{MAX_AFFINITY_PREFIX_TOKENS}"
+        )
+
+    raw_backends = obj.get("backends")
+    if not isinstance(raw_backends, list) or not raw_backends:
+        raise _fail(f"{path}.backends", "must be a non-empty list")
+    budget[0] -= len(raw_backends)
+    if budget[0] < 0:
+        raise _fail(f"{path}.backends", f"the table has more than {MAX_BACKENDS} backends")
+    backends: list[Backend] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_backends):
+        b = _backend(raw, f"{path}.backends[{i}]", alias, kind)
+        if b.id in seen:
+            raise _fail(f"{path}.backends[{i}].id", f"duplicate backend id {b.id!r}")
+        seen.add(b.id)
+        backends.append(b)
+    versions = dict.fromkeys(b.version for b in backends)
+
+    current = _string(obj, "current", path)
+    if current is not None and current not in versions:
+        raise _fail(
+            f"{path}.current", f"names version {current!r}, which no backend serves ({', '.join(versions)})"
+        )
+    split = obj.get("split")
+    if split is not None:
+        if not isinstance(split, dict) or not split:
+            raise _fail(f"{path}.split", "must be a non-empty object of version -> share")
+        for version, share in split.items():
+            if version not in versions:
+                raise _fail(
+                    f"{path}.split.{version}", f"names a version no backend serves ({', '.join(versions)})"
+                )
+            _number(share, f"{path}.split.{version}")
+        if sum(float(s) for s in split.values()) <= 0:
+            raise _fail(f"{path}.split", "shares must not all be 0")
+        split = {str(v): float(s) for v, s in split.items()}
+    return ModelRoute(alias, tuple(backends), strategy, split, current, tokenizer, apt, kind)
+
+
+def parse_routes(obj: Any) -> RoutesTable:
+    """Validate a routes object (the parsed file) into a table; RoutesError names the field."""
+    obj = _check_keys(obj, frozenset({"models"}), "routes")
+    raw_models = obj.get("models")
+    if not isinstance(raw_models, list):
+        raise _fail("models", "must be a list")
+    budget = [MAX_BACKENDS]
+    models: dict[str, ModelRoute] = {}
+    urls_by_id: dict[str, tuple[str, str | None, str | None]] = {}
+    for i, raw in enumerate(raw_models):
+        route = _model(raw, f"models[{i}]", budget)
+        if route.alias in models:
+            raise _fail(f"models[{i}].alias", f"duplicate alias {route.alias!r}")
+        for j, b in enumerate(route.backends):
+            endpoints = (b.url, b.kserve_grpc, b.kserve_http)
+            if urls_by_id.setdefault(b.id, endpoints) != endpoints:
+                raise _fail(
+                    f"models[{i}].backends[{j}].id",
+                    f"backend id {b.id!r} is used by another model for different urls",
+                )
+        models[route.alias] = route
+    canonical = json.dumps([_route_to_obj(r) for r in models.values()], sort_keys=True, separators=(",", ":"))
+    revision = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return RoutesTable(MappingProxyType(models), revision)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def parse_routes_bytes(data: bytes, fmt: str, *, source: str = "routes") -> RoutesTable:
+    """Parse file content of format "json" or "toml" (bounded by MAX_FILE_BYTES)."""
+    if len(data) > MAX_FILE_BYTES:
+        raise RoutesError(f"{source}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RoutesError(f"{source}: not UTF-8 ({e})") from None
+    try:
+        if fmt == "json":
+            obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        elif fmt == "toml":
+            obj = tomllib.loads(text)
+        else:
+            raise RoutesError(f"{source}: unknown format {fmt!r} (json or toml)")
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, RoutesError):
+            raise
+        raise RoutesError(f"{source}: invalid {fmt.upper()}: {e}") from None
+    return parse_routes(obj)
+
+
+def routes_format(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix == ".json":
+        return "json"
+    if suffix == ".toml":
+        return "toml"
+    raise RoutesError(f"{path}: routes file must end in .json or .toml")
+
+
+def load_routes_file(path: str | Path) -> RoutesTable:
+    """Read and parse a .json or .toml routes file (at most MAX_FILE_BYTES). Blocking: call it
+    from a thread in async code."""
+    fmt = routes_format(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise RoutesError(f"{path}: cannot read ({e.strerror or e})") from None
+    return parse_routes_bytes(data, fmt, source=str(path))

@@ -1,0 +1,523 @@
+"""The routes table's validation and the router's choices: version pins, sticky splits,
+strategies (weighted, least outstanding, prefix affinity with bounded load), passive ejection
+and table swaps. Pure logic over an injectable clock and seeded randomness; no servers."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paved.gateway.errors import GatewayError, ModelNotAllowedError, NoBackendError
+from paved.gateway.router import Router
+from paved.gateway.routes import (
+    MAX_BACKENDS,
+    RoutesError,
+    RoutesTable,
+    parse_routes,
+    parse_routes_bytes,
+)
+
+
+def backend(port: int, version: str = "v1", weight: float = 1.0, **extra: Any) -> dict[str, Any]:
+    return {"url": f"http://127.0.0.1:{port}", "version": version, "weight": weight, **extra}
+
+
+def table(*models: dict[str, Any]) -> RoutesTable:
+    return parse_routes({"models": list(models)})
+
+
+def model(alias: str = "tiny", backends: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"alias": alias, "backends": [backend(8001)] if backends is None else backends, **extra}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("obj", "path", "fragment"),
+    [
+        ({"models": [], "extra": 1}, "routes.extra", "unknown key"),
+        ({"models": {}}, "models", "must be a list"),
+        ({"models": [model(colour="red")]}, "models[0].colour", "unknown key"),
+        (
+            {"models": [model(backends=[backend(8001, zone="a")])]},
+            "models[0].backends[0].zone",
+            "unknown key",
+        ),
+        ({"models": [model(alias="a@b")]}, "models[0].alias", "'@'"),
+        ({"models": [model(alias="")]}, "models[0].alias", "must match"),
+        ({"models": [model(alias="has space")]}, "models[0].alias", "must match"),
+        ({"models": [model(), model()]}, "models[1].alias", "duplicate alias"),
+        ({"models": [model(strategy="random")]}, "models[0].strategy", "must be one of"),
+        ({"models": [model(kind="chat")]}, "models[0].kind", "must be one of"),
+        ({"models": [model(backends=[])]}, "models[0].backends", "non-empty"),
+        (
+            {"models": [model(backends=[{"url": "https://127.0.0.1:1", "version": "v1"}])]},
+            "models[0].backends[0].url",
+            "http://",
+        ),
+        (
+            {"models": [model(backends=[{"url": "http://10.0.0.1:1", "version": "v1"}])]},
+            "models[0].backends[0].url",
+            "loopback",
+        ),
+        (
+            {"models": [model(backends=[{"url": "http://127.0.0.1:1/v1", "version": "v1"}])]},
+            "models[0].backends[0].url",
+            "without path",
+        ),
+        (
+            {"models": [model(backends=[{"url": "http://u:p@127.0.0.1:1", "version": "v1"}])]},
+            "models[0].backends[0].url",
+            "credentials",
+        ),
+        (
+            {"models": [model(backends=[{"url": "http://bad_host!:1", "version": "v1"}])]},
+            "models[0].backends[0].url",
+            "hostname",
+        ),
+        (
+            {"models": [model(backends=[{"url": "http://127.0.0.1:99999", "version": "v1"}])]},
+            "models[0].backends[0].url",
+            "not a valid URL",
+        ),
+        (
+            {"models": [model(backends=[{"url": "http://127.0.0.1:1"}])]},
+            "models[0].backends[0].version",
+            "required",
+        ),
+        ({"models": [model(backends=[{"version": "v1"}])]}, "models[0].backends[0].url", "required"),
+        ({"models": [model(backends=[backend(8001, "v@1")])]}, "models[0].backends[0].version", "'@'"),
+        ({"models": [model(backends=[backend(8001, weight=-1)])]}, "models[0].backends[0].weight", ">= 0"),
+        (
+            {"models": [model(backends=[backend(8001, weight=True)])]},
+            "models[0].backends[0].weight",
+            "number",
+        ),
+        (
+            {"models": [model(backends=[backend(8001), backend(8001)])]},
+            "models[0].backends[1].id",
+            "duplicate backend id",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, id="a"), backend(8002, id="a")])]},
+            "models[0].backends[1].id",
+            "duplicate backend id",
+        ),
+        (
+            {"models": [model("a", [backend(8001, id="x")]), model("b", [backend(8002, id="x")])]},
+            "models[1].backends[0].id",
+            "different urls",
+        ),
+        ({"models": [model(split={"v9": 1})]}, "models[0].split.v9", "no backend serves"),
+        ({"models": [model(split={"v1": -1})]}, "models[0].split.v1", ">= 0"),
+        ({"models": [model(split={"v1": 0})]}, "models[0].split", "all be 0"),
+        ({"models": [model(current="v9")]}, "models[0].current", "v9"),
+        ({"models": [model(affinity_prefix_tokens=0)]}, "models[0].affinity_prefix_tokens", "1.."),
+        (
+            {"models": [model(kind="kserve")]},
+            "models[0].backends[0]",
+            "kserve_grpc or kserve_http",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, kserve_grpc="127.0.0.1")])]},
+            "models[0].backends[0].kserve_grpc",
+            "host:port",
+        ),
+    ],
+)
+def test_parse_errors_name_the_field(obj: dict[str, Any], path: str, fragment: str) -> None:
+    with pytest.raises(RoutesError) as e:
+        parse_routes(obj)
+    assert str(e.value).startswith(path + ":"), str(e.value)
+    assert fragment in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_parse_rejects_too_many_backends() -> None:
+    many = [backend(1 + i % 60000, id=f"b{i}") for i in range(MAX_BACKENDS + 1)]
+    with pytest.raises(RoutesError, match="more than"):
+        parse_routes({"models": [model(backends=many)]})
+
+
+def test_parse_bytes_rejects_bad_json_duplicate_keys_and_nan() -> None:
+    with pytest.raises(RoutesError, match="invalid JSON"):
+        parse_routes_bytes(b"{", "json")
+    with pytest.raises(RoutesError, match="duplicate key"):
+        parse_routes_bytes(b'{"models": [], "models": []}', "json")
+    with pytest.raises(RoutesError, match="NaN"):
+        parse_routes_bytes(
+            b'{"models": [{"alias": "a", "backends": '
+            b'[{"url": "http://127.0.0.1:1", "version": "v", "weight": NaN}]}]}',
+            "json",
+        )
+    with pytest.raises(RoutesError, match="larger than"):
+        parse_routes_bytes(b" " * (4 * 1024 * 1024 + 1), "json")
+
+
+def test_parse_defaults_and_revision() -> None:
+    t = table(model(backends=[backend(8001), {"url": "http://localhost:8002/", "version": "v2", "id": "b2"}]))
+    route = t.models["tiny"]
+    assert route.strategy == "least_outstanding" and route.kind == "generate"
+    a, b = route.backends
+    assert a.id == a.url == "http://127.0.0.1:8001" and a.upstream_model == "tiny"
+    assert b.id == "b2" and b.url == "http://localhost:8002" and b.weight == 1.0
+    # Same content in another key order -> same revision; any change -> another.
+    again = parse_routes(
+        {
+            "models": [
+                {
+                    "backends": [
+                        backend(8001),
+                        {"id": "b2", "version": "v2", "url": "http://localhost:8002"},
+                    ],
+                    "alias": "tiny",
+                }
+            ]
+        }
+    )
+    assert again.revision == t.revision
+    assert RoutesTable.of(t.models.values()).revision == t.revision
+    assert parse_routes(t.to_obj()) == t
+    changed = table(
+        model(
+            backends=[backend(8001, weight=2), {"url": "http://localhost:8002", "version": "v2", "id": "b2"}]
+        )
+    )
+    assert changed.revision != t.revision
+
+
+# -- versions -------------------------------------------------------------------------------
+
+
+def two_versions(**extra: Any) -> RoutesTable:
+    return table(model(backends=[backend(8001, "v1"), backend(8002, "v2")], **extra))
+
+
+def test_version_pin_and_current() -> None:
+    r = Router(two_versions(current="v1"))
+    assert Router.split_model("tiny@v2") == ("tiny", "v2")
+    assert Router.split_model("tiny") == ("tiny", None)
+    assert {r.pick("tiny", sticky_key=str(i)).version for i in range(50)} == {"v1"}
+    pinned = {r.pick("tiny@v2", sticky_key=str(i)) for i in range(50)}
+    assert {(p.alias, p.version, p.backend.url) for p in pinned} == {("tiny", "v2", "http://127.0.0.1:8002")}
+    # No current, no split: both versions serve the bare alias.
+    r.set_table(two_versions())
+    assert {r.pick("tiny", sticky_key=str(i)).version for i in range(200)} == {"v1", "v2"}
+
+
+@pytest.mark.parametrize("name", ["tiny@v3", "nope", "nope@v1", "tiny@", "tiny@v1@v1"])
+def test_unknown_model_or_version_is_404_worded_like_not_allowed(name: str) -> None:
+    r = Router(two_versions())
+    with pytest.raises(GatewayError) as e:
+        r.pick(name, sticky_key="k")
+    expected = ModelNotAllowedError(name)
+    got = e.value
+    assert (got.status, got.message, got.code, got.param, got.headers) == (
+        expected.status,
+        expected.message,
+        expected.code,
+        expected.param,
+        expected.headers,
+    )
+    with pytest.raises(GatewayError):
+        r.route(name)
+
+
+def test_sticky_split_is_stable_and_shared_by_replicas() -> None:
+    t = two_versions(split={"v1": 0.7, "v2": 0.3})
+    a, b = Router(t, rng=random.Random(1)), Router(t, rng=random.Random(2))
+    for key in ("alice", "bob", "tenant-7", ""):
+        first = a.pick("tiny", sticky_key=key).version
+        assert {a.pick("tiny", sticky_key=key).version for _ in range(1000)} == {first}
+        assert b.pick("tiny", sticky_key=key).version == first
+
+
+def test_split_shares_over_many_keys() -> None:
+    r = Router(two_versions(split={"v1": 0.8, "v2": 0.2}))
+    counts = Counter(r.pick("tiny", sticky_key=f"user-{i}").version for i in range(10_000))
+    # Binomial sd = sqrt(10000 * 0.8 * 0.2) = 40: five sd either side.
+    assert abs(counts["v2"] - 2000) < 200, counts
+    # A version with share 0 gets nobody; current overrides the split.
+    r.set_table(two_versions(split={"v1": 1, "v2": 0}))
+    assert {r.pick("tiny", sticky_key=f"u{i}").version for i in range(500)} == {"v1"}
+    r.set_table(two_versions(split={"v1": 1, "v2": 0}, current="v2"))
+    assert {r.pick("tiny", sticky_key=f"u{i}").version for i in range(100)} == {"v2"}
+
+
+def test_chosen_version_down_is_503_not_another_version() -> None:
+    r = Router(two_versions(current="v2"))
+    r.set_ready("http://127.0.0.1:8002", False)
+    with pytest.raises(NoBackendError) as e:
+        r.pick("tiny", sticky_key="k")
+    assert e.value.status == 503 and e.value.headers["Retry-After"]
+    assert "none of its 1 backend is healthy" in e.value.message
+
+
+# -- strategies ---------------------------------------------------------------------------
+
+
+def test_weighted_shares() -> None:
+    t = table(
+        model(
+            strategy="weighted",
+            backends=[backend(8001, weight=3), backend(8002, weight=1), backend(8003, weight=0)],
+        )
+    )
+    r = Router(t, rng=random.Random(7))
+    counts = Counter(r.pick("tiny", sticky_key="k").backend.url for _ in range(10_000))
+    assert "http://127.0.0.1:8003" not in counts
+    # Expected 7500; sd = sqrt(10000 * .75 * .25) ~ 43.
+    assert abs(counts["http://127.0.0.1:8001"] - 7500) < 250, counts
+
+
+def test_least_outstanding_picks_the_idle_backend() -> None:
+    r = Router(table(model(backends=[backend(8001), backend(8002), backend(8003)])), rng=random.Random(3))
+    for url in ("http://127.0.0.1:8001", "http://127.0.0.1:8003"):
+        r.begin(url)
+        r.begin(url)
+    assert {r.pick("tiny", sticky_key="k").backend.url for _ in range(50)} == {"http://127.0.0.1:8002"}
+    # Ties break randomly: with all idle, every backend gets picked.
+    r2 = Router(table(model(backends=[backend(8001), backend(8002), backend(8003)])), rng=random.Random(3))
+    assert len({r2.pick("tiny", sticky_key="k").backend.url for _ in range(100)}) == 3
+
+
+def affinity_table(n: int = 4, **extra: Any) -> RoutesTable:
+    return table(model(strategy="prefix_affinity", backends=[backend(8001 + i) for i in range(n)], **extra))
+
+
+def test_prefix_affinity_same_prefix_same_backend() -> None:
+    r = Router(affinity_table())
+    for i in range(50):
+        key = f"system prompt {i}".encode()
+        first = r.pick("tiny", sticky_key="k", affinity=key).backend.id
+        assert {r.pick("tiny", sticky_key=str(j), affinity=key).backend.id for j in range(20)} == {first}
+    spread = {r.pick("tiny", sticky_key="k", affinity=f"p{i}".encode()).backend.id for i in range(200)}
+    assert len(spread) == 4
+
+
+def test_prefix_affinity_bounded_load_spreads_a_hot_prefix() -> None:
+    c = 1.25
+    r = Router(affinity_table(), bounded_load=c)
+    hot = b"the one hot system prompt"
+    held = []
+    for _ in range(40):
+        p = r.pick("tiny", sticky_key="k", affinity=hot)
+        r.begin(p.backend.id)
+        held.append(p.backend.id)
+    loads = Counter(held)
+    assert len(loads) == 4, loads
+    bound = math.ceil(c * 40 / 4) + 1
+    assert max(loads.values()) <= bound, loads
+    home = Router(affinity_table()).pick("tiny", sticky_key="k", affinity=hot).backend.id
+    assert held[0] == home and loads[home] == max(loads.values())
+    for backend_id in held:
+        r.end(backend_id, ok=True)
+    # Once the load is gone the hot prefix goes home again.
+    assert r.pick("tiny", sticky_key="k", affinity=hot).backend.id == home
+
+
+def test_prefix_affinity_removing_a_backend_remaps_only_its_keys() -> None:
+    r4 = Router(affinity_table(4))
+    keys = [f"prefix-{i}".encode() for i in range(4000)]
+    before = {k: r4.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
+    gone = "http://127.0.0.1:8004"
+    r3 = Router(affinity_table(3))
+    after = {k: r3.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == gone for k in moved)
+    assert 0.15 < len(moved) / len(keys) < 0.35, len(moved)
+    # Excluding it (a retry) or ejecting it remaps the same keys the same way.
+    excluded = {k: r4.pick("tiny", sticky_key="s", affinity=k, exclude=[gone]).backend.id for k in keys}
+    assert excluded == after
+
+
+def test_prefix_affinity_without_affinity_is_least_outstanding() -> None:
+    r = Router(affinity_table(2))
+    r.begin("http://127.0.0.1:8001")
+    assert {r.pick("tiny", sticky_key="k").backend.id for _ in range(20)} == {"http://127.0.0.1:8002"}
+
+
+# -- ejection and readiness ---------------------------------------------------------------
+
+
+def test_ejection_after_consecutive_failures_and_return() -> None:
+    clock = Clock()
+    r = Router(
+        table(model(backends=[backend(8001), backend(8002)])),
+        eject_after_failures=3,
+        eject_base_s=5,
+        eject_max_s=12,
+        clock=clock,
+    )
+    bad = "http://127.0.0.1:8001"
+    for ok in (False, False, True, False, False):  # a success resets the count
+        r.begin(bad)
+        r.end(bad, ok=ok)
+    assert r.snapshot()[bad]["ejected_until"] is None
+    r.begin(bad)
+    r.end(bad, ok=False)
+    assert r.snapshot()[bad]["ejected_until"] == clock.now + 5
+    assert {r.pick("tiny", sticky_key="k").backend.id for _ in range(20)} == {"http://127.0.0.1:8002"}
+    clock.now += 5
+    assert bad in {r.pick("tiny", sticky_key="k").backend.id for _ in range(50)}
+    # Back on probation: one failure re-ejects, for longer (5 * 2), then capped at eject_max_s.
+    r.begin(bad)
+    r.end(bad, ok=False)
+    assert r.snapshot()[bad]["ejected_until"] == clock.now + 10
+    clock.now += 10
+    r.begin(bad)
+    r.end(bad, ok=False)
+    assert r.snapshot()[bad]["ejected_until"] == clock.now + 12
+    clock.now += 12
+    r.begin(bad)
+    r.end(bad, ok=True)  # probation passed
+    r.begin(bad)
+    r.end(bad, ok=False)
+    assert r.snapshot()[bad]["ejected_until"] is None
+
+
+def test_max_ejection_percent_keeps_half_the_fleet() -> None:
+    clock = Clock()
+    urls = [f"http://127.0.0.1:{8001 + i}" for i in range(4)]
+    r = Router(
+        table(model(backends=[backend(8001 + i) for i in range(4)])), eject_after_failures=1, clock=clock
+    )
+    for url in urls:
+        r.begin(url)
+        r.end(url, ok=False)
+    ejected = [u for u, s in r.snapshot().items() if s["ejected_until"] is not None]
+    assert len(ejected) == 2
+    assert {r.pick("tiny", sticky_key="k").backend.id for _ in range(50)} == set(urls) - set(ejected)
+    # A single backend is never passively ejected.
+    solo = Router(table(model()), eject_after_failures=1, clock=clock)
+    for _ in range(10):
+        solo.begin("http://127.0.0.1:8001")
+        solo.end("http://127.0.0.1:8001", ok=False)
+    assert solo.pick("tiny", sticky_key="k").backend.id == "http://127.0.0.1:8001"
+    # Readiness failures remove backends regardless.
+    solo.set_ready("http://127.0.0.1:8001", False)
+    with pytest.raises(NoBackendError, match="none of its 1 backend"):
+        solo.pick("tiny", sticky_key="k")
+    solo.set_ready("http://127.0.0.1:8001", True)
+    assert solo.pick("tiny", sticky_key="k").backend.id == "http://127.0.0.1:8001"
+
+
+def test_set_table_keeps_state_of_surviving_backends() -> None:
+    r = Router(table(model(backends=[backend(8001), backend(8002)])))
+    r.begin("http://127.0.0.1:8001")
+    r.begin("http://127.0.0.1:8001")
+    r.begin("http://127.0.0.1:8002")
+    r.set_ready("http://127.0.0.1:8001", False)
+    r.set_table(table(model(backends=[backend(8001), backend(8003)])))
+    snap = r.snapshot()
+    assert (
+        snap["http://127.0.0.1:8001"]["outstanding"] == 2 and snap["http://127.0.0.1:8001"]["ready"] is False
+    )
+    assert snap["http://127.0.0.1:8003"]["outstanding"] == 0
+    # The removed backend's request ends cleanly and its state goes.
+    assert snap["http://127.0.0.1:8002"]["routed"] is False
+    assert r.pick("tiny", sticky_key="k").backend.id == "http://127.0.0.1:8003"
+    r.end("http://127.0.0.1:8002", ok=False)
+    assert "http://127.0.0.1:8002" not in r.snapshot()
+    r.end("http://127.0.0.1:8002", ok=True)  # an extra end is harmless
+    assert r.aliases() == ["tiny"]
+    # A request begun on a backend swapped out between pick and begin still ends cleanly.
+    r.begin("ghost")
+    r.end("ghost", ok=True)
+    assert "ghost" not in r.snapshot()
+
+
+# -- properties -----------------------------------------------------------------------------
+
+_backend_spec = st.tuples(
+    st.sampled_from(["v1", "v2"]),
+    st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    st.booleans(),  # ready
+    st.booleans(),  # excluded
+    st.integers(0, 5),  # failures
+    st.integers(0, 4),  # outstanding
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    specs=st.lists(_backend_spec, min_size=1, max_size=8),
+    strategy=st.sampled_from(["least_outstanding", "weighted", "prefix_affinity"]),
+    model_name=st.sampled_from(["tiny", "tiny@v1", "tiny@v2"]),
+    affinity=st.none() | st.binary(max_size=16),
+    sticky=st.text(max_size=8),
+    split=st.booleans(),
+)
+def test_pick_never_returns_an_unusable_backend(
+    specs: list[tuple[str, float, bool, bool, int, int]],
+    strategy: str,
+    model_name: str,
+    affinity: bytes | None,
+    sticky: str,
+    split: bool,
+) -> None:
+    backends = [backend(9000 + i, v, w) for i, (v, w, *_rest) in enumerate(specs)]
+    versions = sorted({v for v, *_ in specs})
+    extra: dict[str, Any] = {"split": dict.fromkeys(versions, 1.0)} if split else {}
+    r = Router(
+        table(model(backends=backends, strategy=strategy, **extra)),
+        eject_after_failures=2,
+        rng=random.Random(0),
+    )
+    excluded = set()
+    for b, (_v, _w, ready, excl, failures, outstanding) in zip(backends, specs, strict=True):
+        url = b["url"]
+        r.set_ready(url, ready)
+        if excl:
+            excluded.add(url)
+        for _ in range(failures):
+            r.begin(url)
+            r.end(url, ok=False)
+        for _ in range(outstanding):
+            r.begin(url)
+    snap = r.snapshot()
+    usable = {
+        b["url"]
+        for b, (v, w, *_r) in zip(backends, specs, strict=True)
+        if w > 0
+        and snap[b["url"]]["ready"]
+        and snap[b["url"]]["ejected_until"] is None
+        and b["url"] not in excluded
+    }
+    _, pinned = Router.split_model(model_name)
+    if pinned is not None and pinned not in versions:
+        with pytest.raises(GatewayError) as e:
+            r.pick(model_name, sticky_key=sticky, affinity=affinity, exclude=excluded)
+        assert e.value.status == 404
+        return
+    try:
+        p = r.pick(model_name, sticky_key=sticky, affinity=affinity, exclude=excluded)
+    except NoBackendError:
+        # The version chosen is the one a router with every backend healthy would choose.
+        clean = Router(table(model(backends=backends, strategy=strategy, **extra)))
+        try:
+            chosen = {pinned} if pinned else {clean.pick(model_name, sticky_key=sticky).version}
+        except NoBackendError:  # all weights 0
+            chosen = set(versions)
+        if not pinned and not split:
+            chosen = set(versions)
+        assert not any(b["url"] in usable and b["version"] in chosen for b in backends)
+        return
+    assert p.backend.id in usable
+    if pinned:
+        assert p.version == pinned
