@@ -362,7 +362,9 @@ class Router:
             state.ready = bool(ready)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per backend id: its load and health, for an admin view or metrics."""
+        """Per backend id: its load and health, for an admin view or metrics. `ready` is False
+        only after a failed check (`checked` says whether one ran); `ejected_until` is on the
+        router's clock (monotonic by default), None when not ejected."""
         now = self._clock()
         out: dict[str, dict[str, object]] = {}
         for backend_id, state in self._states.items():
