@@ -1,0 +1,180 @@
+"""The gateway's ASGI app: the OpenAI surface and KServe v2 HTTP over the router, the admin API,
+health and metrics. Components are built by the caller (`paved.gateway.server`, tests) and
+started and stopped by the app's lifespan, in dependency order.
+
+The data path uses plain Starlette routes (no FastAPI dependency injection or response models
+per request: the gateway forwards bodies it only needs to read a few fields of); the admin API is
+a FastAPI router with validated models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paved.gateway.admin_api import admin_router
+from paved.gateway.auth import AdminAuth, Authenticator
+from paved.gateway.errors import GatewayError
+from paved.gateway.health import FileRoutesSource, HealthChecker
+from paved.gateway.limits import Limiter
+from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.proxy import OpenAIProxy
+from paved.gateway.router import Router
+from paved.gateway.state import GatewayStore
+from paved.http.body_limit import BodyLimitMiddleware
+from paved.http.errors import error_body
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class Gateway:
+    """Everything one gateway replica runs; `create_app` serves it."""
+
+    store: GatewayStore
+    authenticator: Authenticator
+    admin: AdminAuth
+    limiter: Limiter
+    router: Router
+    proxy: OpenAIProxy
+    metrics: GatewayMetrics
+    routes_source: FileRoutesSource | None = None
+    health: HealthChecker | None = None
+    # Extra things to start after the core (e.g. the KServe gRPC server) and stop before it.
+    on_start: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
+    on_stop: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        await self.store.start()
+        if self.routes_source is not None:
+            await self.routes_source.start()
+        self.proxy.tokens.prefetch(
+            sorted({r.tokenizer for r in self.router.table.models.values() if r.tokenizer})
+        )
+        if self.health is not None:
+            await self.health.start()
+        for hook in self.on_start:
+            await hook()
+
+    async def stop(self) -> None:
+        for hook in reversed(self.on_stop):
+            with contextlib.suppress(Exception):
+                await hook()
+        if self.health is not None:
+            await self.health.stop()
+        if self.routes_source is not None:
+            await self.routes_source.stop()
+        await self.proxy.close()
+        await self.limiter.close()
+        await self.store.close()
+
+
+def _error(e: GatewayError) -> JSONResponse:
+    return JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status, headers=e.headers or None)
+
+
+def create_app(
+    gateway: Gateway,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    extra_routes: list[Any] | None = None,
+    manage_lifespan: bool = True,
+) -> Any:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_lifespan:
+            await gateway.start()
+        try:
+            yield
+        finally:
+            if manage_lifespan:
+                await gateway.stop()
+
+    app = FastAPI(title="paved gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    proxy = gateway.proxy
+
+    async def chat(request: Request) -> Response:
+        return await proxy.forward(request, "chat", "/v1/chat/completions")
+
+    async def completions(request: Request) -> Response:
+        return await proxy.forward(request, "completions", "/v1/completions")
+
+    async def embeddings(request: Request) -> Response:
+        return await proxy.forward(request, "embeddings", "/v1/embeddings")
+
+    async def rank(request: Request) -> Response:
+        return await proxy.forward(request, "rank", "/v1/rank")
+
+    async def models(request: Request) -> Response:
+        return await proxy.list_models(request)
+
+    async def model(request: Request) -> Response:
+        return await proxy.get_model(request)
+
+    async def live(_: Request) -> Response:
+        return JSONResponse({"status": "live"})
+
+    async def ready(_: Request) -> Response:
+        # Ready once the routes are loaded; per-model backend health is answered per request
+        # (503 + Retry-After), so one model's outage never takes the whole gateway out.
+        if not gateway.router.table.models:
+            return JSONResponse({"status": "no routes loaded"}, status_code=503)
+        return JSONResponse({"status": "ready", "routes_revision": gateway.router.table.revision})
+
+    async def metrics(_: Request) -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def routes_view(request: Request) -> Response:
+        gateway.admin.check(request.headers.get("authorization"))
+        source = gateway.routes_source
+        return JSONResponse(
+            {
+                "revision": gateway.router.table.revision,
+                "last_error": source.last_error if source is not None else None,
+                "backends": gateway.router.snapshot(),
+                "now": time.time(),
+            }
+        )
+
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_route("/v1/rank", rank, methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/v1/models/{model:path}", model, methods=["GET"])
+    app.add_route("/health/live", live, methods=["GET"])
+    app.add_route("/health/ready", ready, methods=["GET"])
+    app.add_route("/metrics", metrics, methods=["GET"])
+    app.add_route("/admin/v1/routes", routes_view, methods=["GET"])
+    app.include_router(admin_router(gateway.store, gateway.admin))
+    for route in extra_routes or ():
+        app.router.routes.append(route)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return JSONResponse(error_body(400, f"{where}: {message}" if where else message, where or None), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    return BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, 128 * 1024 * 1024))

@@ -1,0 +1,101 @@
+"""The gateway's Prometheus metrics, on a registry of its own (two gateways in one test process
+must not share counters).
+
+Label sets are closed: tenant ids and model aliases come from the gateway's own state and routes
+(not from request text), backend ids from the routes table, status is the HTTP status.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_STAGE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "paved_gateway_requests",
+            "Requests answered, by tenant, model alias, backend and HTTP status",
+            ("tenant", "model", "backend", "status"),
+            registry=r,
+        )
+        self.latency = Histogram(
+            "paved_gateway_request_duration_seconds",
+            "Time from request to last byte, by tenant and model alias",
+            ("tenant", "model"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "paved_gateway_upstream_first_byte_seconds",
+            "Time from forwarding to the upstream's response headers, by backend",
+            ("backend",),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage = Histogram(
+            "paved_gateway_stage_duration_seconds",
+            "Time spent in each gateway stage before forwarding (auth, limits, route)",
+            ("stage",),
+            buckets=_STAGE_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "paved_gateway_tokens",
+            "Tokens reported by upstreams' usage, by tenant, model alias and kind",
+            ("tenant", "model", "kind"),
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "paved_gateway_in_flight_requests",
+            "Requests being forwarded, by backend",
+            ("backend",),
+            registry=r,
+        )
+        self.retries = Counter(
+            "paved_gateway_retries",
+            "Attempts moved to another backend before the first byte, by the failed backend and reason",
+            ("backend", "reason"),
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "paved_gateway_stream_errors",
+            "Streams that ended with an error event (upstream reset or timeout mid-stream), by backend",
+            ("backend",),
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "paved_gateway_client_disconnects",
+            "Requests whose client went away before the answer ended (the upstream was aborted)",
+            ("model",),
+            registry=r,
+        )
+        self.routes_revision = Gauge(
+            "paved_gateway_routes_loaded_timestamp_seconds",
+            "When the serving routes table was loaded",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,620 @@
+"""The OpenAI data path: authenticate, admit against limits, route, forward, stream, reconcile.
+
+Order of a request (each stage timed into the access log and `paved_gateway_stage_*`):
+  auth (401) -> body + model check (400 / 404, not-allowed worded as unknown) -> prompt tokens
+  -> limits (429, tokens reserved) -> route + forward, moving to another backend only while
+  nothing has reached the client (connect errors, 502/503/504) -> answer -> reconcile.
+
+Invariants:
+- Every admitted request calls `Limiter.finish` exactly once: with the upstream's reported
+  usage when the answer completed, with what was streamed so far (prompt plus content events)
+  when the client left mid-stream, and with None (full refund) when nothing was generated.
+- Every `Router.begin` has one `Router.end`; `ok=False` only for failures of the backend
+  (connect errors, timeouts, resets, 5xx other than 503 backpressure).
+- A stream that the upstream breaks ends with an `error` event and never with `[DONE]`; a
+  client that leaves closes the upstream connection, which aborts the engine's request.
+- Streams always ask the upstream for usage (`stream_options.include_usage`) and strip the
+  usage event when the client did not ask for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
+
+from paved.gateway.errors import GatewayError, ModelNotAllowedError
+from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.tokens import TokenCounter
+from paved.http.errors import error_body
+
+if TYPE_CHECKING:
+    from paved.gateway.auth import Authenticator
+    from paved.gateway.limits import Limiter, Reservation
+    from paved.gateway.router import Pick, Router
+    from paved.gateway.types import Principal
+
+logger = logging.getLogger("paved.gateway")
+access_log = logging.getLogger("paved.gateway.access")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+# Upstream statuses worth another backend: the answer never started there.
+_RETRYABLE = frozenset((502, 503, 504))
+_HOP_HEADERS = frozenset(
+    ("connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server")
+)
+_DONE = b"data: [DONE]"
+
+
+@dataclass
+class ProxyConfig:
+    connect_timeout_s: float = 3.0
+    # A non-streaming answer, whole; and a stream's longest silence between two events.
+    upstream_timeout_s: float = 600.0
+    stream_idle_timeout_s: float = 120.0
+    max_attempts: int = 3
+    # Reserved for a request that names no max_tokens (reconciled with usage on finish).
+    default_max_tokens: int = 256
+
+
+def request_ids(request: Request) -> tuple[str, str]:
+    """The request's id (the client's `x-request-id` if well formed, else new) and the W3C
+    `traceparent` to send upstream (the client's trace continued with a new span id, or a new
+    trace)."""
+    given = request.headers.get("x-request-id")
+    request_id = given if given is not None and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    parent = request.headers.get("traceparent")
+    match = _TRACEPARENT.fullmatch(parent) if parent else None
+    trace_id = match.group(1) if match and match.group(1) != "0" * 32 else secrets.token_hex(16)
+    flags = match.group(3) if match else "01"
+    return request_id, f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
+
+
+class OpenAIProxy:
+    """Forwards OpenAI requests for `Router`'s models; one per gateway."""
+
+    def __init__(
+        self,
+        *,
+        authenticator: Authenticator,
+        limiter: Limiter,
+        router: Router,
+        metrics: GatewayMetrics,
+        tokens: TokenCounter,
+        config: ProxyConfig,
+    ):
+        self.authenticator = authenticator
+        self.limiter = limiter
+        self.router = router
+        self.metrics = metrics
+        self.tokens = tokens
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # Keep-alive pool to the backends; per-call timeouts are set on each request.
+            connector = aiohttp.TCPConnector(
+                limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30
+            )
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- models ----------------------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        principal = await self.authenticator.authenticate(request.headers.get("authorization"))
+        data = []
+        for alias in self.router.aliases():
+            if not principal.allows(alias):
+                continue
+            data.append({"id": alias, "object": "model", "created": 0, "owned_by": "paved"})
+            route = self.router.route(alias)
+            for version in sorted({b.version for b in route.backends}):
+                data.append(
+                    {"id": f"{alias}@{version}", "object": "model", "created": 0, "owned_by": "paved"}
+                )
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_model(self, request: Request) -> Response:
+        principal = await self.authenticator.authenticate(request.headers.get("authorization"))
+        model = request.path_params["model"]
+        alias, _ = self.router.split_model(model)
+        if not principal.allows(alias):
+            raise ModelNotAllowedError(model)
+        self.router.route(model)
+        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "paved"})
+
+    # ---- generation and embeddings ---------------------------------------------------------
+    async def forward(self, request: Request, endpoint: str, path: str) -> Response:
+        started = time.perf_counter()
+        request_id, traceparent = request_ids(request)
+        log: dict[str, Any] = {"request_id": request_id, "endpoint": endpoint}
+        try:
+            return await self._forward(request, endpoint, path, request_id, traceparent, started, log)
+        except GatewayError as e:
+            log["status"] = e.status
+            log.setdefault("error", e.code)
+            self._count(log, e.status)
+            headers = {**e.headers, "x-request-id": request_id}
+            return JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status, headers=headers)
+        finally:
+            if "streaming" not in log:
+                self._finish_log(log, started)
+
+    async def _forward(
+        self,
+        request: Request,
+        endpoint: str,
+        path: str,
+        request_id: str,
+        traceparent: str,
+        started: float,
+        log: dict[str, Any],
+    ) -> Response:
+        principal = await self.authenticator.authenticate(request.headers.get("authorization"))
+        log["tenant"], log["key"] = principal.tenant.name, principal.key_id
+        t_auth = time.perf_counter()
+        log["auth_ms"] = _ms(started, t_auth)
+        self.metrics.stage.labels("auth").observe(t_auth - started)
+
+        body = _parse_body(await request.body())
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise GatewayError(400, "you must provide a model parameter", param="model", code="missing_model")
+        alias, _ = self.router.split_model(model)
+        if not principal.allows(alias):
+            raise ModelNotAllowedError(model)
+        route = self.router.route(model)
+        log["model"] = alias
+        stream = body.get("stream") is True
+        if stream and endpoint == "embeddings":
+            raise GatewayError(400, "embeddings cannot be streamed", param="stream")
+        client_wants_usage = False
+        if stream:
+            options = body.get("stream_options")
+            if options is not None and not isinstance(options, dict):
+                raise GatewayError(400, "stream_options must be an object", param="stream_options")
+            client_wants_usage = bool(options and options.get("include_usage"))
+            body["stream_options"] = {**(options or {}), "include_usage": True}
+
+        count = await self.tokens.count(route.tokenizer, endpoint, body, route.affinity_prefix_tokens)
+        reserve = count.tokens + _completion_budget(endpoint, body, self.config.default_max_tokens)
+        log["prompt_tokens_est"] = count.tokens
+        t_count = time.perf_counter()
+        reservation = await self.limiter.acquire(principal, reserve)
+        t_limits = time.perf_counter()
+        log["limits_ms"] = _ms(t_count, t_limits)
+        self.metrics.stage.labels("limits").observe(t_limits - t_count)
+        try:
+            return await self._attempts(
+                request, principal, reservation, model, alias, endpoint, path, body, count.affinity,
+                stream, client_wants_usage, request_id, traceparent, started, log,
+            )  # fmt: skip
+        except BaseException:
+            # Nothing reached the client and nothing was generated: refund everything.
+            with anyio.CancelScope(shield=True):
+                await self.limiter.finish(reservation, None)
+            raise
+
+    async def _attempts(
+        self,
+        request: Request,
+        principal: Principal,
+        reservation: Reservation,
+        model: str,
+        alias: str,
+        endpoint: str,
+        path: str,
+        body: dict[str, Any],
+        affinity: bytes | None,
+        stream: bool,
+        client_wants_usage: bool,
+        request_id: str,
+        traceparent: str,
+        started: float,
+        log: dict[str, Any],
+    ) -> Response:
+        sticky = body.get("user") if isinstance(body.get("user"), str) else principal.key_id
+        excluded: set[str] = set()
+        last_error: GatewayError | None = None
+        headers = {
+            "content-type": "application/json",
+            "x-request-id": request_id,
+            "traceparent": traceparent,
+        }
+        t_route = time.perf_counter()
+        for attempt in range(self.config.max_attempts):
+            try:
+                pick = self.router.pick(model, sticky_key=str(sticky), affinity=affinity, exclude=excluded)
+            except GatewayError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            if attempt == 0:
+                self.metrics.stage.labels("route").observe(time.perf_counter() - t_route)
+                log["route_ms"] = _ms(t_route, time.perf_counter())
+            backend = pick.backend
+            body["model"] = backend.upstream_model
+            payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            self.router.begin(backend.id)
+            in_flight = self.metrics.in_flight.labels(backend.id)
+            in_flight.inc()
+            sent = time.perf_counter()
+            try:
+                upstream = await self._send(request, backend.url + path, payload, headers)
+            except _Disconnected:
+                self.router.end(backend.id, ok=True)
+                in_flight.dec()
+                self.metrics.disconnects.labels(alias).inc()
+                log["status"] = 499
+                raise GatewayError(499, "client closed the request", code="client_closed_request") from None
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                self.router.end(backend.id, ok=False)
+                in_flight.dec()
+                excluded.add(backend.id)
+                self.metrics.retries.labels(backend.id, type(e).__name__).inc()
+                logger.warning("backend %s failed before answering (%s); trying another", backend.id, e)
+                last_error = GatewayError(
+                    502,
+                    f"the model's backend failed before answering: {type(e).__name__}",
+                    code="upstream_error",
+                )
+                continue
+            first_byte = time.perf_counter()
+            self.metrics.first_byte.labels(backend.id).observe(first_byte - sent)
+            log["backend"], log["first_byte_ms"], log["attempts"] = (
+                backend.id,
+                _ms(sent, first_byte),
+                attempt + 1,
+            )
+            if upstream.status in _RETRYABLE and attempt + 1 < self.config.max_attempts:
+                upstream.close()
+                self.router.end(backend.id, ok=upstream.status == 503)
+                in_flight.dec()
+                excluded.add(backend.id)
+                self.metrics.retries.labels(backend.id, str(upstream.status)).inc()
+                last_error = GatewayError(
+                    upstream.status,
+                    f"the model's backend answered {upstream.status}",
+                    code="upstream_unavailable",
+                )
+                continue
+            if stream and upstream.status == 200:
+                return self._stream(
+                    upstream,
+                    pick,
+                    reservation,
+                    alias,
+                    client_wants_usage,
+                    request_id,
+                    started,
+                    log,
+                    in_flight,
+                )
+            return await self._whole(upstream, pick, reservation, alias, request, request_id, log, in_flight)
+        raise last_error or GatewayError(502, "no backend answered", code="upstream_error")
+
+    async def _send(
+        self, request: Request, url: str, payload: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST upstream until its response headers arrive, unless the client leaves first."""
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.config.connect_timeout_s, sock_read=self.config.upstream_timeout_s
+        )
+        send = asyncio.ensure_future(self.session.post(url, data=payload, headers=headers, timeout=timeout))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            done, _ = await asyncio.wait((send, gone), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            send.cancel()
+            gone.cancel()
+            raise
+        if send in done:
+            gone.cancel()
+            return send.result()
+        send.cancel()
+        with contextlib.suppress(BaseException):
+            resp = await send
+            resp.close()
+        raise _Disconnected
+
+    async def _whole(
+        self,
+        upstream: aiohttp.ClientResponse,
+        pick: Pick,
+        reservation: Reservation,
+        alias: str,
+        request: Request,
+        request_id: str,
+        log: dict[str, Any],
+        in_flight: Any,
+    ) -> Response:
+        backend = pick.backend
+        ok = upstream.status < 500 or upstream.status == 503
+        try:
+            read = asyncio.ensure_future(_read_whole(upstream, self.config.upstream_timeout_s))
+            gone = asyncio.ensure_future(_disconnected(request.receive))
+            done, _ = await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                upstream.close()
+                self.metrics.disconnects.labels(alias).inc()
+                log["status"] = 499
+                await self.limiter.finish(reservation, None)
+                return Response(status_code=499)
+            gone.cancel()
+            try:
+                data = read.result()
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                ok = False
+                raise GatewayError(
+                    502,
+                    f"the model's backend failed while answering: {type(e).__name__}",
+                    code="upstream_error",
+                ) from None
+        finally:
+            self.router.end(backend.id, ok=ok)
+            in_flight.dec()
+        used = None
+        if upstream.status == 200:
+            usage = _usage_of(data)
+            if usage is not None:
+                used = self._count_usage(log, alias, usage)
+        await self.limiter.finish(reservation, used)
+        log["status"] = upstream.status
+        self._count(log, upstream.status)
+        headers = _response_headers(upstream, reservation, request_id, backend.id)
+        return Response(data, status_code=upstream.status, headers=headers)
+
+    def _stream(
+        self,
+        upstream: aiohttp.ClientResponse,
+        pick: Pick,
+        reservation: Reservation,
+        alias: str,
+        client_wants_usage: bool,
+        request_id: str,
+        started: float,
+        log: dict[str, Any],
+        in_flight: Any,
+    ) -> Response:
+        backend = pick.backend
+        log["streaming"] = True
+        idle = self.config.stream_idle_timeout_s
+        prompt_tokens = int(log.get("prompt_tokens_est") or 0)
+
+        state: dict[str, Any] = {"used": None, "content_events": 0, "outcome": "disconnect", "ok": True}
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for event in _sse_events(upstream, idle):
+                    if event.startswith(_DONE):
+                        state["outcome"] = "done"
+                        yield event + b"\n\n"
+                        break
+                    if b'"usage":{' in event or b'"usage": {' in event:
+                        parsed = _event_json(event)
+                        usage = parsed.get("usage") if parsed else None
+                        if parsed is not None and isinstance(usage, dict):
+                            state["used"] = self._count_usage(log, alias, usage)
+                            if not client_wants_usage:
+                                if not parsed.get("choices"):
+                                    continue
+                                parsed.pop("usage", None)
+                                event = b"data: " + json.dumps(parsed, separators=(",", ":")).encode()
+                    else:
+                        state["content_events"] += 1
+                    yield event + b"\n\n"
+                else:
+                    state["outcome"], state["ok"] = "truncated", False
+                    yield _error_event("the model's backend ended the stream before it was complete")
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                state["outcome"], state["ok"] = "reset", False
+                yield _error_event(f"the model's backend failed mid-stream: {type(e).__name__}")
+            finally:
+                # Closing (not releasing) the connection is what aborts the engine's request.
+                upstream.close()
+
+        async def cleanup() -> None:
+            upstream.close()
+            outcome = state["outcome"]
+            self.router.end(backend.id, ok=state["ok"])
+            in_flight.dec()
+            if outcome in ("reset", "truncated"):
+                self.metrics.stream_errors.labels(backend.id).inc()
+            elif outcome == "disconnect":
+                self.metrics.disconnects.labels(alias).inc()
+            used = state["used"]
+            if used is None and outcome != "done" and state["content_events"]:
+                # What the client may have seen: its prompt plus at least one token per event.
+                used = prompt_tokens + state["content_events"]
+            await self.limiter.finish(reservation, used)
+            status = {"done": 200, "disconnect": 499}.get(outcome, 502)
+            log["status"], log["stream_outcome"] = status, outcome
+            self._count(log, status)
+            self._finish_log(log, started)
+
+        headers = _response_headers(upstream, reservation, request_id, backend.id)
+        headers["cache-control"] = "no-cache"
+        headers["x-accel-buffering"] = "no"
+        return _GuardedStream(events(), cleanup, headers=headers, media_type="text/event-stream")
+
+    # ---- accounting ------------------------------------------------------------------------
+    def _count_usage(self, log: dict[str, Any], alias: str, usage: dict[str, Any]) -> int | None:
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens") or 0
+        total = usage.get("total_tokens")
+        if not isinstance(total, int):
+            total = (prompt if isinstance(prompt, int) else 0) + (
+                completion if isinstance(completion, int) else 0
+            )
+        tenant = log.get("tenant", "")
+        if isinstance(prompt, int):
+            self.metrics.tokens.labels(tenant, alias, "prompt").inc(prompt)
+            log["prompt_tokens"] = prompt
+        if isinstance(completion, int):
+            self.metrics.tokens.labels(tenant, alias, "completion").inc(completion)
+            log["completion_tokens"] = completion
+        return total
+
+    def _count(self, log: dict[str, Any], status: int) -> None:
+        self.metrics.requests.labels(
+            log.get("tenant", ""), log.get("model", ""), log.get("backend", ""), str(status)
+        ).inc()
+
+    def _finish_log(self, log: dict[str, Any], started: float) -> None:
+        total = time.perf_counter() - started
+        if "tenant" in log and "model" in log:
+            self.metrics.latency.labels(log["tenant"], log["model"]).observe(total)
+        if access_log.isEnabledFor(logging.INFO):
+            log["total_ms"] = round(total * 1000, 3)
+            access_log.info(json.dumps(log, separators=(",", ":")))
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class _GuardedStream(StreamingResponse):
+    """A stream whose cleanup runs exactly once however the response ends, including when the
+    client left before its first event (Starlette then never starts the body iterator)."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Any, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Receive, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client disconnects (the body was already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _read_whole(upstream: aiohttp.ClientResponse, timeout_s: float) -> bytes:
+    async with asyncio.timeout(timeout_s):
+        return await upstream.read()
+
+
+async def _sse_events(upstream: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
+    """Complete SSE events (without their blank-line terminator) as soon as each arrives.
+
+    Ends normally only at the upstream's EOF; a silence longer than `idle_s` raises TimeoutError.
+    """
+    buffer = b""
+    while True:
+        async with asyncio.timeout(idle_s):
+            chunk = await upstream.content.readany()
+        if not chunk:
+            return
+        buffer += chunk
+        if b"\r\n" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, buffer = buffer[:end], buffer[end + 2 :]
+            if event:
+                yield event
+
+
+def _event_json(event: bytes) -> dict[str, Any] | None:
+    if not event.startswith(b"data:"):
+        return None
+    try:
+        value = json.loads(event[5:])
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _error_event(message: str) -> bytes:
+    body = error_body(502, message, code="upstream_error")
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _usage_of(data: bytes) -> dict[str, Any] | None:
+    if b'"usage"' not in data:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    usage = value.get("usage") if isinstance(value, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _response_headers(
+    upstream: aiohttp.ClientResponse, reservation: Reservation, request_id: str, backend_id: str
+) -> dict[str, str]:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+    headers.update(reservation.headers)
+    headers["x-request-id"] = request_id
+    headers["x-paved-backend"] = backend_id
+    return headers
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise GatewayError(400, "the request body is missing")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise GatewayError(400, "the request body is not valid UTF-8") from None
+    except ValueError as e:
+        raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object")
+    return body
+
+
+def _completion_budget(endpoint: str, body: dict[str, Any], default: int) -> int:
+    """Tokens the answer may generate: max_tokens (or max_completion_tokens) times n."""
+    if endpoint in ("embeddings", "rank"):
+        return 0
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise GatewayError(400, "max_tokens must be a non-negative integer", param="max_tokens")
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+        raise GatewayError(400, "n must be an integer between 1 and 128", param="n")
+    best_of = body.get("best_of")
+    if isinstance(best_of, int) and not isinstance(best_of, bool) and best_of > n:
+        n = best_of
+    return value * n
+
+
+def _ms(a: float, b: float) -> float:
+    return round((b - a) * 1000, 3)

@@ -1,0 +1,240 @@
+"""The gateway main: `python -m paved.gateway.server --routes FILE` (`tools/bazel run
+//services/gateway:serve -- --routes FILE`).
+
+One replica needs nothing else: state in SQLite, limits in process. Several replicas share
+`--state postgresql://...` (keys, tenants) and `--redis redis://...` (limits). The admin key is
+read from `--admin-key-file` or `$PAVED_ADMIN_KEY`; without either a fresh one is printed once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
+from paved.gateway.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.health import FileRoutesSource, HealthChecker
+from paved.gateway.limits import make_limiter
+from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.proxy import OpenAIProxy, ProxyConfig
+from paved.gateway.router import Router
+from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file
+from paved.gateway.state import GatewayStore
+from paved.gateway.tokens import TokenCounter
+
+logger = logging.getLogger("paved.gateway")
+
+
+def _default_state() -> str:
+    base = Path(os.environ.get("PAVED_STATE_DIR") or Path.home() / ".local/share/paved")
+    return f"sqlite:///{base / 'gateway.sqlite'}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gateway", description="paved's gateway: keys, limits, routing.")
+    p.add_argument(
+        "--routes", required=True, metavar="FILE", help="routes table (.json or .toml), reloaded live"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any free port)")
+    p.add_argument("--state", help="keys and tenants: sqlite:///PATH (default) or postgresql://...")
+    p.add_argument("--redis", metavar="URL", help="redis://HOST:PORT/DB: limits shared by every replica")
+    p.add_argument("--admin-key-file", help="file holding the admin API key (else $PAVED_ADMIN_KEY)")
+    p.add_argument("--bootstrap-tenant", metavar="NAME", help="with --bootstrap-key-file: ensure this tenant")
+    p.add_argument(
+        "--bootstrap-key-file",
+        metavar="PATH",
+        help="if PATH does not exist: create a key for --bootstrap-tenant and write it there (mode 0600)",
+    )
+    p.add_argument("--kserve-grpc-port", type=int, help="KServe v2 gRPC port (off unless given; 0: any)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to connect to a backend")
+    p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds for a whole answer")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0, help="seconds between stream events")
+    p.add_argument("--max-attempts", type=int, default=3, help="backends tried before the first byte")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="reserved when a request names none")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health/ready checks")
+    p.add_argument("--routes-poll", type=float, default=1.0, help="seconds between routes-file checks")
+    p.add_argument("--auth-cache", type=float, default=0.5, help="seconds a key lookup is cached")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if not 0 <= args.port <= 65535:
+        p.error("--port must be 0..65535")
+    if args.max_body_bytes < 1024:
+        p.error("--max-body-bytes must be at least 1024")
+    for name in (
+        "connect_timeout",
+        "upstream_timeout",
+        "stream_idle_timeout",
+        "health_interval",
+        "routes_poll",
+    ):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 1 <= args.max_attempts <= 10:
+        p.error("--max-attempts must be 1..10")
+    if args.auth_cache < 0 or args.auth_cache > 1:
+        p.error("--auth-cache must be 0..1 s (a revoked key must stop working within a second)")
+    if bool(args.bootstrap_tenant) != bool(args.bootstrap_key_file):
+        p.error("--bootstrap-tenant and --bootstrap-key-file go together")
+
+
+async def _bootstrap(store: GatewayStore, tenant: str, path: str) -> None:
+    if await asyncio.to_thread(os.path.exists, path):
+        return
+    if await store.get_tenant(tenant) is None:
+        await store.create_tenant(tenant)
+    _, plaintext = await store.create_key(tenant, name="bootstrap")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(plaintext + "\n")
+    print(f"gateway: wrote a key for tenant {tenant!r} to {path}", file=sys.stderr, flush=True)
+
+
+def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
+    table = load_routes_file(args.routes)
+    state = args.state or _default_state()
+    if state.startswith("sqlite:///"):
+        Path(state.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    store = GatewayStore(state)
+    admin_key = load_admin_key(args.admin_key_file)
+    router = Router(table)
+    metrics = GatewayMetrics()
+    authenticator = Authenticator(store, cache_s=args.auth_cache)
+    limiter = make_limiter(args.redis)
+    config = ProxyConfig(
+        connect_timeout_s=args.connect_timeout,
+        upstream_timeout_s=args.upstream_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        max_attempts=args.max_attempts,
+        default_max_tokens=args.default_max_tokens,
+    )
+    proxy = OpenAIProxy(
+        authenticator=authenticator,
+        limiter=limiter,
+        router=router,
+        metrics=metrics,
+        tokens=TokenCounter(),
+        config=config,
+    )
+    gateway = Gateway(
+        store=store,
+        authenticator=authenticator,
+        admin=AdminAuth(admin_key),
+        limiter=limiter,
+        router=router,
+        proxy=proxy,
+        metrics=metrics,
+        routes_source=FileRoutesSource(args.routes, router, poll_s=args.routes_poll),
+        health=HealthChecker(router, interval_s=args.health_interval),
+    )
+    return gateway, table
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    gateway, _ = build(args)
+    extra_routes = []
+    grpc_server = None
+    with contextlib.suppress(ImportError):
+        from paved.gateway.kserve_http import kserve_http_routes
+
+        extra_routes = list(
+            kserve_http_routes(
+                gateway.router, gateway.authenticator, gateway.limiter, lambda: gateway.proxy.session
+            )
+        )
+    app = create_app(
+        gateway, max_body_bytes=args.max_body_bytes, extra_routes=extra_routes, manage_lifespan=False
+    )
+    await gateway.start()
+    if args.bootstrap_key_file:
+        await _bootstrap(gateway.store, args.bootstrap_tenant, args.bootstrap_key_file)
+    grpc_port = None
+    if args.kserve_grpc_port is not None:
+        import grpc
+
+        from paved.gateway.kserve_grpc import KServeForwarder
+
+        forwarder = KServeForwarder(gateway.router, gateway.authenticator, gateway.limiter)
+        grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        grpc_server.add_generic_rpc_handlers((forwarder.handler(),))
+        grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.kserve_grpc_port}")
+        await grpc_server.start()
+        gateway.on_stop.append(forwarder.close)
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app,
+        loop="none",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    # uvicorn would install its own handlers and re-raise the signal at exit.
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    # uvicorn exposes no started event; a bounded poll (it binds an already-open socket).
+    for _ in range(3000):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if task.done():
+        await task
+    if grpc_port is not None:
+        print(f"gateway KServe v2 gRPC {grpc_port} on {host}", flush=True)
+    print(f"serving gateway on http://{host}:{port}", flush=True)
+    try:
+        await task
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(5)
+        await gateway.stop()
+        sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    _check(args, p)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        return run(_serve(args))
+    except RoutesError as e:
+        print(f"gateway: bad routes file {args.routes}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"gateway: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
