@@ -1,0 +1,348 @@
+"""The admin API (paved.gateway.admin_api) served by uvicorn on loopback, driven by the `paved`
+CLI in-process (main()) and as `python -m paved.cli.main`.
+
+Covers: every admin route refusing a missing or wrong admin key with a 401 OpenAI error body
+(before the body is even parsed); body validation (400); tenants create/list/patch; keys
+create (plaintext shown once) / list (prefix, never the secret) / revoke, with the created key
+authenticating until revoked; exit codes 0 / 1 (API or connection error, one line on stderr) / 2
+(usage); the admin key never printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from paved.cli.main import main
+from paved.gateway import keys
+from paved.gateway.admin_api import admin_router
+from paved.gateway.auth import AdminAuth, Authenticator
+from paved.gateway.errors import AuthError, GatewayError
+from paved.gateway.state import GatewayStore
+from paved.http.errors import error_body
+
+ADMIN_KEY = "test-admin-key-0123456789"
+
+
+def make_app(store: GatewayStore) -> FastAPI:
+    """The admin router plus the two handlers the real gateway app installs."""
+    app = FastAPI()
+    app.include_router(admin_router(store, AdminAuth(ADMIN_KEY)))
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status, exc.message, exc.param, exc.code),
+            status_code=exc.status,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(
+            error_body(400, str(first.get("msg", "invalid request")), param, "invalid_request"),
+            status_code=400,
+        )
+
+    return app
+
+
+def serve(app: FastAPI) -> Iterator[str]:
+    """uvicorn on an ephemeral loopback port in a thread; yields the base URL, then stops it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[GatewayStore]:
+    s = GatewayStore(f"sqlite:///{tmp_path / 'gw.db'}")
+    asyncio.run(s.start())
+    yield s
+    asyncio.run(s.close())
+
+
+@pytest.fixture
+def gateway(store, monkeypatch) -> Iterator[str]:
+    for url in serve(make_app(store)):
+        monkeypatch.setenv("PAVED_GATEWAY_URL", url)
+        monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+        yield url
+
+
+def admin_headers(key: str = ADMIN_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert ADMIN_KEY not in out and ADMIN_KEY not in err
+    return code, out, err
+
+
+# -- the API itself ---------------------------------------------------------------------------
+
+ROUTES = [
+    ("POST", "/admin/v1/tenants", {"name": "acme"}),
+    ("GET", "/admin/v1/tenants", None),
+    ("PATCH", "/admin/v1/tenants/acme", {"models": ["x"]}),
+    ("POST", "/admin/v1/keys", {"tenant": "acme"}),
+    ("GET", "/admin/v1/keys", None),
+    ("POST", "/admin/v1/keys/abcdefgh2345/revoke", None),
+    ("DELETE", "/admin/v1/keys/abcdefgh2345", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES)
+def test_every_route_requires_the_admin_key(gateway, store, method, path, body):
+    with httpx.Client(base_url=gateway, timeout=10) as client:
+        for headers, code in [
+            ({}, "missing_api_key"),
+            (admin_headers("wrong-key"), "invalid_api_key"),
+            ({"Authorization": f"Basic {ADMIN_KEY}"}, "invalid_api_key"),
+        ]:
+            resp = client.request(method, path, json=body, headers=headers)
+            assert resp.status_code == 401, resp.text
+            assert resp.headers["www-authenticate"] == "Bearer"
+            err = resp.json()["error"]
+            assert err["type"] == "authentication_error" and err["code"] == code
+        # Not even a malformed body gets past the key check.
+        resp = client.request(
+            method, path, content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == 401
+    assert asyncio.run(store.list_tenants()) == []
+
+
+def test_api_validates_bodies(gateway):
+    with httpx.Client(base_url=gateway, timeout=10, headers=admin_headers()) as client:
+        assert client.post("/admin/v1/tenants", json={"name": "acme"}).status_code == 201
+        bad = [
+            ("/admin/v1/tenants", {"name": "acme", "extra": 1}),
+            ("/admin/v1/tenants", {"name": "UPPER"}),
+            ("/admin/v1/tenants", {"name": "ok", "limits": {"requests_per_min": -1}}),
+            ("/admin/v1/tenants", {"name": "ok", "limits": {"requests_per_min": "5"}}),
+            ("/admin/v1/tenants", {"name": "ok", "limits": {"rpm": 5}}),
+            ("/admin/v1/tenants", {"name": "ok", "models": "llama"}),
+            ("/admin/v1/keys", {"tenant": "acme", "expires_in_s": 0}),
+            ("/admin/v1/keys", {"tenant": "acme", "expires_in_s": 10, "expires_at": "2100-01-01T00:00:00Z"}),
+            ("/admin/v1/keys", {"tenant": "acme", "expires_at": "2100-01-01T00:00:00"}),  # naive
+            ("/admin/v1/keys", {"tenant": "acme", "expires_at": "2000-01-01T00:00:00Z"}),  # past
+            ("/admin/v1/keys", {"tenant": "acme", "name": "x" * 200}),
+        ]
+        for path, body in bad:
+            resp = client.post(path, json=body)
+            assert resp.status_code == 400, (body, resp.text)
+            assert resp.json()["error"]["type"] == "invalid_request_error"
+        resp = client.post("/admin/v1/keys", json={"tenant": "ghost"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "tenant_not_found"
+        resp = client.post("/admin/v1/tenants", json={"name": "acme"})
+        assert resp.status_code == 409
+        resp = client.post("/admin/v1/keys/abcdefgh2345/revoke")
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "key_not_found"
+        resp = client.get("/admin/v1/keys", params={"tenant": "ghost"})
+        assert resp.status_code == 404
+
+
+def test_api_tenants_and_keys(gateway, store):
+    with httpx.Client(base_url=gateway, timeout=10, headers=admin_headers()) as client:
+        resp = client.post(
+            "/admin/v1/tenants", json={"name": "acme", "models": ["llama"], "limits": {"tokens_per_min": 100}}
+        )
+        assert resp.status_code == 201
+        assert resp.json()["models"] == ["llama"] and resp.json()["limits"]["tokens_per_min"] == 100
+        resp = client.patch("/admin/v1/tenants/acme", json={"limits": {"max_concurrent": 4}})
+        assert resp.status_code == 200
+        assert resp.json()["limits"] == {
+            "requests_per_min": None,
+            "tokens_per_min": None,
+            "max_concurrent": 4,
+        }
+        assert client.patch("/admin/v1/tenants/ghost", json={}).status_code == 404
+
+        resp = client.post("/admin/v1/keys", json={"tenant": "acme", "name": "ci", "expires_in_s": 3600})
+        assert resp.status_code == 201
+        created = resp.json()
+        assert created["key"].startswith(created["prefix"] + "_") and created["expires_at"]
+        assert "secret_hash" not in created
+        listed = client.get("/admin/v1/keys", params={"tenant": "acme"}).json()["data"]
+        assert [k["key_id"] for k in listed] == [created["key_id"]]
+        assert "key" not in listed[0] and created["key"] not in json.dumps(listed)
+
+        principal = asyncio.run(Authenticator(store, cache_s=0).authenticate(f"Bearer {created['key']}"))
+        assert principal.tenant.name == "acme"
+        resp = client.delete(f"/admin/v1/keys/{created['key_id']}")
+        assert resp.status_code == 200 and resp.json()["revoked_at"]
+        with pytest.raises(AuthError) as err:
+            asyncio.run(Authenticator(store, cache_s=0).authenticate(f"Bearer {created['key']}"))
+        assert err.value.code == "revoked_api_key"
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_flow_in_process(gateway, store, capsys):
+    code, out, _ = cli(capsys, "tenants", "create", "acme", "--models", "llama,qwen", "--rpm", "60")
+    assert code == 0 and "acme" in out
+    code, out, _ = cli(capsys, "tenants", "list")
+    assert code == 0 and "acme" in out and "llama,qwen" in out and "60" in out
+    code, out, _ = cli(capsys, "tenants", "list", "--json")
+    assert code == 0 and json.loads(out)[0]["limits"]["requests_per_min"] == 60
+
+    code, out, err = cli(
+        capsys, "keys", "create", "--tenant", "acme", "--name", "ci", "--expires-in", "30d", "--tpm", "1000"
+    )
+    assert code == 0
+    plaintext = out.strip()
+    key_id, secret = keys.parse_key(plaintext)  # stdout is exactly the key
+    assert "will not be shown again" in err
+
+    code, out, _ = cli(capsys, "keys", "list")
+    assert code == 0 and f"pvd_{key_id}" in out and secret not in out and "expires" in out
+    code, out, _ = cli(capsys, "keys", "list", "--tenant", "acme", "--json")
+    data = json.loads(out)
+    assert code == 0 and data[0]["key_id"] == key_id and data[0]["limits"]["tokens_per_min"] == 1000
+    assert secret not in out
+
+    principal = asyncio.run(Authenticator(store, cache_s=0).authenticate(f"Bearer {plaintext}"))
+    assert principal.key_name == "ci" and principal.tenant.models == ("llama", "qwen")
+
+    code, out, _ = cli(capsys, "keys", "revoke", f"pvd_{key_id}")
+    assert code == 0 and "Revoked" in out
+    code, out, _ = cli(capsys, "keys", "list", "--tenant", "acme")
+    assert code == 0 and "revoked" in out
+    with pytest.raises(AuthError):
+        asyncio.run(Authenticator(store, cache_s=0).authenticate(f"Bearer {plaintext}"))
+
+
+def test_cli_api_errors_exit_1_with_the_api_message(gateway, capsys, monkeypatch):
+    code, out, err = cli(capsys, "keys", "create", "--tenant", "ghost")
+    assert code == 1 and out == ""
+    assert err.startswith("paved: error: no tenant named 'ghost'") and err.count("\n") == 1
+
+    code, _, err = cli(capsys, "keys", "revoke", "abcdefgh2345")
+    assert code == 1 and "HTTP 404" in err
+
+    monkeypatch.setenv("PAVED_ADMIN_KEY", "not-the-admin-key")
+    code, out, err = cli(capsys, "tenants", "list")
+    assert code == 1 and out == "" and "invalid admin key" in err and "not-the-admin-key" not in err
+    code, _, err = cli(capsys, "keys", "list", "--admin-key", "also-wrong-key")
+    assert code == 1 and "invalid admin key" in err and "also-wrong-key" not in err
+
+
+def test_cli_connection_error_exits_1(capsys, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    code, out, err = cli(capsys, "tenants", "list", "--gateway", f"http://127.0.0.1:{port}")
+    assert code == 1 and out == ""
+    assert err.startswith(f"paved: error: cannot reach the gateway at http://127.0.0.1:{port}")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["keys", "create", "--tenant", "acme", "--expires-in", "soon"],
+        ["keys", "create", "--tenant", "acme", "--expires-in", "0s"],
+        ["keys", "create", "--tenant", "acme", "--expires-in", "-5d"],
+        ["keys", "create", "--tenant", "acme", "--expires-in", "99999y"],
+        ["keys", "create", "--tenant", "acme", "--rpm", "-1"],
+        ["keys", "create", "--tenant", "BAD NAME"],
+        ["keys", "create"],
+        ["keys", "revoke", "not-an-id"],
+        ["keys"],
+        ["tenants", "create", "acme", "--models", "a,,b"],
+        ["tenants", "list", "--gateway", "ftp://x"],
+        ["nosuchcommand"],
+        [],
+    ],
+)
+def test_cli_usage_errors_exit_2(capsys, monkeypatch, argv):
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    # Nothing listens here: a usage error must be found before any request is made.
+    monkeypatch.setenv("PAVED_GATEWAY_URL", "http://127.0.0.1:9")
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "usage:" in err
+
+
+def test_cli_without_admin_key_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.delenv("PAVED_ADMIN_KEY", raising=False)
+    code, _, err = cli(capsys, "tenants", "list", "--gateway", "http://127.0.0.1:9")
+    assert code == 2 and "PAVED_ADMIN_KEY" in err
+
+
+def test_cli_help_exits_0(capsys):
+    code, out, _ = cli(capsys, "keys", "create", "--help")
+    assert code == 0 and "--expires-in" in out and "--tenant" in out
+
+
+def test_cli_as_a_subprocess(gateway, store):
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        "PAVED_GATEWAY_URL": gateway,
+        "PAVED_ADMIN_KEY": ADMIN_KEY,
+    }
+
+    def paved(*argv: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "paved.cli.main", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert ADMIN_KEY not in proc.stdout and ADMIN_KEY not in proc.stderr
+        return proc
+
+    assert paved("tenants", "create", "acme").returncode == 0
+    created = paved("keys", "create", "--tenant", "acme", "--expires-in", "12h")
+    assert created.returncode == 0, created.stderr
+    key_id, secret = keys.parse_key(created.stdout.strip())
+    assert "will not be shown again" in created.stderr
+    listed = paved("keys", "list")
+    assert listed.returncode == 0 and f"pvd_{key_id}" in listed.stdout and secret not in listed.stdout
+    revoked = paved("keys", "revoke", key_id)
+    assert revoked.returncode == 0, revoked.stderr
+    assert asyncio.run(store.list_keys())[0].revoked_at is not None
+
+    env["PAVED_ADMIN_KEY"] = "wrong-admin-key"
+    wrong = paved("keys", "list")
+    assert wrong.returncode == 1 and "invalid admin key" in wrong.stderr and wrong.stdout == ""
+    bad = paved("keys", "create", "--tenant", "acme", "--expires-in", "forever")
+    assert bad.returncode == 2 and "invalid duration" in bad.stderr
