@@ -117,9 +117,16 @@ class Authenticator:
         if pending is None:
             pending = asyncio.ensure_future(self._fetch(key_id))
             self._inflight[key_id] = pending
-            pending.add_done_callback(lambda _f: self._inflight.pop(key_id, None))
+            pending.add_done_callback(lambda f: self._settled(key_id, f))
         # Shielded: one caller going away must not cancel the read the others wait on.
         return await asyncio.shield(pending)
+
+    def _settled(self, key_id: str, future: asyncio.Future[_Record | None]) -> None:
+        self._inflight.pop(key_id, None)
+        # Marks a failure as seen even when every waiter has gone (no "never retrieved" log);
+        # waiters still present get it raised.
+        if not future.cancelled():
+            future.exception()
 
     async def _fetch(self, key_id: str) -> _Record | None:
         if self._lookups is None:
