@@ -72,6 +72,19 @@ RULES = (
         "no_targets": ("//libs/paved/frontend:", "//libs/paved/kserve:kserve", "//libs/paved/engine:engine"),
     },
     {
+        "why": "the gateway runs no engine: it forwards to instances",
+        "targets": "//libs/paved/gateway:",
+        "closure": True,
+        "no_modules": ("vllm",),
+        "no_targets": (
+            "//libs/paved/engine:",
+            "//libs/paved/frontend:",
+            "//libs/paved/kserve:kserve",
+            "//libs/paved/constraints:",
+            "//cc/",
+        ),
+    },
+    {
         "why": "libraries never import mains, benchmarks or tests",
         "targets": "//libs/paved",
         "closure": True,

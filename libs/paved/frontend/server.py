@@ -17,7 +17,6 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 
 import uvicorn  # noqa: E402
@@ -27,6 +26,7 @@ from paved.frontend import config as config_file  # noqa: E402
 from paved.frontend.app import create_app  # noqa: E402
 from paved.frontend.config import RemoteModelConfig, ServerConfig, make_engine  # noqa: E402
 from paved.frontend.registry import ModelRegistry  # noqa: E402
+from paved.http.sockets import bind  # noqa: E402
 from paved.runfiles import tiny_model_dir  # noqa: E402
 
 logger = logging.getLogger("paved.frontend")
@@ -201,15 +201,6 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -245,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         kserve_grace_s=min(config.drain_timeout_s, 30.0),
     )
     try:
-        sock = _bind(config.host, config.port)
+        sock = bind(config.host, config.port)
     except OSError as e:
         print(f"serve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         return 2

@@ -214,7 +214,7 @@ class OpenAIProxy:
         except BaseException:
             # Nothing reached the client and nothing was generated: refund everything.
             with anyio.CancelScope(shield=True):
-                await self.limiter.finish(reservation, None)
+                await self._settle(reservation, None)
             raise
 
     async def _attempts(
@@ -361,7 +361,7 @@ class OpenAIProxy:
                 upstream.close()
                 self.metrics.disconnects.labels(alias).inc()
                 log["status"] = 499
-                await self.limiter.finish(reservation, None)
+                await self._settle(reservation, None)
                 return Response(status_code=499)
             gone.cancel()
             try:
@@ -381,7 +381,7 @@ class OpenAIProxy:
             usage = _usage_of(data)
             if usage is not None:
                 used = self._count_usage(log, alias, usage)
-        await self.limiter.finish(reservation, used)
+        await self._settle(reservation, used)
         log["status"] = upstream.status
         self._count(log, upstream.status)
         headers = _response_headers(upstream, reservation, request_id, backend.id)
@@ -449,7 +449,7 @@ class OpenAIProxy:
             if used is None and outcome != "done" and state["content_events"]:
                 # What the client may have seen: its prompt plus at least one token per event.
                 used = prompt_tokens + state["content_events"]
-            await self.limiter.finish(reservation, used)
+            await self._settle(reservation, used)
             status = {"done": 200, "disconnect": 499}.get(outcome, 502)
             log["status"], log["stream_outcome"] = status, outcome
             self._count(log, status)
@@ -461,6 +461,14 @@ class OpenAIProxy:
         return _GuardedStream(events(), cleanup, headers=headers, media_type="text/event-stream")
 
     # ---- accounting ------------------------------------------------------------------------
+    async def _settle(self, reservation: Reservation, used: int | None) -> None:
+        """Finish a reservation; a limiter outage here must not fail an answered request (the
+        slot frees itself when its lease ends)."""
+        try:
+            await self.limiter.finish(reservation, used)
+        except GatewayError as e:
+            logger.warning("could not settle reservation %s: %s", reservation.id, e.message)
+
     def _count_usage(self, log: dict[str, Any], alias: str, usage: dict[str, Any]) -> int | None:
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens") or 0

@@ -14,8 +14,8 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -30,8 +30,19 @@ from paved.gateway.router import Router
 from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file
 from paved.gateway.state import GatewayStore
 from paved.gateway.tokens import TokenCounter
+from paved.http.sockets import bind
 
 logger = logging.getLogger("paved.gateway")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: the loop's handlers stop it, so the gateway's own
+    shutdown (gRPC server, limiter, store) runs and the process exits 0 instead of uvicorn
+    re-raising the signal at the end."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def _default_state() -> str:
@@ -109,7 +120,14 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
     if state.startswith("sqlite:///"):
         Path(state.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     store = GatewayStore(state)
+    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY")
     admin_key = load_admin_key(args.admin_key_file)
+    if generated:
+        # No configured admin key: this one exists only in this process; shown once.
+        print(
+            f"gateway: admin key for this run (set PAVED_ADMIN_KEY to choose one): {admin_key}",
+            file=sys.stderr,
+        )
     router = Router(table)
     metrics = GatewayMetrics()
     authenticator = Authenticator(store, cache_s=args.auth_cache)
@@ -174,9 +192,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await grpc_server.start()
         gateway.on_stop.append(forwarder.close)
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,
@@ -186,12 +202,10 @@ async def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    # uvicorn would install its own handlers and re-raise the signal at exit.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     # uvicorn exposes no started event; a bounded poll (it binds an already-open socket).
     for _ in range(3000):
@@ -223,11 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    try:
-        return run(_serve(args))
+        return uvloop.run(_serve(args))
     except RoutesError as e:
         print(f"gateway: bad routes file {args.routes}: {e}", file=sys.stderr)
         return 2

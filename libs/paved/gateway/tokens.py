@@ -144,9 +144,9 @@ def _byte_count(texts: list[str] | None, body: dict[str, Any], affinity_tokens: 
         # Template markup adds a few tokens per message on top of the content.
         data = "".join(parts).encode(errors="surrogatepass")
         return PromptCount(len(data) + 8 * len(parts) + 8, False, data[: 4 * affinity_tokens] or None)
-    data = [t.encode(errors="surrogatepass") for t in texts]
-    first = data[0][: 4 * affinity_tokens] if data else b""
-    return PromptCount(sum(len(d) + 2 for d in data), False, first or None)
+    encoded = [t.encode(errors="surrogatepass") for t in texts]
+    first = encoded[0][: 4 * affinity_tokens] if encoded else b""
+    return PromptCount(sum(len(d) + 2 for d in encoded), False, first or None)
 
 
 def _ids_bytes(ids: list[int]) -> bytes | None:
