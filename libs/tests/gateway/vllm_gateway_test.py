@@ -17,9 +17,9 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 from gateway_proc import GatewayProcess, write_routes
 from servers import ServerProcess
+from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import llm_inputs, xgb_model_dir
 from paved.runfiles import tiny_model_dir
