@@ -53,10 +53,10 @@ enforce_eager = true
     return path
 
 
-def _running(url: str) -> float:
+def _metric(url: str, name: str, label: str) -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:num_requests_running{") and 'model_name="tiny"' in line:
+        if line.startswith(name + "{") and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -86,7 +86,11 @@ def fleet(tmp_path_factory):
             tmp / "routes.json",
             [
                 {"alias": "tiny", "strategy": "prefix_affinity", "tokenizer": tiny, "backends": backends},
-                {"alias": "minilm", "kind": "embed", "backends": [{"url": a.url, "version": "v1"}]},
+                {
+                    "alias": "minilm",
+                    "kind": "embed",
+                    "backends": [{"id": "a-embed", "url": a.url, "version": "v1"}],
+                },
                 {"alias": XGB, "kind": "kserve", "backends": [backends[0]]},
             ],
         )
@@ -234,20 +238,32 @@ def test_tritonclient_scores_xgboost_and_the_llm_with_the_same_key(fleet):
 
 def test_a_client_that_leaves_aborts_the_vllm_request(fleet):
     a, b, gw = fleet
+    generated = {s.url: _metric(s.url, "vllm:generation_tokens_total", 'model_name="tiny"') for s in (a, b)}
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 900, "ignore_eos": True, "stream": True, "n": 4}
     with httpx.stream(
         "POST",
         gw.url + "/v1/completions",
         headers={"Authorization": f"Bearer {gw.api_key}"},
-        json={"model": "tiny", "prompt": "count", "max_tokens": 900, "ignore_eos": True, "stream": True},
+        json=body,
         timeout=120,
     ) as r:
         assert r.status_code == 200
         backend = a if r.headers["x-paved-backend"] == a.url else b
-        for i, _ in enumerate(r.iter_lines()):
-            if i >= 4:
+        lines = r.iter_lines()
+        # Decoding on the backend (vLLM's gauge is updated per engine step): keep reading.
+        running = 0.0
+        for _ in range(200):
+            next(lines)
+            running = _metric(backend.url, "vllm:num_requests_running", 'model_name="tiny"')
+            if running == 4:
                 break
-        assert _running(backend.url) == 1
+        assert running == 4
+    # The with-block closed the client's connection mid-stream.
     deadline = time.monotonic() + 30
-    while _running(backend.url) != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _running(backend.url) == 0
+    while _metric(backend.url, "vllm:num_requests_running", 'model_name="tiny"') or _metric(
+        backend.url, "paved_queued_sequences", 'model="tiny"'
+    ):
+        assert time.monotonic() < deadline, "the engine kept the request whose client left"
+        time.sleep(0.2)
+    ran = _metric(backend.url, "vllm:generation_tokens_total", 'model_name="tiny"') - generated[backend.url]
+    assert ran < 4 * 900 / 2, f"{ran} tokens: the request ran on after the client left"
