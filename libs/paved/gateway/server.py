@@ -27,9 +27,10 @@ from paved.gateway.limits import make_limiter
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.router import Router
-from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file
+from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
 from paved.gateway.state import GatewayStore
 from paved.gateway.tokens import TokenCounter
+from paved.gateway.watch_source import HttpRoutesSource, routes_url
 from paved.http.sockets import bind
 
 logger = logging.getLogger("paved.gateway")
@@ -53,7 +54,22 @@ def _default_state() -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description="paved's gateway: keys, limits, routing.")
     p.add_argument(
-        "--routes", required=True, metavar="FILE", help="routes table (.json or .toml), reloaded live"
+        "--routes",
+        required=True,
+        metavar="FILE|URL",
+        help="routes table (.json or .toml), reloaded live; or http(s)://CONTROL_PLANE to follow "
+        "its routes feed (long poll of /v1/routes)",
+    )
+    p.add_argument(
+        "--routes-token",
+        default=os.environ.get("PAVED_ROUTES_TOKEN"),
+        help="bearer token for the control plane's routes feed (default $PAVED_ROUTES_TOKEN)",
+    )
+    p.add_argument(
+        "--routes-cache",
+        metavar="PATH",
+        help="with --routes URL: the last table received is kept here and served at start when "
+        "the control plane cannot be reached",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0: any free port)")
@@ -98,6 +114,13 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--max-attempts must be 1..10")
     if args.auth_cache < 0 or args.auth_cache > 1:
         p.error("--auth-cache must be 0..1 s (a revoked key must stop working within a second)")
+    if args.routes_cache and not _is_url(args.routes):
+        p.error("--routes-cache needs --routes http(s)://...")
+    if _is_url(args.routes):
+        try:
+            routes_url(args.routes)
+        except RoutesError as e:
+            p.error(f"--routes: {e}")
     if bool(args.bootstrap_tenant) != bool(args.bootstrap_key_file):
         p.error("--bootstrap-tenant and --bootstrap-key-file go together")
 
@@ -114,8 +137,20 @@ async def _bootstrap(store: GatewayStore, tenant: str, path: str) -> None:
     print(f"gateway: wrote a key for tenant {tenant!r} to {path}", file=sys.stderr, flush=True)
 
 
+def _is_url(routes: str) -> bool:
+    return routes.startswith(("http://", "https://"))
+
+
+def _routes_source(args: argparse.Namespace, router: Router) -> FileRoutesSource | HttpRoutesSource:
+    if _is_url(args.routes):
+        return HttpRoutesSource(args.routes, router, token=args.routes_token, cache_file=args.routes_cache)
+    return FileRoutesSource(args.routes, router, poll_s=args.routes_poll)
+
+
 def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
-    table = load_routes_file(args.routes)
+    # From the control plane the first table arrives in Gateway.start (routes source start);
+    # until then the router holds an empty table (/health/ready answers 503).
+    table = parse_routes({"models": []}) if _is_url(args.routes) else load_routes_file(args.routes)
     state = args.state or _default_state()
     if state.startswith("sqlite:///"):
         Path(state.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +190,8 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         router=router,
         proxy=proxy,
         metrics=metrics,
-        routes_source=FileRoutesSource(args.routes, router, poll_s=args.routes_poll),
+        # Gateway's field is annotated with the file source; both implement RoutesSource.
+        routes_source=_routes_source(args, router),  # type: ignore[arg-type]
         health=HealthChecker(router, interval_s=args.health_interval),
     )
     return gateway, table
@@ -239,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return uvloop.run(_serve(args))
     except RoutesError as e:
-        print(f"gateway: bad routes file {args.routes}: {e}", file=sys.stderr)
+        what = "no routes from" if _is_url(args.routes) else "bad routes file"
+        print(f"gateway: {what} {args.routes}: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"gateway: {e}", file=sys.stderr)
