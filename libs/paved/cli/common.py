@@ -90,10 +90,12 @@ def limits_body(args: argparse.Namespace) -> dict[str, int] | None:
 
 
 class AdminClient:
-    """The gateway's /admin/v1 API over HTTP."""
+    """An admin API over HTTP: the gateway's /admin/v1 (default) or the control plane's /v1."""
 
-    def __init__(self, gateway: str, admin_key: str):
+    def __init__(self, gateway: str, admin_key: str, *, prefix: str = "/admin/v1", service: str = "gateway"):
         self.gateway = gateway
+        self.prefix = prefix
+        self.service = service
         self._headers = {"Authorization": f"Bearer {admin_key}", "Accept": "application/json"}
 
     @classmethod
@@ -115,13 +117,13 @@ class AdminClient:
     def request(
         self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None
     ) -> Any:
-        url = f"{self.gateway}/admin/v1{path}"
+        url = f"{self.gateway}{self.prefix}{path}"
         try:
             with httpx.Client(timeout=TIMEOUT_S) as client:
                 resp = client.request(method, url, json=json, params=params, headers=self._headers)
         except httpx.HTTPError as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CliError(f"cannot reach the gateway at {self.gateway}: {reason}") from None
+            raise CliError(f"cannot reach the {self.service} at {self.gateway}: {reason}") from None
         try:
             body = resp.json()
         except ValueError:
@@ -133,5 +135,5 @@ class AdminClient:
             text = " ".join(str(message or resp.reason_phrase or "request failed").split())
             raise CliError(f"{text} (HTTP {resp.status_code})")
         if body is None:
-            raise CliError(f"the gateway answered HTTP {resp.status_code} without a JSON body")
+            raise CliError(f"the {self.service} answered HTTP {resp.status_code} without a JSON body")
         return body

@@ -12,11 +12,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from paved.cli import keys
+from paved.cli import control, keys
 from paved.cli.common import CliError
 
 # The subcommand registry: each entry adds its command group(s) to the top-level subparsers.
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (keys.register,)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (keys.register, control.register)
 
 
 def build_parser() -> argparse.ArgumentParser:

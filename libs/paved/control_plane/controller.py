@@ -1,0 +1,477 @@
+"""The controller: converges what runs to what the store says should run, and steers the
+gateway's routes. It is the `Fleet` the rollout state machine drives.
+
+One reconcile pass (every `interval_s`, on the leader only):
+1. Replicas: per active deployment and region, create replicas up to the desired count, drain
+   the surplus (starting or unhealthy ones first, then the newest). A replica leaves the routes
+   (state `draining`, routes published) before its process is told to stop.
+2. Health: `starting` replicas become `ready` when the readiness probe passes (launcher ready,
+   KServe ready where served, a structured smoke generation), `failed` when their process dies
+   or the health timeout passes. `ready` replicas are probed for liveness; `live_failures`
+   failures in a row mark one `unhealthy` (out of the routes first), and it is replaced.
+3. Routes: ready replicas of active deployments, weighted per version as the rollouts say;
+   published only when the table changed.
+4. Rollouts: every running rollout whose wake time has come is advanced one step.
+5. Autoscaling: deployments with a policy and no running rollout get a decision per interval.
+
+Desired counts are per (deployment, region) and persisted (`store.set_desired`), so a restarted
+control plane converges to the same fleet; replicas it finds recorded are adopted through the
+driver (same pid and start time) or written off and replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from paved.control_plane import rollout as rollout_mod
+from paved.control_plane.analysis import GatewayAnalyzer
+from paved.control_plane.autoscaler import Autoscaler, scrape
+from paved.control_plane.driver import Driver, ReplicaRequest
+from paved.control_plane.errors import ControlError
+from paved.control_plane.probes import probe_live, probe_ready
+from paved.control_plane.routes_feed import RoutesFeed
+from paved.control_plane.store import ControlStore
+from paved.control_plane.types import Deployment, Replica
+
+logger = logging.getLogger("paved.control_plane")
+
+_LIVE = ("starting", "ready", "unhealthy")
+
+
+class Controller:
+    def __init__(
+        self,
+        store: ControlStore,
+        drivers: dict[str, Driver],
+        feed: RoutesFeed,
+        analyzer: GatewayAnalyzer,
+        *,
+        interval_s: float = 1.0,
+        health_timeout_s: float = 900.0,
+        live_failures: int = 3,
+        smoke: bool = True,
+    ):
+        self.store = store
+        self.drivers = drivers
+        self.feed = feed
+        self.analyzer = analyzer
+        self.interval_s = interval_s
+        self.health_timeout_s = health_timeout_s
+        self.live_failures = live_failures
+        self.smoke = smoke
+        # (model_id, region) -> version -> weight, set by rollouts; absent: every active
+        # deployment of the model weighs 1.
+        self._weights: dict[tuple[str, str], dict[str, float]] = {}
+        self._live_misses: dict[str, int] = {}
+        self._started_at: dict[str, float] = {}
+        self._draining: dict[str, asyncio.Task[None]] = {}
+        self._wake: dict[str, float] = {}
+        self._scalers: dict[str, Autoscaler] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self.last_error: str | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        weights = await self.store.get_kv("weights")
+        if isinstance(weights, dict):
+            for key, value in weights.items():
+                model, _, region = key.partition("|")
+                self._weights[(model, region)] = {str(k): float(v) for k, v in value.items()}
+        await self._adopt()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for task in list(self._draining.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(task), 60)
+
+    async def drain_all(self, timeout_s: float = 60.0) -> None:
+        """Drain every replica this control plane runs (shutdown with --stop-replicas-on-exit)."""
+        live = [r for r in await self.store.list_replicas() if r.state in (*_LIVE, "draining")]
+        for r in live:
+            if r.state != "draining":
+                await self.store.update_replica(r.id, state="draining")
+        await self.publish_routes()
+
+        async def one(r: Replica) -> None:
+            driver = self.drivers.get(r.region)
+            if driver is not None:
+                with contextlib.suppress(Exception):
+                    await driver.drain(r, timeout_s)
+            await self.store.update_replica(r.id, state="stopped")
+
+        await asyncio.gather(*(one(r) for r in live))
+
+    def poke(self) -> None:
+        """Run a pass now (an API call changed what should run)."""
+        self._wakeup.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.reconcile()
+                self.last_error = None
+            except Exception as e:  # one bad pass must not stop the controller
+                self.last_error = f"{type(e).__name__}: {e}"
+                logger.exception("reconcile pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), self.interval_s)
+            self._wakeup.clear()
+
+    async def _adopt(self) -> None:
+        for region, driver in self.drivers.items():
+            records = [
+                r for r in await self.store.list_replicas(region=region) if r.state in (*_LIVE, "draining")
+            ]
+            adopted, gone = await driver.adopt(records)
+            for r in adopted:
+                self._started_at.setdefault(r.id, time.monotonic())
+                if r.state == "draining":
+                    self._drain(r)
+            for r in gone:
+                await self.store.update_replica(
+                    r.id, state="failed", reason="gone after a control-plane restart"
+                )
+                await self.store.audit(
+                    "replica.gone",
+                    f"replica {r.id} was not running after a control-plane restart; it will be replaced",
+                    data={"replica": r.id},
+                )
+            if adopted:
+                await self.store.audit(
+                    "replica.adopted",
+                    f"adopted {len(adopted)} running replica(s) in region {region}",
+                    data={"replicas": [r.id for r in adopted]},
+                )
+
+    # ---- one pass ---------------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        deployments = [d for d in await self.store.list_deployments() if d.state != "deleted"]
+        by_id = {d.id: d for d in deployments}
+        replicas = await self.store.list_replicas()
+        await self._health(replicas, by_id)
+        replicas = await self.store.list_replicas()
+        await self._converge(deployments, replicas)
+        await self.publish_routes()
+        await self._rollouts()
+        await self._autoscale(deployments)
+
+    async def _health(self, replicas: list[Replica], by_id: dict[str, Deployment]) -> None:
+        now = time.monotonic()
+        checks = []
+        for r in replicas:
+            d = by_id.get(r.deployment_id)
+            driver = self.drivers.get(r.region)
+            if d is None or driver is None or r.state not in _LIVE:
+                continue
+            checks.append(self._check(r, d, driver, now))
+        if checks:
+            await asyncio.gather(*checks)
+
+    async def _check(self, r: Replica, d: Deployment, driver: Driver, now: float) -> None:
+        started = self._started_at.setdefault(r.id, now)
+        if r.state == "starting":
+            if not await driver.alive(r):
+                await self._fail(r, "its process exited before it was ready")
+                return
+            kind = d.fingerprint.get("kind", "generate") if d.fingerprint else "generate"
+            ok, reason = await probe_ready(r, model_id=d.spec.model_id, kind=kind, smoke=self.smoke)
+            if ok:
+                await self.store.update_replica(r.id, state="ready", reason=None)
+                await self.store.audit(
+                    "replica.ready",
+                    f"replica {r.id} of {d.spec.model_id}@{d.spec.version} passed its health gate",
+                    model_id=d.spec.model_id,
+                    version=d.spec.version,
+                    data={"replica": r.id, "url": r.url},
+                )
+                self._wakeup.set()
+            elif now - started > self.health_timeout_s:
+                await self._fail(r, f"not ready after {self.health_timeout_s:.0f} s: {reason}")
+            return
+        ok, reason = await probe_live(r, driver)
+        if ok:
+            self._live_misses.pop(r.id, None)
+            if r.state == "unhealthy":
+                ok, reason = await probe_ready(r, model_id=d.spec.model_id, smoke=False)
+                if ok:
+                    await self.store.update_replica(r.id, state="ready", reason=None)
+            return
+        misses = self._live_misses.get(r.id, 0) + 1
+        self._live_misses[r.id] = misses
+        if misses < self.live_failures and await driver.alive(r):
+            return
+        # Out of the routes before anything else happens to it.
+        await self.store.update_replica(r.id, state="unhealthy", reason=reason)
+        await self.publish_routes()
+        await self.store.audit(
+            "replica.replaced",
+            f"replica {r.id} of {d.spec.model_id}@{d.spec.version} failed liveness ({reason}); replacing it",
+            model_id=d.spec.model_id,
+            version=d.spec.version,
+            data={"replica": r.id, "reason": reason},
+        )
+        await self._retire(r)
+
+    async def _fail(self, r: Replica, reason: str) -> None:
+        await self.store.update_replica(r.id, state="failed", reason=reason)
+        await self.store.audit("replica.failed", f"replica {r.id} failed: {reason}", data={"replica": r.id})
+        driver = self.drivers.get(r.region)
+        if driver is not None:
+            with contextlib.suppress(Exception):
+                await driver.delete(r)
+
+    async def _retire(self, r: Replica) -> None:
+        driver = self.drivers.get(r.region)
+        await self.store.update_replica(r.id, state="stopped", reason="replaced")
+        if driver is not None:
+            with contextlib.suppress(Exception):
+                await driver.delete(r)
+
+    async def _converge(self, deployments: list[Deployment], replicas: list[Replica]) -> None:
+        for d in deployments:
+            desired_by_region = await self.store.get_desired(d.id)
+            for region in d.spec.regions:
+                if region not in self.drivers:
+                    continue
+                desired = desired_by_region.get(region, 0 if d.state != "active" else d.spec.replicas)
+                mine = [
+                    r for r in replicas if r.deployment_id == d.id and r.region == region and r.state in _LIVE
+                ]
+                if len(mine) < desired:
+                    for _ in range(desired - len(mine)):
+                        await self._create(d, region)
+                elif len(mine) > desired:
+                    order = {"starting": 0, "unhealthy": 0, "ready": 1}
+                    victims = sorted(mine, key=lambda r: (order[r.state], -self._started_at.get(r.id, 0.0)))
+                    for r in victims[: len(mine) - desired]:
+                        await self.store.update_replica(r.id, state="draining")
+                        await self.store.audit(
+                            "scale",
+                            f"draining replica {r.id} of {d.spec.model_id}@{d.spec.version} in {region} "
+                            f"(desired {desired}, had {len(mine)})",
+                            model_id=d.spec.model_id,
+                            version=d.spec.version,
+                            data={"replica": r.id, "desired": desired},
+                        )
+                        self._drain(r)
+
+    async def _create(self, d: Deployment, region: str) -> None:
+        driver = self.drivers[region]
+        replica_id = "rep_" + uuid.uuid4().hex[:12]
+        request = ReplicaRequest(
+            replica_id=replica_id,
+            deployment_id=d.id,
+            model_id=d.spec.model_id,
+            version=d.spec.version,
+            package_uri=d.spec.package_uri,
+            region=region,
+            engine=d.spec.engine,
+            kserve=bool(d.fingerprint.get("kserve")) if d.fingerprint else False,
+        )
+        try:
+            replica = await driver.create(request)
+        except ControlError as e:
+            await self.store.audit(
+                "replica.failed",
+                f"could not start a replica of {d.spec.model_id}@{d.spec.version} in {region}: {e.message}",
+                model_id=d.spec.model_id,
+                version=d.spec.version,
+            )
+            return
+        await self.store.add_replica(replica)
+        self._started_at[replica.id] = time.monotonic()
+        await self.store.audit(
+            "scale",
+            f"started replica {replica.id} of {d.spec.model_id}@{d.spec.version} in {region}",
+            model_id=d.spec.model_id,
+            version=d.spec.version,
+            data={"replica": replica.id, "url": replica.url},
+        )
+
+    def _drain(self, r: Replica) -> None:
+        if r.id in self._draining:
+            return
+
+        async def drain() -> None:
+            # The routes without it are published before the process is told to stop.
+            await self.publish_routes()
+            driver = self.drivers.get(r.region)
+            try:
+                if driver is not None:
+                    await driver.drain(r)
+            finally:
+                await self.store.update_replica(r.id, state="stopped")
+                self._draining.pop(r.id, None)
+
+        self._draining[r.id] = asyncio.ensure_future(drain())
+
+    # ---- routes -----------------------------------------------------------------------------
+    async def routes_table(self) -> dict[str, Any]:
+        # Inactive deployments are listed too: a rollout's new version serves with the weight
+        # the rollout gives it before it becomes the active one.
+        deployments = [d for d in await self.store.list_deployments() if d.state != "deleted"]
+        replicas = [r for r in await self.store.list_replicas() if r.state == "ready"]
+        models: dict[str, dict[str, Any]] = {}
+        for d in deployments:
+            kind = (d.fingerprint or {}).get("kind", "generate")
+            route = models.setdefault(
+                d.spec.model_id,
+                {"alias": d.spec.model_id, "kind": kind, "strategy": "least_outstanding", "backends": []},
+            )
+            if d.spec.strategy == "versioned" and d.current:
+                route["current"] = d.spec.version
+            for r in replicas:
+                if r.deployment_id != d.id:
+                    continue
+                weights = self._weights.get((d.spec.model_id, r.region))
+                if d.spec.strategy == "versioned":
+                    # Side by side: every version serves its pins; `current` takes the alias.
+                    weight = 1.0
+                elif weights is None or d.spec.version not in weights:
+                    weight = 1.0 if d.state == "active" else 0.0
+                else:
+                    weight = float(weights[d.spec.version])
+                backend: dict[str, Any] = {
+                    "id": r.url,
+                    "url": r.url,
+                    "version": d.spec.version,
+                    "weight": weight,
+                    "region": r.region,
+                }
+                if r.kserve_grpc:
+                    backend["kserve_grpc"] = r.kserve_grpc
+                if r.kserve_http:
+                    backend["kserve_http"] = r.kserve_http
+                route["backends"].append(backend)
+        # A model whose every replica is gone keeps an entry only if it has backends (the
+        # gateway answers an unknown model 404, and a routed one without health 503).
+        table = {"models": [m for m in models.values() if m["backends"]]}
+        for m in table["models"]:
+            if "current" in m and m["current"] not in {b["version"] for b in m["backends"]}:
+                del m["current"]
+        return table
+
+    async def publish_routes(self) -> int:
+        return await self.feed.publish(await self.routes_table())
+
+    # ---- Fleet (driven by paved.control_plane.rollout) -----------------------------------------
+    async def scale(self, deployment_id: str, region: str, replicas: int) -> None:
+        if replicas < 0:
+            raise ControlError(400, "replicas must be >= 0")
+        await self.store.set_desired(deployment_id, region, replicas)
+        self._wakeup.set()
+
+    async def counts(self, deployment_id: str, region: str) -> tuple[int, int]:
+        ready = failed = 0
+        for r in await self.store.list_replicas(deployment_id=deployment_id, region=region):
+            if r.state == "ready":
+                ready += 1
+            elif r.state == "failed":
+                failed += 1
+        return ready, failed
+
+    async def set_weights(self, model_id: str, region: str, weights: dict[str, float]) -> None:
+        self._weights[(model_id, region)] = dict(weights)
+        await self.store.set_kv("weights", {f"{m}|{r}": w for (m, r), w in self._weights.items()})
+        await self.publish_routes()
+
+    async def analyze(self, model_id: str, version: str, region: str, since: float) -> Any:
+        deployment = await self.store.get_deployment(model_id, version)
+        if deployment is None:
+            return rollout_mod.Analysis(0, 0, None)
+        backends = {r.url for r in await self.store.list_replicas(deployment_id=deployment.id, region=region)}
+        result = self.analyzer.analyze(backends, since)
+        return rollout_mod.Analysis(result.requests, result.errors, result.p99_s)
+
+    async def deactivate(self, deployment_id: str) -> None:
+        await self.store.update_deployment(deployment_id, state="inactive")
+        for region in self.drivers:
+            await self.store.set_desired(deployment_id, region, 0)
+        self._wakeup.set()
+
+    async def activate(self, deployment_id: str) -> None:
+        await self.store.update_deployment(deployment_id, state="active")
+        self._wakeup.set()
+
+    # ---- rollouts and autoscaling -----------------------------------------------------------
+    async def _rollouts(self) -> None:
+        now = time.time()
+        for record in await self.store.list_rollouts(status="running"):
+            if self._wake.get(record.id, 0.0) > now:
+                continue
+            try:
+                record, wake = await rollout_mod.advance(record, self, self.store, now)
+            except ControlError as e:
+                if e.status == 409:
+                    continue  # another control plane moved it first
+                raise
+            self._wake[record.id] = wake
+            if record.status == "succeeded":
+                await self._promoted(record)
+
+    async def _promoted(self, record: Any) -> None:
+        target = await self.store.get_deployment(record.model_id, record.to_version)
+        if target is None or target.state == "active":
+            return
+        await self.activate(target.id)
+        if target.spec.strategy == "versioned":
+            current = [d for d in await self.store.list_deployments(model_id=record.model_id) if d.current]
+            if not current or record.params.get("promote"):
+                await self.store.set_current(record.model_id, record.to_version)
+        await self.publish_routes()
+
+    async def _autoscale(self, deployments: list[Deployment]) -> None:
+        busy = {r.model_id for r in await self.store.list_rollouts(status="running")}
+        for d in deployments:
+            policy = d.spec.autoscale
+            if not policy.enabled or d.state != "active" or d.spec.model_id in busy:
+                continue
+            scaler = self._scalers.get(d.id)
+            if scaler is None:
+                scaler = self._scalers[d.id] = Autoscaler(policy)
+            replicas = await self.store.list_replicas(deployment_id=d.id)
+            ready = [r for r in replicas if r.state == "ready" and r.metrics_url]
+            samples = []
+            for r in ready:
+                with contextlib.suppress(Exception):
+                    samples.append(await scrape(r.metrics_url or "", model_id=d.spec.model_id))
+            scaler.observe(samples)
+            desired = await self.store.get_desired(d.id)
+            for region in d.spec.regions:
+                current = desired.get(region, d.spec.replicas)
+                live = [r for r in replicas if r.region == region and r.state in _LIVE]
+                n_ready = sum(1 for r in live if r.state == "ready")
+                decision = scaler.decide(
+                    current_target=current,
+                    ready=n_ready,
+                    min_replicas=d.spec.min_replicas,
+                    max_replicas=d.spec.max_replicas,
+                    step_in_flight=n_ready != current,
+                )
+                if decision.target != current:
+                    await self.store.set_desired(d.id, region, decision.target)
+                    await self.store.audit(
+                        "autoscale",
+                        f"{d.spec.model_id}@{d.spec.version} in {region}: {current} -> {decision.target} "
+                        f"replicas ({decision.mode}: {decision.reason})",
+                        model_id=d.spec.model_id,
+                        version=d.spec.version,
+                        data={
+                            "from": current,
+                            "to": decision.target,
+                            "mode": decision.mode,
+                            "reason": decision.reason,
+                        },
+                    )

@@ -1,0 +1,216 @@
+"""The control-plane main: `python -m paved.control_plane.server` (`tools/bazel run
+//services/control_plane:serve`).
+
+State in SQLite by default, PostgreSQL (`--state postgresql://...`) for two replicas: both
+serve the API; only the one holding the leader lock (a PostgreSQL advisory lock, or a file
+lock next to the SQLite file) runs the controller, and a follower that takes the lock adopts
+the running replicas and resumes every rollout from its persisted phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from paved.control_plane.analysis import GatewayAnalyzer
+from paved.control_plane.api import create_app
+from paved.control_plane.controller import Controller
+from paved.control_plane.driver import Driver
+from paved.control_plane.leader import LeaderLock
+from paved.control_plane.local_driver import LocalDriver
+from paved.control_plane.routes_feed import RoutesFeed
+from paved.control_plane.store import ControlStore
+from paved.gateway.auth import AdminAuth, load_admin_key
+from paved.http.sockets import bind
+
+logger = logging.getLogger("paved.control_plane")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: the loop's handlers stop it, so the controller's
+    shutdown runs (replicas keep running: a restarted control plane adopts them)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _state_dir() -> Path:
+    return Path(os.environ.get("PAVED_STATE_DIR") or Path.home() / ".local/share/paved")
+
+
+def _region(value: str) -> tuple[str, tuple[int, int]]:
+    name, _, ports = value.partition("=")
+    low, _, high = ports.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--region {value!r}: expected NAME=LOW-HIGH (ports)") from None
+    if not name or not 1024 <= lo < hi <= 65535 or hi - lo < 3:
+        raise argparse.ArgumentTypeError(
+            f"--region {value!r}: NAME=LOW-HIGH with 1024 <= LOW < HIGH <= 65535"
+        )
+    return name, (lo, hi)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="control_plane", description="paved's control plane.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8090, help="API port (default 8090; 0: any)")
+    p.add_argument("--state", help="sqlite:///PATH (default under $PAVED_STATE_DIR) or postgresql://...")
+    p.add_argument("--admin-key-file", help="file holding the admin key (else $PAVED_ADMIN_KEY)")
+    p.add_argument(
+        "--region",
+        action="append",
+        type=_region,
+        metavar="NAME=LOW-HIGH",
+        help="a region of local replicas and its port range (repeatable; default local=30000-30999)",
+    )
+    p.add_argument("--work-dir", help="replica logs and metrics dirs (default under $PAVED_STATE_DIR)")
+    p.add_argument("--cache-dir", help="the launchers' model cache (default theirs)")
+    p.add_argument("--s3-endpoint-url", help="for s3:// packages (e.g. a loopback S3)")
+    p.add_argument(
+        "--gateway-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a gateway's /metrics, read for rollout analysis (repeatable)",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between reconcile passes")
+    p.add_argument(
+        "--health-timeout", type=float, default=900.0, help="seconds a replica may take to be ready"
+    )
+    p.add_argument(
+        "--no-smoke", action="store_true", help="readiness without the structured smoke generation"
+    )
+    p.add_argument(
+        "--stop-replicas-on-exit",
+        action="store_true",
+        help="drain every replica on shutdown (default: leave them running for the next leader to adopt)",
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _prepare(args: argparse.Namespace) -> tuple[str, Path]:
+    state_dir = _state_dir()
+    state = args.state or f"sqlite:///{state_dir / 'control_plane.sqlite'}"
+    if state.startswith("sqlite:///"):
+        Path(state.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(args.work_dir or state_dir / "replicas")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return state, work_dir
+
+
+async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
+    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY")
+    admin_key = load_admin_key(args.admin_key_file)
+    if generated:
+        print(
+            f"control plane: admin key for this run (set PAVED_ADMIN_KEY to choose one): {admin_key}",
+            file=sys.stderr,
+        )
+    admin = AdminAuth(admin_key)
+    store = ControlStore(state)
+    await store.start()
+    regions = dict(args.region or [("local", (30000, 30999))])
+    drivers: dict[str, Driver] = {
+        name: LocalDriver(
+            name,
+            port_range=ports,
+            work_dir=work_dir / name,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            s3_endpoint_url=args.s3_endpoint_url,
+        )
+        for name, ports in regions.items()
+    }
+    feed = RoutesFeed(store)
+    analyzer = GatewayAnalyzer(args.gateway_metrics)
+    controller = Controller(
+        store,
+        drivers,
+        feed,
+        analyzer,
+        interval_s=args.interval,
+        health_timeout_s=args.health_timeout,
+        smoke=not args.no_smoke,
+    )
+    leader = LeaderLock(state)
+    app = create_app(store, controller, feed, admin.check, leader=leader)
+
+    async def lead() -> None:
+        # Followers serve the API; the lock's holder runs the controller.
+        # Polled: a lock held by another process signals nothing here.
+        while not await leader.try_acquire():  # noqa: ASYNC110
+            await asyncio.sleep(1.0)
+        logger.info("this control plane is the leader")
+        await store.audit("leader", f"control plane pid {os.getpid()} became the leader")
+        await analyzer.start()
+        await controller.start()
+        while await leader.check():  # noqa: ASYNC110
+            await asyncio.sleep(1.0)
+        logger.error("lost the leader lock; stopping")
+        server.should_exit = True
+
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, loop="none", http="httptools", log_level="warning", access_log=False)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    leading = asyncio.ensure_future(lead())
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    # uvicorn exposes no started event; a bounded poll (it binds an already-open socket).
+    for _ in range(3000):
+        if server.started or serving.done():
+            break
+        await asyncio.sleep(0.01)
+    print(f"serving control plane on http://{host}:{port}", flush=True)
+    try:
+        await serving
+    finally:
+        leading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leading
+        await controller.stop()
+        if args.stop_replicas_on_exit and leader.is_leader:
+            await controller.drain_all()
+        await analyzer.stop()
+        for driver in drivers.values():
+            await driver.close()
+        await leader.release()
+        await store.close()
+        sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print("control plane: --port must be 0..65535", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvloop
+
+    try:
+        state, work_dir = _prepare(args)
+        return uvloop.run(_serve(args, state, work_dir))
+    except (OSError, ValueError) as e:
+        print(f"control plane: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
