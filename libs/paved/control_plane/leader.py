@@ -1,0 +1,209 @@
+"""Leader election between control-plane replicas sharing one store.
+
+`LeaderLock(url)` names the same database as the ControlStore. Only the holder runs the
+reconcile loops (rollouts, autoscaling, GC); the others serve the API and wait.
+
+- PostgreSQL: a session-level `pg_try_advisory_lock` on a dedicated connection that stays
+  open while held. The server drops the lock when that connection ends, so a crashed or
+  partitioned holder loses it without any lease timing; `check()` asks the server whether this
+  connection still holds it (a broken connection means "no").
+- SQLite: an exclusive `fcntl.flock` on `<database path>.leader`, which the kernel drops when
+  the process dies. flock belongs to the open file, so two LeaderLocks in one process also
+  exclude each other. An in-memory database has no file: the lock is then process-local.
+
+Invariants: at most one LeaderLock per (database, name) is leader at any moment; every call
+is bounded (connect and statement timeouts, non-blocking flock); `is_leader` is this object's
+last known state and `check()` re-verifies it. Blocking work runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import threading
+from typing import Any
+
+import sqlalchemy as sa
+
+from paved.control_plane.errors import BadRequest
+
+_MEMORY_HELD: set[str] = set()
+_MEMORY_GUARD = threading.Lock()
+
+
+def lock_key(name: str) -> int:
+    """A stable signed 64-bit advisory-lock key for a lock name."""
+    digest = hashlib.sha256(("paved-leader:" + name).encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+class LeaderLock:
+    def __init__(self, url: str, *, name: str = "paved-control-plane"):
+        if not isinstance(name, str) or not 0 < len(name) <= 128 or not name.isprintable():
+            raise BadRequest("leader lock name must be a printable string of 1 to 128 characters")
+        if not isinstance(url, str) or not url:
+            raise ValueError("LeaderLock needs a database URL: sqlite:///PATH or postgresql://...")
+        parsed = sa.make_url(url)
+        self._name = name
+        self._backend = parsed.get_backend_name()
+        if self._backend == "postgresql":
+            # psycopg wants a libpq URL: drop SQLAlchemy's "+driver" suffix.
+            self._pg_url = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+            self._key = lock_key(name)
+        elif self._backend == "sqlite":
+            db = parsed.database
+            self._path = None if db in (None, "", ":memory:") else os.path.abspath(db) + ".leader"
+        else:
+            raise ValueError(f"unsupported leader lock URL scheme '{parsed.drivername}'")
+        self._conn: Any = None  # psycopg.Connection while held (PostgreSQL)
+        self._fd: int | None = None  # the flocked file while held (SQLite file)
+        self._memory = False  # held in _MEMORY_HELD (SQLite in memory)
+        self._held = False
+        # One caller at a time on the dedicated connection / fd.
+        self._guard = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def is_leader(self) -> bool:
+        return self._held
+
+    async def try_acquire(self) -> bool:
+        """Take the lock if free (never waits for it); True if this object holds it now."""
+        return await asyncio.to_thread(self._acquire_sync)
+
+    async def check(self) -> bool:
+        """Whether the lock is still held (re-verified with the database / the file)."""
+        return await asyncio.to_thread(self._check_sync)
+
+    async def release(self) -> None:
+        """Give the lock up (idempotent)."""
+        await asyncio.to_thread(self._release_sync)
+
+    async def close(self) -> None:
+        await self.release()
+
+    # -- sync ------------------------------------------------------------------------------
+
+    def _acquire_sync(self) -> bool:
+        with self._guard:
+            if self._held and self._check_locked():
+                return True
+            self._drop_locked()
+            if self._backend == "postgresql":
+                self._held = self._acquire_pg()
+            elif self._path is None:
+                with _MEMORY_GUARD:
+                    if self._name not in _MEMORY_HELD:
+                        _MEMORY_HELD.add(self._name)
+                        self._memory = self._held = True
+            else:
+                self._held = self._acquire_file(self._path)
+            return self._held
+
+    def _acquire_pg(self) -> bool:
+        import psycopg
+
+        try:
+            conn = psycopg.connect(
+                self._pg_url,
+                autocommit=True,
+                connect_timeout=5,
+                options="-c statement_timeout=5000",
+                application_name="paved-leader",
+            )
+        except psycopg.Error:
+            return False
+        try:
+            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (self._key,)).fetchone()
+        except psycopg.Error:
+            conn.close()
+            return False
+        if not (row and row[0]):
+            conn.close()
+            return False
+        self._conn = conn
+        return True
+
+    def _acquire_file(self, path: str) -> bool:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        # Locked a file that was since unlinked (by a holder cleaning up): retry on the new one.
+        if not self._same_file(fd, path):
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    @staticmethod
+    def _same_file(fd: int, path: str) -> bool:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _check_sync(self) -> bool:
+        with self._guard:
+            if not self._held:
+                return False
+            if not self._check_locked():
+                self._drop_locked()
+            return self._held
+
+    def _check_locked(self) -> bool:
+        if self._backend == "postgresql":
+            import psycopg
+
+            if self._conn is None or self._conn.closed:
+                return False
+            hi, lo = (self._key >> 32) & 0xFFFFFFFF, self._key & 0xFFFFFFFF
+            try:
+                # A bigint advisory key is stored as classid (high half), objid (low half).
+                row = self._conn.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND pid = pg_backend_pid() AND classid = %s AND objid = %s AND objsubid = 1",
+                    (hi, lo),
+                ).fetchone()
+            except psycopg.Error:
+                return False
+            return bool(row and row[0])
+        if self._memory:
+            return True
+        return self._fd is not None and self._path is not None and self._same_file(self._fd, self._path)
+
+    def _release_sync(self) -> None:
+        with self._guard:
+            self._drop_locked()
+
+    def _drop_locked(self) -> None:
+        """Let go of whatever is held; never raises."""
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                # Closing the session frees the lock; unlock first so it is free at once even if
+                # the close is slow.
+                self._conn.execute("SELECT pg_advisory_unlock(%s)", (self._key,))
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+        if self._memory:
+            with _MEMORY_GUARD:
+                _MEMORY_HELD.discard(self._name)
+            self._memory = False
+        self._held = False

@@ -1,0 +1,1222 @@
+"""The control plane's durable state: deployments, replicas, rollouts, the audit log and the
+published routes tables, in SQLite (one control plane) or PostgreSQL (several replicas of the
+control plane sharing one database).
+
+`ControlStore` wraps a synchronous SQLAlchemy engine; every public method is a coroutine that
+runs its database work in a worker thread (`asyncio.to_thread`), so the event loop never blocks
+on the database (the style of paved.gateway.state).
+
+Invariants:
+- At most one non-deleted deployment per `(model_id, version)`, at most one `current`
+  deployment per model and at most one `running` rollout per model: each is a partial unique
+  index, so two control planes racing get one success and one Conflict (409), never two rows.
+- `update_rollout(expect_phase=...)` is a compare-and-set on the stored phase (one conditional
+  UPDATE): of two control planes advancing the same rollout, exactly one wins, the other gets
+  Conflict. An abort request (`request_abort`) is sticky: no later state write drops it.
+- Replica states only move forward (starting -> ready -> (unhealthy -> ready)* -> draining ->
+  stopped, or failed from any live state); a backwards move is Conflict.
+- Routes revisions are strictly increasing in commit order (publishers are serialised), and
+  publishing the latest table again returns the latest revision without a new row.
+- Every input is validated before it reaches SQL (BadRequest, 400); unknown ids are NotFound
+  (404); an unreachable or slow database is Unavailable (503), never a 500 or a hang
+  (PostgreSQL connections carry connect and statement timeouts; SQLite a busy timeout).
+- Datetimes are UTC-aware on the way in and out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar, cast, get_args
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+
+from paved.control_plane.errors import BadRequest, Conflict, ControlError, NotFound, Unavailable
+from paved.control_plane.types import (
+    AuditEvent,
+    AutoscalePolicy,
+    Deployment,
+    DeploymentSpec,
+    Replica,
+    ReplicaState,
+    RolloutStatus,
+    Strategy,
+)
+
+# The model package's own name rule (paved.launcher.package), so every stored model id and
+# version is one a package can carry.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+REPLICA_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_REPLICAS = 1000
+MAX_REGIONS = 64
+MAX_URI_LEN = 2048
+MAX_MESSAGE_LEN = 4096
+MAX_KIND_LEN = 64
+MAX_AUDIT_LIMIT = 1000
+MAX_JSON_BYTES = 1 << 20
+# Old routes revisions kept (the feed only ever serves the latest; a few are kept to debug).
+ROUTES_KEPT = 200
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+REPLICA_STATES: tuple[str, ...] = get_args(ReplicaState)
+ROLLOUT_STATUSES: tuple[str, ...] = get_args(RolloutStatus)
+DEPLOYMENT_STATES = ("active", "inactive", "deleted")
+# Forward-only replica lifecycle (types.py); a same-state update (new reason, url) is allowed.
+REPLICA_TRANSITIONS: dict[str, frozenset[str]] = {
+    "starting": frozenset({"ready", "unhealthy", "draining", "stopped", "failed"}),
+    "ready": frozenset({"unhealthy", "draining", "stopped", "failed"}),
+    "unhealthy": frozenset({"ready", "draining", "stopped", "failed"}),
+    "draining": frozenset({"stopped", "failed"}),
+    "stopped": frozenset(),
+    "failed": frozenset({"stopped"}),
+}
+REPLICA_FIELDS = frozenset(
+    {"state", "url", "admin_url", "kserve_grpc", "kserve_http", "metrics_url", "driver_ref", "reason"}
+)
+# Advisory lock ids (any constants unique to this schema): DDL and routes publishing.
+_DDL_LOCK_ID = 0x7061766563  # "pavec"
+_ROUTES_LOCK_ID = 0x7061766572  # "paver"
+_T = TypeVar("_T")
+
+metadata = sa.MetaData()
+
+deployments_table = sa.Table(
+    "cp_deployments",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("model_id", sa.String(128), nullable=False),
+    sa.Column("version", sa.String(128), nullable=False),
+    sa.Column("spec", sa.JSON, nullable=False),
+    sa.Column("fingerprint", sa.JSON, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("current", sa.Boolean, nullable=False, default=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("last_traffic_at", sa.DateTime(timezone=True), nullable=True),
+)
+sa.Index(
+    "cp_deployments_live",
+    deployments_table.c.model_id,
+    deployments_table.c.version,
+    unique=True,
+    sqlite_where=deployments_table.c.state != "deleted",
+    postgresql_where=deployments_table.c.state != "deleted",
+)
+sa.Index(
+    "cp_deployments_current",
+    deployments_table.c.model_id,
+    unique=True,
+    sqlite_where=deployments_table.c.current.is_(True),
+    postgresql_where=deployments_table.c.current.is_(True),
+)
+
+replicas_table = sa.Table(
+    "cp_replicas",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("deployment_id", sa.String(64), sa.ForeignKey("cp_deployments.id"), nullable=False, index=True),
+    sa.Column("region", sa.String(63), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("url", sa.String(MAX_URI_LEN), nullable=False),
+    sa.Column("admin_url", sa.String(MAX_URI_LEN), nullable=False),
+    sa.Column("kserve_grpc", sa.String(MAX_URI_LEN), nullable=True),
+    sa.Column("kserve_http", sa.String(MAX_URI_LEN), nullable=True),
+    sa.Column("metrics_url", sa.String(MAX_URI_LEN), nullable=True),
+    sa.Column("driver_ref", sa.JSON, nullable=False),
+    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+rollouts_table = sa.Table(
+    "cp_rollouts",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("model_id", sa.String(128), nullable=False, index=True),
+    sa.Column("from_version", sa.String(128), nullable=True),
+    sa.Column("to_version", sa.String(128), nullable=False),
+    sa.Column("strategy", sa.String(16), nullable=False),
+    sa.Column("phase", sa.String(64), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("params", sa.JSON, nullable=False),
+    sa.Column("state", sa.JSON, nullable=False),
+    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+)
+sa.Index(
+    "cp_rollouts_running",
+    rollouts_table.c.model_id,
+    unique=True,
+    sqlite_where=rollouts_table.c.status == "running",
+    postgresql_where=rollouts_table.c.status == "running",
+)
+
+audit_table = sa.Table(
+    "cp_audit",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("kind", sa.String(MAX_KIND_LEN), nullable=False),
+    sa.Column("model_id", sa.String(128), nullable=True, index=True),
+    sa.Column("version", sa.String(128), nullable=True),
+    sa.Column("rollout_id", sa.String(64), nullable=True, index=True),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("data", sa.JSON, nullable=False),
+    sqlite_autoincrement=True,
+)
+
+routes_table = sa.Table(
+    "cp_routes",
+    metadata,
+    sa.Column("revision", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("digest", sa.String(64), nullable=False),
+    sa.Column("routes", sa.JSON, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    # Revisions are never reused, even after old rows are pruned.
+    sqlite_autoincrement=True,
+)
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    id: str
+    model_id: str
+    from_version: str | None  # None for a first deploy
+    to_version: str
+    strategy: Strategy
+    phase: str
+    status: RolloutStatus
+    params: dict[str, Any]
+    state: dict[str, Any]  # the rollout state machine's own JSON
+    reason: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+# -- validation ----------------------------------------------------------------------------
+
+
+def _name(value: object, what: str) -> str:
+    if not isinstance(value, str) or NAME_RE.fullmatch(value) is None:
+        raise BadRequest(f"{what} must match {NAME_RE.pattern}, got {value!r:.80}")
+    return value
+
+
+def _int(value: object, what: str, lo: int, hi: int) -> int:
+    # bool is an int subclass; True as a count is a bug, not 1.
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{what} must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def _pos(value: object, what: str, *, allow_zero: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value < 0 if allow_zero else value <= 0):  # type: ignore[operator]
+        bound = ">= 0" if allow_zero else "> 0"
+        raise BadRequest(f"{what} must be a finite number {bound}, got {value!r:.40}")
+    return float(cast(float, value))
+
+
+def _text(value: object, what: str, limit: int, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str) or len(value) > limit or (not value and not allow_empty):
+        raise BadRequest(
+            f"{what} must be a {'' if allow_empty else 'non-empty '}string of at most {limit} characters"
+        )
+    return value
+
+
+def _opt_text(value: object, what: str, limit: int) -> str | None:
+    return None if value is None else _text(value, what, limit)
+
+
+def _json_obj(value: object, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRequest(f"{what} must be a JSON object")
+    try:
+        raw = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"{what} must be JSON-serialisable ({exc})") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise BadRequest(f"{what} must be at most {MAX_JSON_BYTES} bytes of JSON")
+    return cast(dict[str, Any], json.loads(raw))
+
+
+def _aware(value: object, what: str) -> datetime:
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise BadRequest(f"{what} must be a timezone-aware datetime")
+    return value.astimezone(UTC)
+
+
+def validate_autoscale(policy: object) -> AutoscalePolicy:
+    if not isinstance(policy, AutoscalePolicy):
+        raise BadRequest("autoscale must be an AutoscalePolicy")
+    if not isinstance(policy.enabled, bool):
+        raise BadRequest("autoscale.enabled must be a boolean")
+    for f in dataclasses.fields(policy):
+        if f.name != "enabled":
+            _pos(getattr(policy, f.name), f"autoscale.{f.name}")
+    if policy.target_kv_usage > 1:
+        raise BadRequest("autoscale.target_kv_usage is a fraction of the KV cache: (0, 1]")
+    if policy.panic_window_s > policy.stable_window_s:
+        raise BadRequest("autoscale.panic_window_s must not exceed stable_window_s")
+    if policy.panic_threshold < 1:
+        raise BadRequest("autoscale.panic_threshold must be >= 1 (a ratio of desired to ready replicas)")
+    return policy
+
+
+def validate_spec(spec: object) -> DeploymentSpec:
+    """The spec if every field is sane, else BadRequest naming the field."""
+    if not isinstance(spec, DeploymentSpec):
+        raise BadRequest("spec must be a DeploymentSpec")
+    _name(spec.model_id, "model_id")
+    _name(spec.version, "version")
+    _text(spec.package_uri, "package_uri", MAX_URI_LEN)
+    if spec.strategy not in STRATEGIES:
+        raise BadRequest(f"strategy must be one of {list(STRATEGIES)}, got {spec.strategy!r:.40}")
+    _int(spec.min_replicas, "min_replicas", 0, MAX_REPLICAS)
+    _int(spec.max_replicas, "max_replicas", 1, MAX_REPLICAS)
+    if spec.min_replicas > spec.max_replicas:
+        raise BadRequest("min_replicas must not exceed max_replicas")
+    _int(spec.replicas, "replicas", spec.min_replicas, spec.max_replicas)
+    if not isinstance(spec.regions, tuple) or not 1 <= len(spec.regions) <= MAX_REGIONS:
+        raise BadRequest(f"regions must be a tuple of 1 to {MAX_REGIONS} region names")
+    for region in spec.regions:
+        if not isinstance(region, str) or REGION_RE.fullmatch(region) is None:
+            raise BadRequest(f"each region must match {REGION_RE.pattern}, got {region!r:.80}")
+    if len(set(spec.regions)) != len(spec.regions):
+        raise BadRequest("regions must not repeat")
+    engine = _text(spec.engine, "engine", MAX_URI_LEN)
+    if engine != "package" and not engine.startswith("sim://"):
+        raise BadRequest("engine must be 'package' or a sim:// URI")
+    validate_autoscale(spec.autoscale)
+    if not isinstance(spec.no_gc, bool):
+        raise BadRequest("no_gc must be a boolean")
+    return spec
+
+
+def validate_replica(r: object) -> Replica:
+    if not isinstance(r, Replica):
+        raise BadRequest("replica must be a Replica")
+    if not isinstance(r.id, str) or REPLICA_ID_RE.fullmatch(r.id) is None:
+        raise BadRequest(f"replica id must match {REPLICA_ID_RE.pattern}")
+    _text(r.deployment_id, "deployment_id", 64)
+    if not isinstance(r.region, str) or REGION_RE.fullmatch(r.region) is None:
+        raise BadRequest(f"region must match {REGION_RE.pattern}")
+    _replica_fields(dataclasses.asdict(r) | {"driver_ref": r.driver_ref})
+    return r
+
+
+def _replica_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key == "state":
+            if value not in REPLICA_STATES:
+                raise BadRequest(f"replica state must be one of {list(REPLICA_STATES)}, got {value!r:.40}")
+            out[key] = value
+        elif key in ("url", "admin_url"):
+            out[key] = _text(value, key, MAX_URI_LEN, allow_empty=True)
+        elif key in ("kserve_grpc", "kserve_http", "metrics_url"):
+            out[key] = _opt_text(value, key, MAX_URI_LEN)
+        elif key == "reason":
+            out[key] = _opt_text(value, key, MAX_MESSAGE_LEN)
+        elif key == "driver_ref":
+            out[key] = _json_obj(value, "driver_ref")
+    return out
+
+
+def new_replica_id() -> str:
+    return "rep_" + uuid.uuid4().hex[:20]
+
+
+# -- (de)serialisation ---------------------------------------------------------------------
+
+
+def spec_to_dict(spec: DeploymentSpec) -> dict[str, Any]:
+    d = dataclasses.asdict(spec)
+    d["regions"] = list(spec.regions)
+    return d
+
+
+def spec_from_dict(raw: dict[str, Any]) -> DeploymentSpec:
+    """The spec stored (or sent) as JSON; unknown keys and bad values are BadRequest."""
+    if not isinstance(raw, dict):
+        raise BadRequest("spec must be a JSON object")
+    known = {f.name for f in dataclasses.fields(DeploymentSpec)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise BadRequest(f"unknown deployment field(s) {unknown}; known: {sorted(known)}")
+    values = dict(raw)
+    if "regions" in values:
+        regions = values["regions"]
+        if not isinstance(regions, list | tuple):
+            raise BadRequest("regions must be a list of region names")
+        values["regions"] = tuple(regions)
+    if "autoscale" in values:
+        auto = values["autoscale"]
+        if not isinstance(auto, dict):
+            raise BadRequest("autoscale must be a JSON object")
+        auto_known = {f.name for f in dataclasses.fields(AutoscalePolicy)}
+        bad = sorted(set(auto) - auto_known)
+        if bad:
+            raise BadRequest(f"unknown autoscale field(s) {bad}; known: {sorted(auto_known)}")
+        values["autoscale"] = AutoscalePolicy(**auto)
+    try:
+        spec = DeploymentSpec(**values)
+    except TypeError as exc:
+        raise BadRequest(f"invalid deployment spec: {exc}") from None
+    return validate_spec(spec)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def deployment_to_dict(d: Deployment) -> dict[str, Any]:
+    return {
+        "id": d.id,
+        "spec": spec_to_dict(d.spec),
+        "fingerprint": d.fingerprint,
+        "created_at": d.created_at.isoformat(),
+        "state": d.state,
+        "current": d.current,
+        "last_traffic_at": _iso(d.last_traffic_at),
+    }
+
+
+def replica_to_dict(r: Replica) -> dict[str, Any]:
+    return dataclasses.asdict(r)
+
+
+def rollout_to_dict(r: RolloutRecord) -> dict[str, Any]:
+    d = dataclasses.asdict(r)
+    d["created_at"] = r.created_at.isoformat()
+    d["updated_at"] = r.updated_at.isoformat()
+    return d
+
+
+def audit_to_dict(e: AuditEvent) -> dict[str, Any]:
+    d = dataclasses.asdict(e)
+    d["at"] = e.at.isoformat()
+    return d
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """UTC-aware form of a value read back (SQLite drops the offset; PostgreSQL returns the
+    session's zone)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _deployment_from_row(row: Any) -> Deployment:
+    return Deployment(
+        id=row.id,
+        spec=spec_from_dict(dict(row.spec)),
+        fingerprint=dict(row.fingerprint or {}),
+        created_at=_utc(row.created_at) or _now(),  # NOT NULL column: the fallback never runs
+        state=row.state,
+        current=bool(row.current),
+        last_traffic_at=_utc(row.last_traffic_at),
+    )
+
+
+def _replica_from_row(row: Any) -> Replica:
+    return Replica(
+        id=row.id,
+        deployment_id=row.deployment_id,
+        region=row.region,
+        state=row.state,
+        url=row.url,
+        admin_url=row.admin_url,
+        kserve_grpc=row.kserve_grpc,
+        kserve_http=row.kserve_http,
+        metrics_url=row.metrics_url,
+        driver_ref=dict(row.driver_ref or {}),
+        reason=row.reason,
+    )
+
+
+def _rollout_from_row(row: Any) -> RolloutRecord:
+    return RolloutRecord(
+        id=row.id,
+        model_id=row.model_id,
+        from_version=row.from_version,
+        to_version=row.to_version,
+        strategy=row.strategy,
+        phase=row.phase,
+        status=row.status,
+        params=dict(row.params or {}),
+        state=dict(row.state or {}),
+        reason=row.reason,
+        created_at=_utc(row.created_at) or _now(),
+        updated_at=_utc(row.updated_at) or _now(),
+    )
+
+
+def _audit_from_row(row: Any) -> AuditEvent:
+    return AuditEvent(
+        id=int(row.id),
+        at=_utc(row.at) or _now(),
+        kind=row.kind,
+        model_id=row.model_id,
+        version=row.version,
+        rollout_id=row.rollout_id,
+        message=row.message,
+        data=dict(row.data or {}),
+    )
+
+
+# -- engine --------------------------------------------------------------------------------
+
+
+def engine_for(url: str) -> Engine:
+    """A SQLAlchemy engine for sqlite:///PATH (or sqlite://, in memory) or postgresql://...
+    (psycopg 3, with connect and statement timeouts)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("ControlStore needs a database URL: sqlite:///PATH or postgresql://...")
+    parsed = sa.make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        is_memory = parsed.database in (None, "", ":memory:")
+        kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 10}}
+        if is_memory:
+            # One shared connection, else each pooled connection would see its own empty DB.
+            kwargs["poolclass"] = sa.pool.StaticPool
+        engine = sa.create_engine(parsed, **kwargs)
+
+        @sa.event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # pysqlite's own transaction handling would BEGIN lazily (DEFERRED); _begin below
+            # takes the write lock up front instead.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            if not is_memory:
+                cur.execute("PRAGMA journal_mode=WAL")
+            cur.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _begin(conn: Connection) -> None:
+            # IMMEDIATE: a read-then-write transaction (compare-and-set, publish) holds the
+            # write lock from its first read, so another process cannot slip in between and
+            # the busy timeout applies instead of an instant SQLITE_BUSY_SNAPSHOT.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    if backend == "postgresql":
+        if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        return sa.create_engine(
+            parsed,
+            pool_pre_ping=True,
+            pool_timeout=10,
+            connect_args={"connect_timeout": 5, "options": "-c statement_timeout=10000"},
+        )
+    raise ValueError(
+        f"unsupported control store URL scheme '{parsed.drivername}': use sqlite:/// or postgresql://"
+    )
+
+
+class ControlStore:
+    """Construct with a URL, `await start()`, use, `await close()`."""
+
+    def __init__(self, url: str):
+        self._engine = engine_for(url)
+        self._is_pg = self._engine.dialect.name == "postgresql"
+        # SQLite: one writer at a time anyway, and the in-memory database is one shared
+        # connection that must not be used by two threads at once.
+        self._local_lock = threading.Lock() if not self._is_pg else None
+
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        try:
+            return await asyncio.to_thread(self._locked, fn, *args)
+        except ControlError:
+            raise
+        except (OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+            # The database is down, slow or unreachable: a 503 the caller may retry, not a 500.
+            # The driver's message can carry connection details, so it is not passed on.
+            raise Unavailable("the control plane's store is unavailable", code="store_unavailable") from exc
+
+    def _locked(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._local_lock is None:
+            return fn(*args)
+        with self._local_lock:
+            return fn(*args)
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        with self._engine.begin() as conn:
+            yield conn
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the tables if missing (idempotent; safe concurrently across replicas)."""
+        await self._run(self._start_sync)
+
+    def _start_sync(self) -> None:
+        if self._is_pg:
+            with self._tx() as conn:
+                # Held to commit: a second replica waits here, then finds the tables.
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _DDL_LOCK_ID})
+                metadata.create_all(conn)
+            return
+        # SQLite: BEGIN IMMEDIATE serialises processes, but keep the gateway's retry in case a
+        # concurrent creator's schema change is seen mid-way.
+        for attempt in range(3):
+            try:
+                with self._tx() as conn:
+                    metadata.create_all(conn)
+                return
+            except (OperationalError, ProgrammingError):
+                if attempt == 2:
+                    raise
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._engine.dispose)
+
+    # -- deployments -----------------------------------------------------------------------
+
+    async def create_deployment(self, spec: DeploymentSpec, fingerprint: dict[str, Any]) -> Deployment:
+        validate_spec(spec)
+        deployment = Deployment(
+            id="dep_" + uuid.uuid4().hex,
+            spec=spec,
+            fingerprint=_json_obj(fingerprint, "fingerprint"),
+            created_at=_now(),
+            state="active",
+        )
+        return await self._run(self._create_deployment_sync, deployment)
+
+    def _create_deployment_sync(self, d: Deployment) -> Deployment:
+        try:
+            with self._tx() as conn:
+                conn.execute(
+                    deployments_table.insert().values(
+                        id=d.id,
+                        model_id=d.spec.model_id,
+                        version=d.spec.version,
+                        spec=spec_to_dict(d.spec),
+                        fingerprint=d.fingerprint,
+                        state=d.state,
+                        current=False,
+                        created_at=d.created_at,
+                        last_traffic_at=None,
+                    )
+                )
+        except IntegrityError:
+            raise Conflict(
+                f"deployment {d.spec.model_id}@{d.spec.version} already exists", code="deployment_exists"
+            ) from None
+        return d
+
+    async def get_deployment(self, model_id: str, version: str) -> Deployment | None:
+        """The non-deleted deployment of (model_id, version), if any."""
+        if not all(isinstance(v, str) and NAME_RE.fullmatch(v) for v in (model_id, version)):
+            return None
+        return await self._run(self._get_deployment_sync, model_id, version)
+
+    def _get_deployment_sync(self, model_id: str, version: str) -> Deployment | None:
+        t = deployments_table
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(t).where(t.c.model_id == model_id, t.c.version == version, t.c.state != "deleted")
+            ).first()
+        return None if row is None else _deployment_from_row(row)
+
+    async def get_deployment_by_id(self, deployment_id: str) -> Deployment | None:
+        if not isinstance(deployment_id, str) or not 0 < len(deployment_id) <= 64:
+            return None
+        return await self._run(self._get_deployment_by_id_sync, deployment_id)
+
+    def _get_deployment_by_id_sync(
+        self, deployment_id: str, conn: Connection | None = None
+    ) -> Deployment | None:
+        t = deployments_table
+        if conn is not None:
+            row = conn.execute(sa.select(t).where(t.c.id == deployment_id)).first()
+        else:
+            with self._engine.connect() as c:
+                row = c.execute(sa.select(t).where(t.c.id == deployment_id)).first()
+        return None if row is None else _deployment_from_row(row)
+
+    async def list_deployments(
+        self, model_id: str | None = None, include_deleted: bool = False
+    ) -> list[Deployment]:
+        """Oldest first."""
+        if model_id is not None:
+            _name(model_id, "model_id")
+        return await self._run(self._list_deployments_sync, model_id, bool(include_deleted))
+
+    def _list_deployments_sync(self, model_id: str | None, include_deleted: bool) -> list[Deployment]:
+        t = deployments_table
+        query = sa.select(t).order_by(t.c.created_at, t.c.id)
+        if model_id is not None:
+            query = query.where(t.c.model_id == model_id)
+        if not include_deleted:
+            query = query.where(t.c.state != "deleted")
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_deployment_from_row(r) for r in rows]
+
+    async def update_deployment(
+        self,
+        deployment_id: str,
+        *,
+        replicas: int | None = None,
+        state: Literal["active", "inactive"] | None = None,
+        no_gc: bool | None = None,
+        last_traffic_at: datetime | None = None,
+        min_replicas: int | None = None,
+        max_replicas: int | None = None,
+        autoscale: AutoscalePolicy | None = None,
+    ) -> Deployment:
+        """Change the given fields (None leaves one as it is); the resulting spec must be valid
+        (replicas within [min_replicas, max_replicas]). A deleted deployment is Conflict."""
+        if state is not None and state not in ("active", "inactive"):
+            raise BadRequest("state must be 'active' or 'inactive' (use delete_deployment to delete)")
+        if no_gc is not None and not isinstance(no_gc, bool):
+            raise BadRequest("no_gc must be a boolean")
+        if last_traffic_at is not None:
+            last_traffic_at = _aware(last_traffic_at, "last_traffic_at")
+        if autoscale is not None:
+            validate_autoscale(autoscale)
+        spec_changes: dict[str, Any] = {
+            k: v
+            for k, v in {
+                "replicas": replicas,
+                "no_gc": no_gc,
+                "min_replicas": min_replicas,
+                "max_replicas": max_replicas,
+                "autoscale": autoscale,
+            }.items()
+            if v is not None
+        }
+        return await self._run(
+            self._update_deployment_sync, deployment_id, spec_changes, state, last_traffic_at
+        )
+
+    def _update_deployment_sync(
+        self,
+        deployment_id: str,
+        spec_changes: dict[str, Any],
+        state: str | None,
+        last_traffic_at: datetime | None,
+    ) -> Deployment:
+        t = deployments_table
+        with self._tx() as conn:
+            # FOR UPDATE: two control planes changing one deployment never lose an update.
+            row = conn.execute(sa.select(t).where(t.c.id == deployment_id).with_for_update()).first()
+            if row is None:
+                raise NotFound(f"no deployment with id '{deployment_id}'", code="deployment_not_found")
+            current = _deployment_from_row(row)
+            if current.state == "deleted":
+                raise Conflict(f"deployment '{deployment_id}' is deleted", code="deployment_deleted")
+            spec = validate_spec(dataclasses.replace(current.spec, **spec_changes))
+            values: dict[str, Any] = {"spec": spec_to_dict(spec)}
+            if state is not None:
+                values["state"] = state
+            if last_traffic_at is not None:
+                values["last_traffic_at"] = last_traffic_at
+            conn.execute(t.update().where(t.c.id == deployment_id).values(**values))
+            updated = self._get_deployment_by_id_sync(deployment_id, conn)
+        assert updated is not None  # noqa: S101 - the row is locked by this transaction
+        return updated
+
+    async def set_current(self, model_id: str, version: str) -> Deployment:
+        """Make (model_id, version) the one current deployment of the model, atomically."""
+        _name(model_id, "model_id")
+        _name(version, "version")
+        return await self._run(self._set_current_sync, model_id, version)
+
+    def _set_current_sync(self, model_id: str, version: str) -> Deployment:
+        t = deployments_table
+        try:
+            with self._tx() as conn:
+                target = conn.execute(
+                    sa.select(t.c.id)
+                    .where(t.c.model_id == model_id, t.c.version == version, t.c.state != "deleted")
+                    .with_for_update()
+                ).scalar_one_or_none()
+                if target is None:
+                    raise NotFound(f"no deployment {model_id}@{version}", code="deployment_not_found")
+                conn.execute(
+                    t.update()
+                    .where(t.c.model_id == model_id, t.c.id != target, t.c.current.is_(True))
+                    .values(current=False)
+                )
+                conn.execute(t.update().where(t.c.id == target).values(current=True))
+                updated = self._get_deployment_by_id_sync(target, conn)
+        except IntegrityError:
+            # Another control plane made a different version current at the same moment.
+            raise Conflict(
+                f"the current version of {model_id} changed concurrently; retry", code="conflict"
+            ) from None
+        assert updated is not None  # noqa: S101 - written in this transaction
+        return updated
+
+    async def delete_deployment(self, deployment_id: str) -> Deployment:
+        """Mark deleted (idempotent); a deleted deployment is never current."""
+        if not isinstance(deployment_id, str) or not 0 < len(deployment_id) <= 64:
+            raise NotFound("no deployment with that id", code="deployment_not_found")
+        return await self._run(self._delete_deployment_sync, deployment_id)
+
+    def _delete_deployment_sync(self, deployment_id: str) -> Deployment:
+        t = deployments_table
+        with self._tx() as conn:
+            conn.execute(t.update().where(t.c.id == deployment_id).values(state="deleted", current=False))
+            updated = self._get_deployment_by_id_sync(deployment_id, conn)
+        if updated is None:
+            raise NotFound(f"no deployment with id '{deployment_id}'", code="deployment_not_found")
+        return updated
+
+    # -- replicas --------------------------------------------------------------------------
+
+    async def add_replica(self, replica: Replica) -> Replica:
+        validate_replica(replica)
+        return await self._run(self._add_replica_sync, replica)
+
+    def _add_replica_sync(self, r: Replica) -> Replica:
+        now = _now()
+        try:
+            with self._tx() as conn:
+                exists = conn.execute(
+                    sa.select(deployments_table.c.id).where(deployments_table.c.id == r.deployment_id)
+                ).first()
+                if exists is None:
+                    raise NotFound(f"no deployment with id '{r.deployment_id}'", code="deployment_not_found")
+                conn.execute(
+                    replicas_table.insert().values(
+                        id=r.id,
+                        deployment_id=r.deployment_id,
+                        region=r.region,
+                        state=r.state,
+                        url=r.url,
+                        admin_url=r.admin_url,
+                        kserve_grpc=r.kserve_grpc,
+                        kserve_http=r.kserve_http,
+                        metrics_url=r.metrics_url,
+                        driver_ref=dict(r.driver_ref),
+                        reason=r.reason,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+        except IntegrityError:
+            raise Conflict(f"a replica with id '{r.id}' already exists", code="replica_exists") from None
+        return r
+
+    async def update_replica(self, replica_id: str, **fields: Any) -> Replica:
+        """Change fields among REPLICA_FIELDS; a state change must follow REPLICA_TRANSITIONS."""
+        unknown = sorted(set(fields) - REPLICA_FIELDS)
+        if unknown:
+            raise BadRequest(f"unknown replica field(s) {unknown}; known: {sorted(REPLICA_FIELDS)}")
+        values = _replica_fields(fields)
+        return await self._run(self._update_replica_sync, replica_id, values)
+
+    def _update_replica_sync(self, replica_id: str, values: dict[str, Any]) -> Replica:
+        t = replicas_table
+        with self._tx() as conn:
+            row = conn.execute(sa.select(t).where(t.c.id == replica_id).with_for_update()).first()
+            if row is None:
+                raise NotFound(f"no replica with id '{replica_id}'", code="replica_not_found")
+            new_state = values.get("state", row.state)
+            if new_state != row.state and new_state not in REPLICA_TRANSITIONS[row.state]:
+                raise Conflict(
+                    f"replica '{replica_id}' cannot go from {row.state} to {new_state}", code="bad_transition"
+                )
+            if values:
+                conn.execute(t.update().where(t.c.id == replica_id).values(**values, updated_at=_now()))
+            row = conn.execute(sa.select(t).where(t.c.id == replica_id)).first()
+        return _replica_from_row(row)
+
+    async def get_replica(self, replica_id: str) -> Replica | None:
+        if not isinstance(replica_id, str) or REPLICA_ID_RE.fullmatch(replica_id) is None:
+            return None
+        return await self._run(self._get_replica_sync, replica_id)
+
+    def _get_replica_sync(self, replica_id: str) -> Replica | None:
+        with self._engine.connect() as conn:
+            row = conn.execute(sa.select(replicas_table).where(replicas_table.c.id == replica_id)).first()
+        return None if row is None else _replica_from_row(row)
+
+    async def list_replicas(
+        self,
+        deployment_id: str | None = None,
+        region: str | None = None,
+        states: Iterable[str] | None = None,
+    ) -> list[Replica]:
+        """Oldest first, filtered by each given criterion."""
+        wanted: tuple[str, ...] | None = None
+        if states is not None:
+            if isinstance(states, str):
+                raise BadRequest("states must be a collection of replica states, not one string")
+            wanted = tuple(states)
+            bad = [s for s in wanted if s not in REPLICA_STATES]
+            if bad:
+                raise BadRequest(f"unknown replica state(s) {bad}; known: {list(REPLICA_STATES)}")
+        return await self._run(self._list_replicas_sync, deployment_id, region, wanted)
+
+    def _list_replicas_sync(
+        self, deployment_id: str | None, region: str | None, states: tuple[str, ...] | None
+    ) -> list[Replica]:
+        t = replicas_table
+        query = sa.select(t).order_by(t.c.created_at, t.c.id)
+        if deployment_id is not None:
+            query = query.where(t.c.deployment_id == deployment_id)
+        if region is not None:
+            query = query.where(t.c.region == region)
+        if states is not None:
+            query = query.where(t.c.state.in_(states))
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_replica_from_row(r) for r in rows]
+
+    async def delete_replica(self, replica_id: str) -> bool:
+        """Forget a replica (idempotent); True if a row was removed."""
+        if not isinstance(replica_id, str) or not replica_id:
+            return False
+        return await self._run(self._delete_replica_sync, replica_id)
+
+    def _delete_replica_sync(self, replica_id: str) -> bool:
+        with self._tx() as conn:
+            result = conn.execute(replicas_table.delete().where(replicas_table.c.id == replica_id))
+        return bool(result.rowcount)
+
+    # -- rollouts --------------------------------------------------------------------------
+
+    async def create_rollout(
+        self,
+        model_id: str,
+        from_version: str | None,
+        to_version: str,
+        strategy: Strategy,
+        params: dict[str, Any],
+        *,
+        phase: str = "starting",
+    ) -> RolloutRecord:
+        """A running rollout in `phase`; Conflict if the model already has a running one."""
+        _name(model_id, "model_id")
+        if from_version is not None:
+            _name(from_version, "from_version")
+        _name(to_version, "to_version")
+        if strategy not in STRATEGIES:
+            raise BadRequest(f"strategy must be one of {list(STRATEGIES)}")
+        now = _now()
+        record = RolloutRecord(
+            id="ro_" + uuid.uuid4().hex,
+            model_id=model_id,
+            from_version=from_version,
+            to_version=to_version,
+            strategy=strategy,
+            phase=_text(phase, "phase", 64),
+            status="running",
+            params=_json_obj(params, "params"),
+            state={},
+            reason=None,
+            created_at=now,
+            updated_at=now,
+        )
+        return await self._run(self._create_rollout_sync, record)
+
+    def _create_rollout_sync(self, r: RolloutRecord) -> RolloutRecord:
+        try:
+            with self._tx() as conn:
+                conn.execute(rollouts_table.insert().values(**dataclasses.asdict(r)))
+        except IntegrityError:
+            raise Conflict(
+                f"model {r.model_id} already has a running rollout", code="rollout_running"
+            ) from None
+        return r
+
+    async def get_rollout(self, rollout_id: str) -> RolloutRecord | None:
+        if not isinstance(rollout_id, str) or not 0 < len(rollout_id) <= 64:
+            return None
+        return await self._run(self._get_rollout_sync, rollout_id)
+
+    def _get_rollout_sync(self, rollout_id: str, conn: Connection | None = None) -> RolloutRecord | None:
+        query = sa.select(rollouts_table).where(rollouts_table.c.id == rollout_id)
+        if conn is not None:
+            row = conn.execute(query).first()
+        else:
+            with self._engine.connect() as c:
+                row = c.execute(query).first()
+        return None if row is None else _rollout_from_row(row)
+
+    async def list_rollouts(
+        self, model_id: str | None = None, status: str | None = None
+    ) -> list[RolloutRecord]:
+        """Oldest first."""
+        if model_id is not None:
+            _name(model_id, "model_id")
+        if status is not None and status not in ROLLOUT_STATUSES:
+            raise BadRequest(f"status must be one of {list(ROLLOUT_STATUSES)}")
+        return await self._run(self._list_rollouts_sync, model_id, status)
+
+    def _list_rollouts_sync(self, model_id: str | None, status: str | None) -> list[RolloutRecord]:
+        t = rollouts_table
+        query = sa.select(t).order_by(t.c.created_at, t.c.id)
+        if model_id is not None:
+            query = query.where(t.c.model_id == model_id)
+        if status is not None:
+            query = query.where(t.c.status == status)
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_rollout_from_row(r) for r in rows]
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        *,
+        phase: str | None = None,
+        status: RolloutStatus | None = None,
+        state: dict[str, Any] | None = None,
+        reason: str | None = None,
+        expect_phase: str | None = None,
+    ) -> RolloutRecord:
+        """Change the given fields. With `expect_phase`, only if the stored phase still is that
+        (compare-and-set), else Conflict. `state` replaces the stored state, except that an
+        abort request already stored (`abort_requested`, `abort_reason`) is kept."""
+        if phase is not None:
+            _text(phase, "phase", 64)
+        if expect_phase is not None:
+            _text(expect_phase, "expect_phase", 64)
+        if status is not None and status not in ROLLOUT_STATUSES:
+            raise BadRequest(f"status must be one of {list(ROLLOUT_STATUSES)}")
+        values: dict[str, Any] = {}
+        if phase is not None:
+            values["phase"] = phase
+        if status is not None:
+            values["status"] = status
+        if reason is not None:
+            values["reason"] = _text(reason, "reason", MAX_MESSAGE_LEN)
+        new_state = None if state is None else _json_obj(state, "state")
+        return await self._run(self._update_rollout_sync, rollout_id, values, new_state, expect_phase, None)
+
+    async def request_abort(self, rollout_id: str, reason: str = "aborted by request") -> RolloutRecord:
+        """Set state.abort_requested (and abort_reason) without touching anything else; the
+        rollout honours it at its next step. Conflict if the rollout is no longer running."""
+        _text(reason, "reason", MAX_MESSAGE_LEN)
+        return await self._run(
+            self._update_rollout_sync,
+            rollout_id,
+            {},
+            None,
+            None,
+            {"abort_requested": True, "abort_reason": reason},
+        )
+
+    def _update_rollout_sync(
+        self,
+        rollout_id: str,
+        values: dict[str, Any],
+        state: dict[str, Any] | None,
+        expect_phase: str | None,
+        merge: dict[str, Any] | None,
+    ) -> RolloutRecord:
+        t = rollouts_table
+        try:
+            with self._tx() as conn:
+                row = conn.execute(sa.select(t).where(t.c.id == rollout_id).with_for_update()).first()
+                if row is None:
+                    raise NotFound(f"no rollout with id '{rollout_id}'", code="rollout_not_found")
+                stored = dict(row.state or {})
+                if merge is not None:
+                    if row.status != "running":
+                        raise Conflict(
+                            f"rollout '{rollout_id}' is {row.status}, not running", code="rollout_finished"
+                        )
+                    values = {**values, "state": {**stored, **merge}}
+                elif state is not None:
+                    sticky = {k: stored[k] for k in ("abort_requested", "abort_reason") if k in stored}
+                    values = {**values, "state": {**state, **sticky}}
+                where = [t.c.id == rollout_id]
+                if expect_phase is not None:
+                    # The conditional UPDATE is the compare-and-set (also across processes on
+                    # SQLite, where FOR UPDATE is a no-op but the write lock is held).
+                    where.append(t.c.phase == expect_phase)
+                result = conn.execute(t.update().where(*where).values(**values, updated_at=_now()))
+                if result.rowcount != 1:
+                    raise Conflict(
+                        f"rollout '{rollout_id}' is in phase {row.phase!r}, not {expect_phase!r}",
+                        code="phase_conflict",
+                    )
+                updated = self._get_rollout_sync(rollout_id, conn)
+        except IntegrityError:
+            raise Conflict("the model already has another running rollout", code="rollout_running") from None
+        assert updated is not None  # noqa: S101 - written in this transaction
+        return updated
+
+    # -- audit -----------------------------------------------------------------------------
+
+    async def audit(
+        self,
+        kind: str,
+        message: str,
+        *,
+        model_id: str | None = None,
+        version: str | None = None,
+        rollout_id: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> AuditEvent:
+        _text(kind, "kind", MAX_KIND_LEN)
+        _text(message, "message", MAX_MESSAGE_LEN, allow_empty=True)
+        if model_id is not None:
+            _name(model_id, "model_id")
+        if version is not None:
+            _name(version, "version")
+        if rollout_id is not None:
+            _text(rollout_id, "rollout_id", 64)
+        payload = _json_obj(data if data is not None else {}, "data")
+        return await self._run(self._audit_sync, kind, message, model_id, version, rollout_id, payload)
+
+    def _audit_sync(
+        self,
+        kind: str,
+        message: str,
+        model_id: str | None,
+        version: str | None,
+        rollout_id: str | None,
+        data: dict[str, Any],
+    ) -> AuditEvent:
+        at = _now()
+        with self._tx() as conn:
+            result = conn.execute(
+                audit_table.insert()
+                .values(
+                    at=at,
+                    kind=kind,
+                    model_id=model_id,
+                    version=version,
+                    rollout_id=rollout_id,
+                    message=message,
+                    data=data,
+                )
+                .returning(audit_table.c.id)
+            )
+            event_id = int(result.scalar_one())
+        return AuditEvent(
+            id=event_id,
+            at=at,
+            kind=kind,
+            model_id=model_id,
+            version=version,
+            rollout_id=rollout_id,
+            message=message,
+            data=data,
+        )
+
+    async def list_audit(
+        self,
+        *,
+        model_id: str | None = None,
+        rollout_id: str | None = None,
+        after_id: int | None = None,
+        limit: int = 200,
+    ) -> list[AuditEvent]:
+        """Events in order (ascending id), after `after_id` if given, at most `limit`."""
+        if model_id is not None:
+            _name(model_id, "model_id")
+        if rollout_id is not None:
+            _text(rollout_id, "rollout_id", 64)
+        if after_id is not None:
+            _int(after_id, "after_id", 0, 2**63 - 1)
+        _int(limit, "limit", 1, MAX_AUDIT_LIMIT)
+        return await self._run(self._list_audit_sync, model_id, rollout_id, after_id, limit)
+
+    def _list_audit_sync(
+        self, model_id: str | None, rollout_id: str | None, after_id: int | None, limit: int
+    ) -> list[AuditEvent]:
+        t = audit_table
+        query = sa.select(t).order_by(t.c.id).limit(limit)
+        if model_id is not None:
+            query = query.where(t.c.model_id == model_id)
+        if rollout_id is not None:
+            query = query.where(t.c.rollout_id == rollout_id)
+        if after_id is not None:
+            query = query.where(t.c.id > after_id)
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_audit_from_row(r) for r in rows]
+
+    # -- routes ----------------------------------------------------------------------------
+
+    async def publish_routes(self, table: dict[str, Any]) -> int:
+        """Store a routes table; its revision. The same content as the latest -> the latest's
+        revision, no new row. (Validating the table's meaning is the feed's job.)"""
+        routes = _json_obj(table, "routes table")
+        return await self._run(self._publish_routes_sync, routes)
+
+    def _publish_routes_sync(self, routes: dict[str, Any]) -> int:
+        t = routes_table
+        digest = hashlib.sha256(_canonical(routes)).hexdigest()
+        with self._tx() as conn:
+            if self._is_pg:
+                # Serialise publishers to commit order = revision order, and make "same as the
+                # latest" race-free (SQLite: BEGIN IMMEDIATE already serialises).
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _ROUTES_LOCK_ID})
+            latest = conn.execute(
+                sa.select(t.c.revision, t.c.digest).order_by(t.c.revision.desc()).limit(1)
+            ).first()
+            if latest is not None and latest.digest == digest:
+                return int(latest.revision)
+            result = conn.execute(
+                t.insert().values(digest=digest, routes=routes, created_at=_now()).returning(t.c.revision)
+            )
+            revision = int(result.scalar_one())
+            conn.execute(t.delete().where(t.c.revision <= revision - ROUTES_KEPT))
+        return revision
+
+    async def latest_routes(self) -> tuple[int, dict[str, Any]] | None:
+        return await self._run(self._latest_routes_sync)
+
+    def _latest_routes_sync(self) -> tuple[int, dict[str, Any]] | None:
+        t = routes_table
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(t.c.revision, t.c.routes).order_by(t.c.revision.desc()).limit(1)
+            ).first()
+        return None if row is None else (int(row.revision), dict(row.routes))
+
+
+__all__ = [
+    "ControlStore",
+    "RolloutRecord",
+    "audit_to_dict",
+    "deployment_to_dict",
+    "engine_for",
+    "new_replica_id",
+    "replica_to_dict",
+    "rollout_to_dict",
+    "spec_from_dict",
+    "spec_to_dict",
+    "validate_autoscale",
+    "validate_replica",
+    "validate_spec",
+]
