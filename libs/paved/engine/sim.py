@@ -27,7 +27,10 @@ labels: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache
 `vllm:prompt_tokens`, `vllm:generation_tokens`, `vllm:request_success`.
 
     sim://MODEL[?tokens_per_s=F&max_num_seqs=N&kv_tokens=N&max_waiting=N&max_model_len=N
-               &tokenizer=DIR&max_logprobs=N]
+               &tokenizer=DIR&max_logprobs=N&fail_after=N]
+
+`fail_after=N` is fault injection for the platform's own tests: after N admitted requests every
+further one is refused as unavailable (503), as a replica going bad mid-rollout would be.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class SimConfig:
     tokenizer: str | None = None  # a Hugging Face tokenizer directory; None: built-in bytes
     max_logprobs: int = 20
     constraint_backends: tuple[str, ...] = ("paved",)
+    fail_after: int | None = None  # fault injection: refuse (503) every request after N
 
     def __post_init__(self):
         if self.kv_tokens is None:
@@ -129,6 +133,10 @@ class SimConfig:
             low = 0 if key in ("max_waiting", "max_logprobs") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        if self.fail_after is not None and (
+            isinstance(self.fail_after, bool) or not isinstance(self.fail_after, int) or self.fail_after < 0
+        ):
+            raise ValueError(f"fail_after must be an integer >= 0, got {self.fail_after!r}")
         if self.kv_capacity < self.max_model_len:
             raise ValueError(
                 f"kv_tokens ({self.kv_capacity}) must hold at least one full context "
@@ -141,7 +149,7 @@ class SimConfig:
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a directory")
 
-    _URI_INTS = ("max_num_seqs", "kv_tokens", "max_waiting", "max_model_len", "max_logprobs")
+    _URI_INTS = ("max_num_seqs", "kv_tokens", "max_waiting", "max_model_len", "max_logprobs", "fail_after")
 
     @classmethod
     def from_uri(cls, uri: str, model: str | None = None) -> SimConfig:
@@ -324,6 +332,7 @@ class SimEngine:
         self._running: list[_SimRequest] = []
         self._requests: dict[str, _SimRequest] = {}
         self._kv_reserved = 0
+        self._admitted_total = 0  # for fail_after
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._success = {"stop": 0, "length": 0, "abort": 0, "error": 0}
@@ -529,6 +538,12 @@ class SimEngine:
 
     async def generate(self, request: GenerateRequest) -> SimStream:
         self._check_model(request.model)
+        if self.config.fail_after is not None:
+            if self._admitted_total >= self.config.fail_after:
+                raise EngineUnavailableError(
+                    f"model {self.name!r}: failing on purpose after {self.config.fail_after} requests"
+                )
+            self._admitted_total += 1
         param = "messages" if isinstance(request.prompt, ChatPrompt) else "prompt"
         prompt_ids, prompt_text = self._render(request.prompt, param)
         if not prompt_ids:
