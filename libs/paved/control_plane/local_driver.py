@@ -1,0 +1,417 @@
+"""Replicas as local launcher processes (`python -m paved.launcher.main`) on 127.0.0.1.
+
+Each replica is one launcher in its own session (`start_new_session=True`): a control plane
+that crashes leaves its replicas serving, and the next one adopts them from their
+`driver_ref` = {"pid", "start_time" (/proc/<pid>/stat field 22, so a reused pid is never taken
+for the replica), "ports", "marker", "log"}.
+
+The launcher puts its engine in a session of its own too, so the launcher's process group does
+not hold the engine. Every process of a replica instead inherits the environment variable
+PAVED_REPLICA_MARKER=<marker> (unique per replica start); killing a replica kills every process
+of this user carrying its marker, which also finds engines orphaned by a launcher that died.
+
+Ports come from the region's `port_range`: never one another replica of this driver holds
+(created or adopted), never one something else has bound right now. The launcher binds the
+public ports only once the engine is ready, so an allocated port may look free for a while:
+the reservation, not the socket, is what keeps two replicas apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from paved.control_plane.driver import PortsExhausted, ReplicaRequest
+from paved.control_plane.errors import BadRequest
+from paved.control_plane.types import Replica
+
+log = logging.getLogger(__name__)
+
+MARKER_ENV = "PAVED_REPLICA_MARKER"
+_HOST = "127.0.0.1"
+# Bounds on the kill loop: a replica that keeps forking is still gone after this many rounds.
+_KILL_ROUNDS = 50
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None when the
+    process does not exist or is a zombie (it has exited, only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    try:
+        return int(fields[19])
+    except ValueError:
+        return None
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes whose environment carries PAVED_REPLICA_MARKER=<marker>."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:  # gone, or another user's process
+            continue
+        if needle in env.split(b"\0"):
+            found.append(int(name))
+    return found
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((_HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+class _Ref:
+    """A parsed driver_ref; None from `parse` when the record is not one of ours."""
+
+    def __init__(self, pid: int, start_time: int, ports: dict[str, int], marker: str, log_path: str):
+        self.pid, self.start_time, self.ports, self.marker, self.log = (
+            pid,
+            start_time,
+            ports,
+            marker,
+            log_path,
+        )
+
+    @classmethod
+    def parse(cls, ref: dict[str, Any]) -> _Ref | None:
+        try:
+            pid, start, ports, marker = ref["pid"], ref["start_time"], ref["ports"], ref["marker"]
+        except (KeyError, TypeError):
+            return None
+        if not (isinstance(pid, int) and pid > 0 and isinstance(start, int) and isinstance(marker, str)):
+            return None
+        if not marker or not isinstance(ports, dict) or not all(isinstance(p, int) for p in ports.values()):
+            return None
+        return cls(pid, start, dict(ports), marker, str(ref.get("log", "")))
+
+
+class LocalDriver:
+    """The `Driver` of one region on this host (see paved.control_plane.driver)."""
+
+    def __init__(
+        self,
+        region: str,
+        *,
+        port_range: tuple[int, int],
+        work_dir: Path,
+        cache_dir: Path | None = None,
+        s3_endpoint_url: str | None = None,
+        python: str = sys.executable,
+        drain_timeout_s: float = 30.0,
+    ):
+        if not isinstance(region, str) or not region:
+            raise BadRequest("region must be a non-empty string")
+        try:
+            lo, hi = (int(p) for p in port_range)
+        except (TypeError, ValueError):
+            raise BadRequest(f"port_range must be (low, high), got {port_range!r}") from None
+        if not 1024 <= lo <= hi <= 65535:
+            raise BadRequest(f"port_range must satisfy 1024 <= low <= high <= 65535, got {port_range!r}")
+        if not (
+            isinstance(drain_timeout_s, int | float)
+            and math.isfinite(drain_timeout_s)
+            and drain_timeout_s > 0
+        ):
+            raise BadRequest(f"drain_timeout_s must be a positive number, got {drain_timeout_s!r}")
+        self.region = region
+        self.port_range = (lo, hi)
+        self.work_dir = Path(work_dir).absolute()
+        self.cache_dir = Path(cache_dir).absolute() if cache_dir is not None else self.work_dir / "cache"
+        self.s3_endpoint_url = s3_endpoint_url
+        self.python = python
+        self.drain_timeout_s = float(drain_timeout_s)
+        self._lock = threading.Lock()  # guards _reserved (allocation runs in worker threads)
+        self._reserved: dict[str, tuple[int, ...]] = {}  # replica id -> its ports
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our child (to reap it)
+
+    # -- create ------------------------------------------------------------------------------
+    async def create(self, req: ReplicaRequest) -> Replica:
+        req.validate()
+        if req.region != self.region:
+            raise BadRequest(
+                f"replica {req.replica_id} is for region {req.region!r}, this driver runs {self.region!r}"
+            )
+        if req.engine.startswith("sim://"):
+            named = urllib.parse.unquote(urllib.parse.urlsplit(req.engine).netloc)
+            if named and named != req.model_id:
+                raise BadRequest(
+                    f"engine {req.engine!r} names model {named!r} but the replica serves {req.model_id!r}"
+                )
+        return await asyncio.to_thread(self._create, req)
+
+    def _create(self, req: ReplicaRequest) -> Replica:
+        ports = self._allocate(req.replica_id, 3 if req.kserve else 2)
+        try:
+            return self._spawn(req, ports)
+        except BaseException:
+            self._release(req.replica_id)
+            raise
+
+    def _allocate(self, replica_id: str, n: int) -> tuple[int, ...]:
+        lo, hi = self.port_range
+        with self._lock:
+            if replica_id in self._reserved:
+                raise BadRequest(f"replica {replica_id} already runs on this driver")
+            taken = {p for ports in self._reserved.values() for p in ports}
+            chosen: list[int] = []
+            for port in range(lo, hi + 1):
+                if port not in taken and _port_free(port):
+                    chosen.append(port)
+                    if len(chosen) == n:
+                        self._reserved[replica_id] = tuple(chosen)
+                        return tuple(chosen)
+        raise PortsExhausted(
+            f"region {self.region!r}: no {n} free ports in {lo}-{hi} for replica {replica_id} "
+            f"({len(self._reserved)} replica(s) hold {len(taken)}, the rest are in use or too few); "
+            "widen the port range or stop replicas"
+        )
+
+    def _release(self, replica_id: str) -> None:
+        with self._lock:
+            self._reserved.pop(replica_id, None)
+
+    def _argv(self, req: ReplicaRequest, ports: tuple[int, ...], rdir: Path) -> list[str]:
+        argv = [
+            self.python, "-m", "paved.launcher.main", req.package_uri,
+            "--host", _HOST, "--port", str(ports[0]),
+            "--admin-host", _HOST, "--admin-port", str(ports[1]),
+            "--cache-dir", str(self.cache_dir),
+            "--metrics-dir", str(rdir / "metrics"),
+            "--drain-timeout", str(self.drain_timeout_s),
+            "--progress", "log",
+        ]  # fmt: skip
+        if self.s3_endpoint_url:
+            argv += ["--s3-endpoint-url", self.s3_endpoint_url]
+        if req.kserve:
+            argv += ["--grpc-port", str(ports[2])]
+
+        # The launcher expands {placeholders} in --child-cmd: literal braces are doubled.
+        def lit(s: str) -> str:
+            return shlex.quote(s).replace("{", "{{").replace("}", "}}")
+
+        drain = f"--drain-timeout {self.drain_timeout_s}"
+        grpc = " --kserve-grpc-port {grpc_port}" if req.kserve else ""
+        if req.engine.startswith("sim://"):
+            argv += [
+                "--child-cmd",
+                f"{{python}} -m paved.frontend.server --engine {lit(req.engine)} --model {lit(req.model_id)} "
+                f"--port {{http_port}} {drain}{grpc}",
+            ]
+        elif req.kserve:
+            # The paved frontend over the package's engine (the launcher's config names the
+            # model dir, the engine args and the private HTTP port), plus its KServe listener.
+            argv += ["--child-cmd", f"{{python}} -m paved.frontend.server --config {{config}}{grpc}"]
+        return argv
+
+    def _spawn(self, req: ReplicaRequest, ports: tuple[int, ...]) -> Replica:
+        rdir = self.work_dir / req.replica_id
+        rdir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        log_path = rdir / "log"
+        marker = f"{req.replica_id}.{secrets.token_hex(8)}"
+        env = dict(os.environ)
+        # The launcher (and the engine it starts) import paved from where this process does.
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env[MARKER_ENV] = marker
+        argv = self._argv(req, ports, rdir)
+        with open(log_path, "ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {shlex.join(argv)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(  # noqa: S603 - argv built above, no shell
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=rdir,
+                start_new_session=True,  # outlives a control-plane crash; adopt finds it
+            )
+        start = proc_start_time(proc.pid)
+        if start is None:  # exited already (e.g. the interpreter is missing)
+            proc.wait()
+            start = -1
+        self._procs[proc.pid] = proc
+        names = ("http", "admin", "grpc")
+        ref = {
+            "pid": proc.pid,
+            "start_time": start,
+            "ports": {names[i]: p for i, p in enumerate(ports)},
+            "marker": marker,
+            "log": str(log_path),
+        }
+        url = f"http://{_HOST}:{ports[0]}"
+        log.info(
+            "replica %s (%s@%s): launcher pid %d on %s",
+            req.replica_id,
+            req.model_id,
+            req.version,
+            proc.pid,
+            url,
+        )
+        return Replica(
+            id=req.replica_id,
+            deployment_id=req.deployment_id,
+            region=self.region,
+            state="starting",
+            url=url,
+            admin_url=f"http://{_HOST}:{ports[1]}",
+            kserve_grpc=f"{_HOST}:{ports[2]}" if req.kserve else None,
+            metrics_url=url + "/metrics",
+            driver_ref=ref,
+        )
+
+    # -- liveness ----------------------------------------------------------------------------
+    def _alive(self, ref: _Ref) -> bool:
+        proc = self._procs.get(ref.pid)
+        if proc is not None and proc.poll() is not None:
+            self._procs.pop(ref.pid, None)  # reaped: the pid may now be reused
+            return False
+        return proc_start_time(ref.pid) == ref.start_time
+
+    async def alive(self, replica: Replica) -> bool:
+        ref = _Ref.parse(replica.driver_ref)
+        return ref is not None and await asyncio.to_thread(self._alive, ref)
+
+    async def exit_reason(self, replica: Replica) -> str | None:
+        """Why the replica's launcher stopped (its last "launcher: ... failed: ..." line), or
+        None while it runs or when its log says nothing."""
+        ref = _Ref.parse(replica.driver_ref)
+        if ref is None:
+            return "not a local replica (no driver_ref)"
+        if await self.alive(replica):
+            return None
+        return await asyncio.to_thread(self._log_reason, ref)
+
+    @staticmethod
+    def _log_reason(ref: _Ref) -> str | None:
+        try:
+            with open(ref.log, "rb") as f:
+                f.seek(max(os.fstat(f.fileno()).st_size - _LOG_TAIL_BYTES, 0))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            if line.startswith("launcher: ") and "failed: " in line:
+                return line[len("launcher: ") :]
+        return None
+
+    # -- stop --------------------------------------------------------------------------------
+    def _wait_gone(self, ref: _Ref, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while self._alive(ref):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+        return True
+
+    def _kill_all(self, ref: _Ref) -> None:
+        """SIGKILL the launcher's group and every process carrying the replica's marker, until
+        none is left (bounded), then reap the launcher if it is our child."""
+        for _ in range(_KILL_ROUNDS):
+            pids = marked_pids(ref.marker)
+            if self._alive(ref):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(ref.pid, signal.SIGKILL)  # its own session: pgid == pid
+                pids.append(ref.pid)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            self._wait_gone(ref, 2.0)
+            time.sleep(0.02)
+        else:
+            log.error("replica processes with marker %s survived %d kill rounds", ref.marker, _KILL_ROUNDS)
+        proc = self._procs.pop(ref.pid, None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+
+    def _stop(self, replica: Replica, timeout_s: float | None) -> None:
+        ref = _Ref.parse(replica.driver_ref)
+        if ref is None:
+            self._release(replica.id)
+            return
+        if timeout_s is not None and self._alive(ref):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ref.pid, signal.SIGTERM)  # the launcher drains its engine
+            if not self._wait_gone(ref, timeout_s):
+                log.warning(
+                    "replica %s did not stop within %.1fs of SIGTERM: killing it", replica.id, timeout_s
+                )
+        self._kill_all(ref)
+        self._release(replica.id)
+
+    async def drain(self, replica: Replica, timeout_s: float = 30.0) -> None:
+        if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s >= 0):
+            raise BadRequest(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+        await asyncio.to_thread(self._stop, replica, float(timeout_s))
+
+    async def delete(self, replica: Replica) -> None:
+        await asyncio.to_thread(self._stop, replica, None)
+
+    # -- restart -----------------------------------------------------------------------------
+    def _adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:
+        adopted, gone = [], []
+        for r in replicas:
+            ref = _Ref.parse(r.driver_ref)
+            if ref is not None and self._alive(ref):
+                with self._lock:
+                    self._reserved[r.id] = tuple(ref.ports.values())
+                adopted.append(r)
+                continue
+            if ref is not None:
+                self._kill_all(ref)  # an engine orphaned by its dead launcher
+            self._release(r.id)
+            gone.append(r)
+        return adopted, gone
+
+    async def adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:
+        wrong = [r.id for r in replicas if r.region != self.region]
+        if wrong:
+            raise BadRequest(f"replicas {wrong} are not in region {self.region!r}")
+        return await asyncio.to_thread(self._adopt, list(replicas))
+
+    async def close(self) -> None:
+        """Forget everything; replicas keep running (a new driver adopts them)."""
+        with self._lock:
+            self._reserved.clear()
+        self._procs.clear()
