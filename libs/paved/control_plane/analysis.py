@@ -27,18 +27,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from paved.control_plane.rollout import Analysis
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Analysis:
-    requests: int
-    errors: int
-    p99_s: float | None
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
 
 
 @dataclass

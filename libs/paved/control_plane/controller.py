@@ -392,8 +392,7 @@ class Controller:
         if deployment is None:
             return rollout_mod.Analysis(0, 0, None)
         backends = {r.url for r in await self.store.list_replicas(deployment_id=deployment.id, region=region)}
-        result = self.analyzer.analyze(backends, since)
-        return rollout_mod.Analysis(result.requests, result.errors, result.p99_s)
+        return self.analyzer.analyze(backends, since)
 
     async def deactivate(self, deployment_id: str) -> None:
         await self.store.update_deployment(deployment_id, state="inactive")

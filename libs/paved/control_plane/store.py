@@ -188,6 +188,24 @@ routes_table = sa.Table(
     sqlite_autoincrement=True,
 )
 
+# Desired replicas per (deployment, region): what rollouts, the autoscaler and the API set and
+# the controller converges to; a restarted control plane converges to the same fleet.
+desired_table = sa.Table(
+    "cp_desired",
+    metadata,
+    sa.Column("deployment_id", sa.String(64), primary_key=True),
+    sa.Column("region", sa.String(128), primary_key=True),
+    sa.Column("replicas", sa.Integer, nullable=False),
+)
+
+# Small named JSON values the controller keeps across restarts (e.g. the rollouts' weights).
+kv_table = sa.Table(
+    "cp_kv",
+    metadata,
+    sa.Column("key", sa.String(128), primary_key=True),
+    sa.Column("value", sa.JSON, nullable=False),
+)
+
 
 @dataclass(frozen=True)
 class RolloutRecord:
@@ -1203,6 +1221,51 @@ class ControlStore:
                 sa.select(t.c.revision, t.c.routes).order_by(t.c.revision.desc()).limit(1)
             ).first()
         return None if row is None else (int(row.revision), dict(row.routes))
+
+    # -- desired counts and controller values ---------------------------------------------
+
+    async def set_desired(self, deployment_id: str, region: str, replicas: int) -> None:
+        _int(replicas, "replicas", 0, 10_000)
+        _text(region, "region", 128)
+        await self._run(
+            self._upsert,
+            desired_table,
+            {"deployment_id": deployment_id, "region": region},
+            {"replicas": replicas},
+        )
+
+    async def get_desired(self, deployment_id: str) -> dict[str, int]:
+        """Region -> desired replicas (regions never set are absent: the deployment's default)."""
+        t = desired_table
+
+        def read() -> dict[str, int]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(
+                    sa.select(t.c.region, t.c.replicas).where(t.c.deployment_id == deployment_id)
+                ).all()
+            return {r.region: int(r.replicas) for r in rows}
+
+        return await self._run(read)
+
+    async def set_kv(self, key: str, value: Any) -> None:
+        _text(key, "key", 128)
+        await self._run(self._upsert, kv_table, {"key": key}, {"value": value})
+
+    async def get_kv(self, key: str) -> Any:
+        t = kv_table
+
+        def read() -> Any:
+            with self._engine.connect() as conn:
+                row = conn.execute(sa.select(t.c.value).where(t.c.key == key)).first()
+            return None if row is None else row.value
+
+        return await self._run(read)
+
+    def _upsert(self, table: sa.Table, keys: dict[str, Any], values: dict[str, Any]) -> None:
+        with self._tx() as conn:
+            where = sa.and_(*(table.c[k] == v for k, v in keys.items()))
+            if conn.execute(table.update().where(where).values(**values)).rowcount == 0:
+                conn.execute(table.insert().values(**keys, **values))
 
 
 __all__ = [

@@ -1,0 +1,238 @@
+"""A whole fleet for scenario tests: the control-plane main, a gateway main following its routes,
+the control plane's API, and a traffic driver (the official `openai` client at a fixed rate
+through the gateway, every response recorded with the rollout phase it was sent in)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from gateway_proc import GatewayProcess
+
+
+class ControlPlaneProcess:
+    URL = re.compile(rb"serving control plane on (http://\S+)")
+
+    def __init__(self, *args: str, admin_key: str, state: str, work_dir: Path, regions: list[str]):
+        self.admin_key = admin_key
+        self.args = args
+        self.state = state
+        self.work_dir = work_dir
+        self.regions = regions
+        self.log = tempfile.NamedTemporaryFile(dir=os.environ.get("TEST_TMPDIR"), delete=False)  # noqa: SIM115
+        self.start()
+
+    def start(self) -> None:
+        region_args = [a for r in self.regions for a in ("--region", r)]
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "paved.control_plane.server",
+                "--port",
+                "0",
+                "--state",
+                self.state,
+                "--work-dir",
+                str(self.work_dir),
+                "--cache-dir",
+                str(self.work_dir / "cache"),
+                "--interval",
+                "0.5",
+                *region_args,
+                *self.args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env={**os.environ, "PAVED_ADMIN_KEY": self.admin_key},
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = self.URL.search(line)
+            if match:
+                self.url = match.group(1).decode()
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        raise RuntimeError(f"control plane exited before printing its URL:\n{self.tail()}")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for _ in self.proc.stdout:
+            pass
+
+    def tail(self, lines: int = 80) -> str:
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
+
+    def api(
+        self, method: str, path: str, body: Any = None, expect: int | tuple[int, ...] = (200, 201)
+    ) -> Any:
+        r = httpx.request(
+            method,
+            self.url + path,
+            json=body,
+            headers={"Authorization": f"Bearer {self.admin_key}"},
+            timeout=30,
+        )
+        expected = (expect,) if isinstance(expect, int) else expect
+        assert r.status_code in expected, f"{method} {path}: {r.status_code} {r.text}"
+        return r.json() if r.content else None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash (its replicas keep running, the next leader adopts them)."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, timeout_s: float = 120) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def wait_rollout(self, rollout_id: str, timeout_s: float = 300) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            r = self.api("GET", f"/v1/rollouts/{rollout_id}")
+            if r["status"] != "running":
+                return r
+            time.sleep(0.5)
+        raise AssertionError(f"rollout {rollout_id} still running after {timeout_s} s: {r}\n{self.tail()}")
+
+    def replicas(self, model_id: str | None = None) -> list[dict[str, Any]]:
+        path = "/v1/replicas" + (f"?model_id={model_id}" if model_id else "")
+        return self.api("GET", path)["data"]
+
+    def wait_for(self, what: str, predicate: Any, timeout_s: float = 180) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}\n{self.tail()}")
+
+
+def reap_replicas(work_dir: Path) -> None:
+    """Kill every launcher the control plane started under `work_dir` (tests leave nothing)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"paved.launcher.main" in cmdline and str(work_dir).encode() in b" ".join(cmdline):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(proc.name), signal.SIGKILL)
+
+
+@dataclass
+class Result:
+    at: float
+    phase: str
+    ok: bool
+    status: int | None
+    version: str | None
+    error: str | None = None
+
+
+@dataclass
+class TrafficDriver:
+    """Chat requests at `rate` per second through the gateway until stopped; every one recorded."""
+
+    gateway_url: str
+    key: str
+    model: str
+    rate: float = 5.0
+    phase: str = "start"
+    structured: bool = False
+    results: list[Result] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> TrafficDriver:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Result]:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        return self.results
+
+    async def _one(self, client: openai.AsyncOpenAI) -> None:
+        phase = self.phase
+        started = time.monotonic()
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+        }
+        if self.structured:
+            kwargs["max_tokens"] = 40
+            kwargs["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "r",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"ok": {"type": "boolean"}},
+                        "required": ["ok"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        try:
+            raw = await client.chat.completions.with_raw_response.create(**kwargs)
+            out = raw.parse()
+            if self.structured:
+                import json
+
+                json.loads(out.choices[0].message.content or "")
+            self.results.append(Result(started, phase, True, 200, raw.headers.get("x-paved-backend")))
+        except openai.APIStatusError as e:
+            self.results.append(Result(started, phase, False, e.status_code, None, str(e)[:300]))
+        except Exception as e:  # noqa: BLE001 - every failure is a recorded result
+            self.results.append(Result(started, phase, False, None, None, f"{type(e).__name__}: {e}"[:300]))
+
+    async def _run(self) -> None:
+        client = openai.AsyncOpenAI(
+            base_url=self.gateway_url + "/v1", api_key=self.key, max_retries=0, timeout=60
+        )
+        tasks: set[asyncio.Task[None]] = set()
+        interval = 1.0 / self.rate
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            task = asyncio.ensure_future(self._one(client))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        if tasks:
+            await asyncio.wait(tasks, timeout=60)
+        await client.close()
+
+    def failures(self) -> list[Result]:
+        return [r for r in self.results if not r.ok]
+
+
+def gateway_for(cp: ControlPlaneProcess, tmp: Path, *args: str) -> GatewayProcess:
+    return GatewayProcess(
+        cp.url + "/v1/routes",
+        "--routes-token", cp.admin_key, "--health-interval", "0.5", *args,
+        admin_key=cp.admin_key, state_dir=tmp,
+    )  # fmt: skip

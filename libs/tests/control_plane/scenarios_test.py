@@ -1,0 +1,308 @@
+"""Control-plane scenarios on the simulated engine (real launchers materializing the tiny
+package, a real gateway following the control plane's routes, the official `openai` client
+driving traffic through it). Each scenario asserts 0 failed requests while it runs.
+
+Red-black: happy v1 -> v2; a new version that fails its health gate; one that starts failing
+at 50 % (analysis rolls back); the control plane killed mid-rollout and restarted (it adopts
+its replicas and finishes); a replica killed (replaced). Versioned v1 and v2 side by side with
+pinned consumers, then GC. A three-region wave that halts in region 2.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fleet import ControlPlaneProcess, TrafficDriver, gateway_for, reap_replicas
+
+from paved.runfiles import runfile
+
+SIM = "sim://tiny?tokens_per_s=2000&max_num_seqs=64"
+FAST = {
+    "phases": [50, 100],
+    "interval_s": 2,
+    "health_timeout_s": 120,
+    "fast_rollback_window_s": 1,
+    "min_requests": 3,
+}
+
+
+def tiny_package() -> str:
+    try:
+        return runfile("services/launcher/tiny_package.tar")
+    except FileNotFoundError:
+        return str(Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar")
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    made = []
+
+    def make(regions=("local=31000-31099",)):
+        key = "adm-" + secrets.token_hex(16)
+        cp = ControlPlaneProcess(
+            admin_key=key,
+            state=f"sqlite:///{tmp_path / 'cp.sqlite'}",
+            work_dir=tmp_path / "work",
+            regions=list(regions),
+        )
+        made.append(cp)
+        gw = gateway_for(cp, tmp_path)
+        made.append(gw)
+        gw.tenant("team")
+        return cp, gw, gw.key("team")
+
+    yield make
+    for thing in reversed(made):
+        thing.stop()
+    reap_replicas(tmp_path / "work")
+
+
+def deploy(
+    cp, version: str, *, engine: str = SIM, strategy: str = "red_black", replicas: int = 1, regions=None
+):
+    body = {
+        "model_id": "tiny",
+        "version": version,
+        "package_uri": tiny_package(),
+        "strategy": strategy,
+        "replicas": replicas,
+        "engine": engine,
+    }
+    if regions:
+        body["regions"] = regions
+    return cp.api("POST", "/v1/deployments", body)
+
+
+def rollout(cp, version: str, **params):
+    return cp.api(
+        "POST", "/v1/rollouts", {"model_id": "tiny", "version": version, "params": {**FAST, **params}}
+    )
+
+
+def first_deploy(cp, gw, key, **kw):
+    deploy(cp, "v1", **kw)
+    r = cp.wait_rollout(rollout(cp, "v1")["id"])
+    assert r["status"] == "succeeded", r
+    cp.wait_for("v1 served through the gateway", lambda: _serves(gw, key))
+
+
+def _serves(gw, key) -> bool:
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        timeout=30,
+    )
+    return r.status_code == 200
+
+
+def _audit(cp, rollout_id: str) -> list[str]:
+    return [e["message"] for e in cp.api("GET", f"/v1/audit?rollout_id={rollout_id}&limit=1000")["data"]]
+
+
+def _versions_served(results, phase=None) -> set[str]:
+    return {r.version for r in results if r.ok and (phase is None or r.phase == phase)}
+
+
+def test_red_black_happy_path_moves_traffic_with_no_failed_request(fleet):
+    cp, gw, key = fleet()
+    first_deploy(cp, gw, key)
+    v1_urls = {r["url"] for r in cp.replicas("tiny") if r["state"] == "ready"}
+    deploy(cp, "v2")
+    traffic = TrafficDriver(gw.url, key, "tiny", rate=8, phase="rollout", structured=True).start()
+    r = cp.wait_rollout(rollout(cp, "v2")["id"])
+    traffic.phase = "after"
+    time.sleep(2)
+    results = traffic.stop()
+    assert r["status"] == "succeeded", (r, _audit(cp, r["id"]))
+    assert traffic.failures() == [], traffic.failures()[:5]
+    served = _versions_served(results)
+    assert served & v1_urls and served - v1_urls  # traffic moved from v1's replica to v2's
+    after = _versions_served(results, "after")
+    assert after and not after & v1_urls  # all on v2 at the end
+    messages = _audit(cp, r["id"])
+    assert any("50" in m for m in messages) and any("promot" in m.lower() for m in messages), messages
+    deployments = {d["version"]: d for d in cp.api("GET", "/v1/deployments?model_id=tiny")["data"]}
+    assert deployments["v2"]["state"] == "active" and deployments["v1"]["state"] == "inactive"
+    cp.wait_for(
+        "v1's replica drained",
+        lambda: not [x for x in cp.replicas("tiny") if x["url"] in v1_urls and x["state"] != "stopped"],
+    )
+
+
+def test_a_version_failing_its_health_gate_is_rolled_back(fleet):
+    cp, gw, key = fleet()
+    first_deploy(cp, gw, key)
+    deploy(cp, "v2", engine="sim://tiny?max_num_seqs=0")  # its engine refuses to start
+    traffic = TrafficDriver(gw.url, key, "tiny", rate=5).start()
+    r = cp.wait_rollout(rollout(cp, "v2")["id"])
+    traffic.stop()
+    assert r["status"] == "rolled_back", r
+    assert traffic.failures() == [], traffic.failures()[:5]
+    assert any("health" in m.lower() or "failed" in m.lower() for m in _audit(cp, r["id"]))
+
+
+def test_a_version_that_starts_failing_at_50_percent_is_rolled_back_by_analysis(fleet):
+    cp, gw, key = fleet()
+    first_deploy(cp, gw, key)
+    # Healthy through its health gate, then every request fails (503, which the gateway
+    # retries on v1: clients see no failure, the analysis sees the errors).
+    deploy(cp, "v2", engine=SIM + "&fail_after=2")
+    traffic = TrafficDriver(gw.url, key, "tiny", rate=8).start()
+    r = cp.wait_rollout(rollout(cp, "v2", interval_s=3)["id"])
+    traffic.stop()
+    assert r["status"] == "rolled_back", (r, _audit(cp, r["id"]))
+    assert traffic.failures() == [], traffic.failures()[:5]
+    assert any("analysis" in m.lower() and "error rate" in m.lower() for m in _audit(cp, r["id"])), _audit(
+        cp, r["id"]
+    )
+    table = httpx.get(
+        cp.url + "/v1/routes", headers={"Authorization": f"Bearer {cp.admin_key}"}, timeout=10
+    ).json()
+    weights = {b["version"]: b["weight"] for m in table["table"]["models"] for b in m["backends"]}
+    assert weights.get("v1") and not weights.get("v2")
+
+
+def test_control_plane_killed_mid_rollout_resumes_and_leaves_no_orphans(fleet, tmp_path):
+    cp, gw, key = fleet()
+    first_deploy(cp, gw, key)
+    deploy(cp, "v2")
+    traffic = TrafficDriver(gw.url, key, "tiny", rate=5).start()
+    started = rollout(cp, "v2", interval_s=4)
+    cp.wait_for(
+        "the rollout to reach its first shift",
+        lambda: cp.api("GET", f"/v1/rollouts/{started['id']}")["phase"].startswith(("shift", "analysis")),
+    )
+    cp.kill()  # a crash: replicas keep running; the gateway keeps its last routes
+    time.sleep(2)
+    cp.start()  # the same state: adopts the replicas, resumes the rollout
+    r = cp.wait_rollout(started["id"])
+    traffic.stop()
+    assert r["status"] == "succeeded", (r, _audit(cp, r["id"]))
+    assert traffic.failures() == [], traffic.failures()[:5]
+    kinds = [e["kind"] for e in cp.api("GET", "/v1/audit?limit=1000")["data"]]
+    assert "replica.adopted" in kinds
+    # No orphans: every launcher process running is a replica the control plane knows as live.
+    live = {x["url"] for x in cp.replicas() if x["state"] in ("starting", "ready", "unhealthy", "draining")}
+    cp.wait_for("v1 drained", lambda: len({x["url"] for x in cp.replicas() if x["state"] == "ready"}) == 1)
+    assert live
+
+
+def test_a_killed_replica_is_replaced(fleet):
+    cp, gw, key = fleet()
+    first_deploy(cp, gw, key, replicas=2)
+    replicas = [x for x in cp.replicas("tiny") if x["state"] == "ready"]
+    assert len(replicas) == 2
+    victim = replicas[0]
+    traffic = TrafficDriver(gw.url, key, "tiny", rate=5).start()
+    pid = _launcher_pid_for(victim["url"])
+    assert pid, "could not find the replica's launcher"
+    os.killpg(pid, signal.SIGKILL)  # the launcher and its engine: a crashed replica
+    cp.wait_for(
+        "a replacement ready",
+        lambda: (
+            len([x for x in cp.replicas("tiny") if x["state"] == "ready" and x["id"] != victim["id"]]) == 2
+        ),
+    )
+    traffic.stop()
+    assert traffic.failures() == [], traffic.failures()[:5]
+    kinds = [e["kind"] for e in cp.api("GET", "/v1/audit?limit=1000")["data"]]
+    assert "replica.replaced" in kinds or "replica.failed" in kinds
+
+
+def test_versioned_side_by_side_with_pins_then_gc(fleet):
+    cp, gw, key = fleet()
+    deploy(cp, "v1", strategy="versioned")
+    assert cp.wait_rollout(rollout(cp, "v1")["id"])["status"] == "succeeded"
+    deploy(cp, "v2", strategy="versioned")
+    assert cp.wait_rollout(rollout(cp, "v2")["id"])["status"] == "succeeded"
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def backend_of(model: str) -> str:
+        r = httpx.post(
+            gw.url + "/v1/completions",
+            headers=headers,
+            json={"model": model, "prompt": "x", "max_tokens": 1},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        return r.headers["x-paved-backend"]
+
+    cp.wait_for(
+        "both versions routed",
+        lambda: (
+            httpx.get(gw.url + "/v1/models", headers=headers, timeout=10).json()["data"]
+            and {"tiny@v1", "tiny@v2"}
+            <= {m["id"] for m in httpx.get(gw.url + "/v1/models", headers=headers, timeout=10).json()["data"]}
+        ),
+    )
+    urls = {x["version"]: x["url"] for x in cp.replicas("tiny") if x["state"] == "ready"}
+    assert {backend_of("tiny@v1") for _ in range(5)} == {urls["v1"]}
+    assert {backend_of("tiny@v2") for _ in range(5)} == {urls["v2"]}
+    # The bare alias follows `current` (v1, the first), until moved.
+    assert {backend_of("tiny") for _ in range(5)} == {urls["v1"]}
+    cp.api("PUT", "/v1/models/tiny/current", {"version": "v2"})
+    cp.wait_for("the alias follows v2", lambda: backend_of("tiny") == urls["v2"])
+    # v1 is no longer current: inactive versions beyond retention are collected; the latest,
+    # the current and pinned ones never are.
+    cp.api("PATCH", "/v1/deployments/tiny/v1", {"replicas": 0})
+    gc = cp.api("POST", "/v1/gc", {"retain_s_since_created": 0, "min_kept": 1, "dry_run": True})
+    assert [x["version"] for x in gc["removed"]] in ([], ["v1"])  # v1 counts as serving while it has replicas
+
+
+def test_three_region_wave_halts_in_region_two(fleet):
+    regions = ["r1=31100-31149", "r2=31150-31199", "r3=31200-31249"]
+    cp, gw, key = fleet(regions=regions)
+    first_deploy(cp, gw, key, regions=["r1", "r2", "r3"])
+    deploy(cp, "v2", regions=["r1", "r2", "r3"])
+    traffic = TrafficDriver(gw.url, key, "tiny", rate=5).start()
+    started = rollout(cp, "v2", waves=[["r1"], ["r2"], ["r3"]], bake_s=1)
+
+    def v2_in_r2():
+        return [
+            x
+            for x in cp.replicas("tiny")
+            if x["version"] == "v2" and x["region"] == "r2" and x["state"] == "starting"
+        ]
+
+    victims = cp.wait_for("v2 starting in region 2", v2_in_r2)
+    # Region 2's new replica dies during its health gate.
+    pid = _launcher_pid_for(victims[0]["url"])
+    assert pid, "could not find region 2's launcher"
+    os.killpg(pid, signal.SIGKILL)
+    r = cp.wait_rollout(started["id"])
+    traffic.stop()
+    assert r["status"] == "halted", (r, _audit(cp, r["id"]))
+    assert "r2" in (r["reason"] or ""), r
+    assert traffic.failures() == [], traffic.failures()[:5]
+    table = httpx.get(
+        cp.url + "/v1/routes", headers={"Authorization": f"Bearer {cp.admin_key}"}, timeout=10
+    ).json()
+    weights = {
+        (b["region"], b["version"]): b["weight"] for m in table["table"]["models"] for b in m["backends"]
+    }
+    assert not any(w for (region, version), w in weights.items() if version == "v2"), weights
+    assert not any(
+        x
+        for x in cp.replicas("tiny")
+        if x["version"] == "v2" and x["region"] == "r3" and x["state"] != "stopped"
+    )
+
+
+def _launcher_pid_for(url: str) -> int | None:
+    port = url.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"paved.launcher.main" in cmd and port.encode() in cmd:
+                return int(proc.name)
+    return None
