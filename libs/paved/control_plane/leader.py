@@ -9,7 +9,8 @@ reconcile loops (rollouts, autoscaling, GC); the others serve the API and wait.
   connection still holds it (a broken connection means "no").
 - SQLite: an exclusive `fcntl.flock` on `<database path>.leader`, which the kernel drops when
   the process dies. flock belongs to the open file, so two LeaderLocks in one process also
-  exclude each other. An in-memory database has no file: the lock is then process-local.
+  exclude each other (another lock name uses `<database path>.<hash>.leader`). An in-memory
+  database has no file: the lock is then process-local.
 
 Invariants: at most one LeaderLock per (database, name) is leader at any moment; every call
 is bounded (connect and statement timeouts, non-blocking flock); `is_leader` is this object's
@@ -30,6 +31,7 @@ import sqlalchemy as sa
 
 from paved.control_plane.errors import BadRequest
 
+DEFAULT_NAME = "paved-control-plane"
 _MEMORY_HELD: set[str] = set()
 _MEMORY_GUARD = threading.Lock()
 
@@ -41,7 +43,7 @@ def lock_key(name: str) -> int:
 
 
 class LeaderLock:
-    def __init__(self, url: str, *, name: str = "paved-control-plane"):
+    def __init__(self, url: str, *, name: str = DEFAULT_NAME):
         if not isinstance(name, str) or not 0 < len(name) <= 128 or not name.isprintable():
             raise BadRequest("leader lock name must be a printable string of 1 to 128 characters")
         if not isinstance(url, str) or not url:
@@ -55,7 +57,9 @@ class LeaderLock:
             self._key = lock_key(name)
         elif self._backend == "sqlite":
             db = parsed.database
-            self._path = None if db in (None, "", ":memory:") else os.path.abspath(db) + ".leader"
+            # The default name keeps the plain `<db>.leader`; another name gets its own file.
+            suffix = ".leader" if name == DEFAULT_NAME else f".{lock_key(name) & 0xFFFFFFFF:08x}.leader"
+            self._path = None if db in (None, "", ":memory:") else os.path.abspath(db) + suffix
         else:
             raise ValueError(f"unsupported leader lock URL scheme '{parsed.drivername}'")
         self._conn: Any = None  # psycopg.Connection while held (PostgreSQL)
