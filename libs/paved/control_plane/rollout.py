@@ -706,7 +706,7 @@ class _Step:
             status = "halted" if self.p.waves else "rolled_back"
         else:
             status = "failed"
-        where = f" (region {region})" if region else ""
+        where = f" (region {region})" if region and f" {region}" not in message else ""
         self.st["rollback"] = {"reason": message + where, "status": status, "region": region, "step": 0}
         await self._goto("rolling_back", message + where, region=region)
         return await self._rolling_back()
