@@ -66,6 +66,7 @@ POLICY = AutoscalePolicy(
 LOW, HIGH = 4, 32
 SIN_MID, SIN_AMP = 20, 14
 MAX_CLIENTS = max(HIGH, SIN_MID + SIN_AMP)
+REPLICA_ARGS = ("-m", "paved.frontend.server", "--engine", ENGINE, "--port", "0")
 URL = re.compile(rb"serving .* on (http://\S+)")
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True}).encode()
 
@@ -82,8 +83,7 @@ class Replica:
         # A local file opened once per replica start: not worth a thread.
         log = open(os.path.join(log_dir, f"replica-{time.monotonic_ns()}.log"), "wb")  # noqa: SIM115, ASYNC230
         proc = await asyncio.create_subprocess_exec(
-            python, "-m", "paved.frontend.server", "--engine", ENGINE, "--port", "0",
-            stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
+            python, *REPLICA_ARGS, stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
         )  # fmt: skip
         log.close()  # the child holds its own descriptor
         assert proc.stdout is not None
