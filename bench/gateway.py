@@ -47,7 +47,8 @@ users sending chat requests whose system message is one of `--prefix-prompts` (1
 `--prefix-cache-fraction` (0.6) of all prompts' blocks plus a block per request it runs: the
 prompts are ~1.7x one instance's cache and ~0.85x both. Each strategy gets its own fresh prompt
 set (the caches persist between runs; stale blocks are just evicted), a warm-up pass, then the
-measured requests; reported: vLLM's prefix-cache hit rate over the measured requests
+measured requests, the same sequence of prompt indices and user messages for both;
+reported: vLLM's prefix-cache hit rate over the measured requests
 (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` deltas, summed over both instances'
 /metrics), TTFT p50/p99 and the split between the instances. `prefix_hit_ratio_vs_round_robin`
 = affinity hit rate / weighted hit rate (target >= 1.5). The gateway routes without a tokenizer:
@@ -806,8 +807,10 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> tuple[dict, list[str]
                 _, url, key = start_gateway(gw_stack, workdir, routes, cpu=None, tag=strategy)
                 prompts = _system_prompts(words, args.prefix_prompts, seed=100 + n)
                 t0 = time.perf_counter()
+                # The same request sequence (prompt index, user message) for both strategies;
+                # only the prompts' texts differ, so neither run reuses the other's blocks.
                 results[strategy] = uvloop.run(
-                    measure_strategy(Target(strategy, url, key), frontends, prompts, args, n)
+                    measure_strategy(Target(strategy, url, key), frontends, prompts, args, 0)
                 )
                 r = results[strategy]
                 print(

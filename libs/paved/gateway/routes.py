@@ -3,7 +3,7 @@ each alias and version, and how requests spread over them.
 
 File format (JSON, or TOML with `[[models]]` and `[[models.backends]]`)::
 
-    {"models": [{"alias": "tiny", "strategy": "least_outstanding",
+    {"models": [{"alias": "tiny", "strategy": "prefix_affinity", "bounded_load": 1.5,
                  "split": {"v1": 0.9, "v2": 0.1}, "current": null,
                  "backends": [{"url": "http://127.0.0.1:8001", "version": "v1", "weight": 1}]}]}
 
@@ -37,6 +37,8 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_BACKENDS = 10_000
 MAX_WEIGHT = 1_000_000.0
 MAX_AFFINITY_PREFIX_TOKENS = 65_536
+MAX_BOUNDED_LOAD = 100.0
+MAX_BOUNDED_LOAD_SLACK = 100_000
 
 STRATEGIES = ("least_outstanding", "weighted", "prefix_affinity")
 KINDS = ("generate", "embed", "kserve")
@@ -49,7 +51,18 @@ _ID = re.compile(r"[\x21-\x7e]{1,512}")
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 _MODEL_KEYS = frozenset(
-    {"alias", "backends", "strategy", "split", "current", "tokenizer", "affinity_prefix_tokens", "kind"}
+    {
+        "alias",
+        "backends",
+        "strategy",
+        "split",
+        "current",
+        "tokenizer",
+        "affinity_prefix_tokens",
+        "kind",
+        "bounded_load",
+        "bounded_load_slack",
+    }
 )
 _BACKEND_KEYS = frozenset(
     {"id", "url", "version", "weight", "upstream_model", "kserve_grpc", "kserve_http", "region"}
@@ -98,6 +111,10 @@ class ModelRoute:
     tokenizer: str | None = None
     affinity_prefix_tokens: int = 256
     kind: str = "generate"
+    # prefix_affinity's request bound: a backend takes a request of its prefixes while it has
+    # fewer than max(ceil(c * fair), ceil(fair) + slack) in flight; None: the router's default.
+    bounded_load: float | None = None
+    bounded_load_slack: int | None = None
 
     def __post_init__(self) -> None:
         backends = tuple(
@@ -161,6 +178,10 @@ def _route_to_obj(r: ModelRoute) -> dict[str, Any]:
         obj["current"] = r.current
     if r.tokenizer is not None:
         obj["tokenizer"] = r.tokenizer
+    if r.bounded_load is not None:
+        obj["bounded_load"] = r.bounded_load
+    if r.bounded_load_slack is not None:
+        obj["bounded_load_slack"] = r.bounded_load_slack
     return obj
 
 
@@ -304,6 +325,23 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
         raise _fail(
             f"{path}.affinity_prefix_tokens", f"must be an integer in 1..{MAX_AFFINITY_PREFIX_TOKENS}"
         )
+    bounded_load = obj.get("bounded_load")
+    if bounded_load is not None:
+        if (
+            isinstance(bounded_load, bool)
+            or not isinstance(bounded_load, int | float)
+            or not 1 <= bounded_load <= MAX_BOUNDED_LOAD  # NaN fails this too
+        ):
+            raise _fail(f"{path}.bounded_load", f"must be a number in 1..{MAX_BOUNDED_LOAD:g}")
+        if strategy != "prefix_affinity":
+            raise _fail(f"{path}.bounded_load", "applies only to strategy prefix_affinity")
+        bounded_load = float(bounded_load)
+    slack = obj.get("bounded_load_slack")
+    if slack is not None:
+        if isinstance(slack, bool) or not isinstance(slack, int) or not 0 <= slack <= MAX_BOUNDED_LOAD_SLACK:
+            raise _fail(f"{path}.bounded_load_slack", f"must be an integer in 0..{MAX_BOUNDED_LOAD_SLACK}")
+        if strategy != "prefix_affinity":
+            raise _fail(f"{path}.bounded_load_slack", "applies only to strategy prefix_affinity")
 
     raw_backends = obj.get("backends")
     if not isinstance(raw_backends, list) or not raw_backends:
@@ -339,7 +377,9 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
         if sum(float(s) for s in split.values()) <= 0:
             raise _fail(f"{path}.split", "shares must not all be 0")
         split = {str(v): float(s) for v, s in split.items()}
-    return ModelRoute(alias, tuple(backends), strategy, split, current, tokenizer, apt, kind)
+    return ModelRoute(
+        alias, tuple(backends), strategy, split, current, tokenizer, apt, kind, bounded_load, slack
+    )
 
 
 def parse_routes(obj: Any) -> RoutesTable:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError, NoBackendError
-from paved.gateway.router import Router
+from paved.gateway.router import PREFIX_BOUND, Router
 from paved.gateway.routes import (
     MAX_BACKENDS,
     RoutesError,
@@ -128,6 +128,38 @@ class Clock:
         ({"models": [model(split={"v1": 0})]}, "models[0].split", "all be 0"),
         ({"models": [model(current="v9")]}, "models[0].current", "v9"),
         ({"models": [model(affinity_prefix_tokens=0)]}, "models[0].affinity_prefix_tokens", "1.."),
+        (
+            {"models": [model(strategy="prefix_affinity", bounded_load=0.9)]},
+            "models[0].bounded_load",
+            "1..100",
+        ),
+        (
+            {"models": [model(strategy="prefix_affinity", bounded_load=True)]},
+            "models[0].bounded_load",
+            "number",
+        ),
+        (
+            {"models": [model(strategy="prefix_affinity", bounded_load="2")]},
+            "models[0].bounded_load",
+            "number",
+        ),
+        (
+            {"models": [model(strategy="prefix_affinity", bounded_load=math.inf)]},
+            "models[0].bounded_load",
+            "1..100",
+        ),
+        ({"models": [model(bounded_load=1.5)]}, "models[0].bounded_load", "only to strategy prefix_affinity"),
+        (
+            {"models": [model(strategy="prefix_affinity", bounded_load_slack=-1)]},
+            "models[0].bounded_load_slack",
+            "0..100000",
+        ),
+        (
+            {"models": [model(strategy="prefix_affinity", bounded_load_slack=1.5)]},
+            "models[0].bounded_load_slack",
+            "integer",
+        ),
+        ({"models": [model(bounded_load_slack=2)]}, "models[0].bounded_load_slack", "only to strategy"),
         (
             {"models": [model(kind="kserve")]},
             "models[0].backends[0]",
@@ -312,7 +344,7 @@ def test_prefix_affinity_same_prefix_same_backend() -> None:
 
 def test_prefix_affinity_bounded_load_spreads_a_hot_prefix() -> None:
     c = 1.25
-    r = Router(affinity_table(), bounded_load=c)
+    r = Router(affinity_table(), bounded_load=c, bounded_load_slack=0)
     hot = b"the one hot system prompt"
     held = []
     for _ in range(40):
@@ -331,19 +363,116 @@ def test_prefix_affinity_bounded_load_spreads_a_hot_prefix() -> None:
     assert r.pick("tiny", sticky_key="k", affinity=hot).backend.id == home
 
 
+def test_prefix_affinity_slack_keeps_a_small_swing_home() -> None:
+    # 2 backends, the 20th request (19 in flight, fair share 20 / 2): c = 1.25 alone caps the
+    # home at ceil(1.25 * 10) = 13, a slack of 8 at 10 + 8 = 18, and the home fills to its cap.
+    held = {}
+    for slack in (0, 8):
+        r = Router(affinity_table(2), bounded_load=1.25, bounded_load_slack=slack)
+        picks = []
+        for _ in range(20):
+            p = r.pick("tiny", sticky_key="k", affinity=b"hot")
+            r.begin(p.backend.id)
+            picks.append(p.backend.id)
+        held[slack] = max(Counter(picks).values())
+    assert held[0] == 13 and held[8] == 18, held
+    with pytest.raises(ValueError, match="bounded_load_slack"):
+        Router(affinity_table(2), bounded_load_slack=-1)
+
+
 def test_prefix_affinity_removing_a_backend_remaps_only_its_keys() -> None:
-    r4 = Router(affinity_table(4))
+    r = Router(affinity_table(4))
     keys = [f"prefix-{i}".encode() for i in range(4000)]
-    before = {k: r4.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
+    before = {k: r.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
     gone = "http://127.0.0.1:8004"
-    r3 = Router(affinity_table(3))
-    after = {k: r3.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
+    assert 0.2 <= sum(1 for v in before.values() if v == gone) / len(keys) <= 0.3
+    # A retry excluding it sends its keys elsewhere for that request only; the others stay.
+    excluded = {k: r.pick("tiny", sticky_key="s", affinity=k, exclude=[gone]).backend.id for k in keys}
+    assert all(excluded[k] == before[k] for k in keys if before[k] != gone)
+    assert gone not in excluded.values()
+    assert {k: r.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys} == before
+    # Removing it from the table reassigns exactly its keys, spread over the rest.
+    r.set_table(affinity_table(3))
+    after = {k: r.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
     moved = [k for k in keys if before[k] != after[k]]
-    assert all(before[k] == gone for k in moved)
-    assert 0.15 < len(moved) / len(keys) < 0.35, len(moved)
-    # Excluding it (a retry) or ejecting it remaps the same keys the same way.
-    excluded = {k: r4.pick("tiny", sticky_key="s", affinity=k, exclude=[gone]).backend.id for k in keys}
-    assert excluded == after
+    assert {before[k] for k in moved} == {gone}
+    assert len(moved) == sum(1 for v in before.values() if v == gone)
+    fair = len(keys) / 3
+    assert max(Counter(after.values()).values()) <= math.ceil(fair) + math.floor((PREFIX_BOUND - 1) * fair)
+
+
+def test_prefix_affinity_fresh_routers_mostly_agree() -> None:
+    # Gateway replicas assign prefixes independently: hashing places almost every prefix, and
+    # only the ones the prefix bound moves off a full backend depend on arrival order.
+    keys = [f"prefix-{i}".encode() for i in range(2000)]
+    a, b = Router(affinity_table(4)), Router(affinity_table(4))
+    in_order = {k: a.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
+    reverse = {k: b.pick("tiny", sticky_key="s", affinity=k).backend.id for k in reversed(keys)}
+    agree = sum(1 for k in keys if in_order[k] == reverse[k]) / len(keys)
+    assert agree >= 0.8, agree
+
+
+@pytest.mark.parametrize(("n_keys", "n_backends"), [(16, 2), (16, 4), (5, 2), (3, 3), (40, 7)])
+def test_prefix_affinity_balances_few_prefixes(n_keys: int, n_backends: int) -> None:
+    # Hashing 16 prefixes onto 2 backends is often 10/6 or worse; below 10 per backend the
+    # prefix bound makes it as even as the counts allow, and each prefix stays where it was put.
+    for seed in range(20):
+        r = Router(affinity_table(n_backends))
+        keys = [f"system prompt {seed}-{i}".encode() for i in range(n_keys)]
+        owner = {k: r.pick("tiny", sticky_key="s", affinity=k).backend.id for k in keys}
+        counts = Counter(owner.values())
+        assert max(counts.values()) <= math.ceil(n_keys / n_backends), counts
+        assert len(counts) == min(n_keys, n_backends)
+        for k in keys:
+            assert r.pick("tiny", sticky_key="other", affinity=k).backend.id == owner[k]
+
+
+def test_prefix_affinity_prefix_bound_follows_weights() -> None:
+    backends = [backend(8001, weight=1), backend(8002, weight=1), backend(8003, weight=2)]
+    r = Router(table(model(strategy="prefix_affinity", backends=backends)))
+    owner = [r.pick("tiny", sticky_key="s", affinity=f"k{i}".encode()).backend.id for i in range(40)]
+    assert sorted(Counter(owner).values()) == [10, 10, 20]
+
+
+def test_prefix_affinity_forgets_idle_prefixes() -> None:
+    clock = Clock()
+    r = Router(affinity_table(2), clock=clock, affinity_key_ttl_s=60)
+    keys = [f"k{i}".encode() for i in range(16)]
+    for k in keys:
+        r.pick("tiny", sticky_key="s", affinity=k)
+    assert sum(s["affinity_prefixes"] for s in r.snapshot().values()) == 16
+    clock.now += 30
+    r.pick("tiny", sticky_key="s", affinity=keys[0])
+    clock.now += 31
+    r.pick("tiny", sticky_key="s", affinity=b"new")
+    # Only the prefix seen 31 s ago and the new one are still live.
+    assert sum(s["affinity_prefixes"] for s in r.snapshot().values()) == 2
+    bounded = Router(affinity_table(2), max_affinity_keys=5)
+    for k in keys:
+        bounded.pick("tiny", sticky_key="s", affinity=k)
+    assert sum(s["affinity_prefixes"] for s in bounded.snapshot().values()) == 5
+    with pytest.raises(ValueError, match="affinity_key_ttl_s"):
+        Router(affinity_table(2), affinity_key_ttl_s=0)
+    with pytest.raises(ValueError, match="max_affinity_keys"):
+        Router(affinity_table(2), max_affinity_keys=0)
+
+
+def test_prefix_affinity_route_bounded_load_overrides_the_default() -> None:
+    t = affinity_table(4, bounded_load=2.0, bounded_load_slack=0)
+    assert t.models["tiny"].bounded_load == 2.0 and t.models["tiny"].bounded_load_slack == 0
+    assert parse_routes(t.to_obj()) == t
+    assert t.revision != affinity_table(4).revision and affinity_table(4).models["tiny"].bounded_load is None
+    loads = {}
+    for name, tbl in (("route", t), ("default", affinity_table(4))):
+        r = Router(tbl, bounded_load=1.25, bounded_load_slack=0)
+        held = []
+        for _ in range(40):
+            p = r.pick("tiny", sticky_key="k", affinity=b"hot")
+            r.begin(p.backend.id)
+            held.append(p.backend.id)
+        loads[name] = max(Counter(held).values())
+    assert loads["default"] <= math.ceil(1.25 * 40 / 4) + 1
+    assert math.ceil(1.25 * 40 / 4) + 1 < loads["route"] <= math.ceil(2.0 * 40 / 4) + 1
 
 
 def test_prefix_affinity_without_affinity_is_least_outstanding() -> None:
