@@ -98,6 +98,7 @@ class HttpRoutesSource(RoutesSource):
         self._failures = 0
         self._resync = False
         self._bad: int | None = None  # revision of the latest table, when it was invalid
+        self._from_cache = False  # the table in force came from cache_file, not the feed
         self._saved: tuple[int, str] | None = None  # what the cache file holds
         self.loaded_at: float | None = None  # time.time() of the last applied table
 
@@ -165,6 +166,7 @@ class HttpRoutesSource(RoutesSource):
         revision, table = self._decode(data, source=f"routes cache {self._cache}")
         await self._install(revision, table, save=False)
         self._resync = True
+        self._from_cache = True
         logger.warning(
             "routes: control plane %s unreachable (%s); serving cached revision %s from %s",
             self._url,
@@ -172,7 +174,7 @@ class HttpRoutesSource(RoutesSource):
             revision,
             self._cache,
         )
-        self._error(f"{reason}; serving the cached table (control-plane revision {revision})")
+        self._error(reason)
 
     async def _loop(self) -> None:
         while True:
@@ -234,7 +236,9 @@ class HttpRoutesSource(RoutesSource):
         except (aiohttp.ClientError, OSError) as e:
             raise RoutesError(f"{self._url}: {type(e).__name__}: {e}") from None
         if status == 204:
-            if self._bad is None:  # else the latest table is still the invalid one
+            if self._from_cache:
+                self._error("the control plane has published no routes table yet")
+            elif self._bad is None:  # else the latest table is still the invalid one
                 self._ok()
             return False
         if status != 200:
@@ -243,6 +247,7 @@ class HttpRoutesSource(RoutesSource):
         self._ok()
         self._resync = False
         self._bad = None
+        self._from_cache = False
         await self._install(revision, table, save=True)
         return True
 
@@ -294,6 +299,8 @@ class HttpRoutesSource(RoutesSource):
         self._failures = 0
 
     def _error(self, message: str) -> None:
+        if self._from_cache:
+            message += f"; serving the cached table (control-plane revision {self._feed_revision})"
         self._last_error = message
         if message != self._logged_error:
             logger.warning("%s; keeping routes revision %s", message, self._revision)
