@@ -37,6 +37,11 @@ when the model has none). Their failures end `failed` after the new is scaled to
 Abort: `request_abort` sets `state["abort_requested"]`; the next advance from ANY running phase
 goes to rolling_back (from promoted that is the fast rollback). Terminal statuses never move.
 
+Sizes are per region: N = the old version's desired count there (the store's get_desired when
+it has one, else spec.replicas) clamped to the new deployment's [min, max]; new.spec.replicas
+for a first or versioned deploy and for a region the old version does not serve. old_n = the
+old version's count when the rollout began (what a rollback restores).
+
 Capacity invariant: per region, the desired new + desired old never exceeds
 cap = max(N, old_n) + surge, and scale-ups count max(desired, ready) of each side so a
 lagging drain is never double-counted as free room. With surge 0 one replica may be
@@ -53,6 +58,7 @@ abort_requested / abort_reason.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import asdict, dataclass, fields
@@ -301,6 +307,17 @@ class _Step:
 
     # ---- main loop -------------------------------------------------------------------------
     async def run(self) -> tuple[RolloutRecord, float]:
+        try:
+            return await self._run()
+        except Exception:
+            # Keep what was already done (a fleet or store call failed midway); the next
+            # advance repeats the rest, and repeating an absolute call is harmless.
+            if self.dirty:
+                with contextlib.suppress(Exception):
+                    await self._save()
+            raise
+
+    async def _run(self) -> tuple[RolloutRecord, float]:
         try:
             self.p = RolloutParams.from_dict(self.rec.params)
         except BadRequest as e:

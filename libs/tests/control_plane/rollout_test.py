@@ -43,9 +43,13 @@ class FakeFleet:
     analysis: Callable[[str, str, float], Analysis] = lambda version, region, weight: GOOD
     pairs: list[tuple[str, str, int]] = field(default_factory=list)  # (old id, new id, cap)
     regions: tuple[str, ...] = ("local",)
+    scale_errors: int = 0  # the next N scale calls raise 503
 
     async def scale(self, deployment_id: str, region: str, replicas: int) -> None:
         assert replicas >= 0
+        if self.scale_errors:
+            self.scale_errors -= 1
+            raise ControlError(503, "database is down")
         self.calls.append(("scale", deployment_id, region, replicas))
         self.desired[(deployment_id, region)] = replicas
         key = (deployment_id, region)
@@ -392,6 +396,30 @@ def test_restart_mid_rollout_continues_from_the_persisted_record(tmp_path: Path)
         assert seq.count("starting") == 1 and seq.count("shift:1") == 1 and seq[-1] == "done"
         assert w.fleet.weight_history("local", "v2") == [0, 25, 50, 75, 100]
         await store2.close()
+
+    run(go())
+
+
+def test_a_fleet_error_midway_is_retried_by_the_next_advance(tmp_path: Path) -> None:
+    async def go() -> None:
+        w = await make_world(tmp_path, n=4)
+        rec, now = await drive(w, until=lambda r: r.phase == "shift:2")
+        w.fleet.scale_errors = 1
+        errors = 0
+        for _ in range(50):
+            try:
+                rec, nxt = await advance(rec, w.fleet, w.store, now)
+            except ControlError as e:
+                assert e.status == 503
+                errors += 1
+                continue
+            w.fleet.tick()
+            if rec.status != "running":
+                break
+            now = nxt
+        assert errors == 1
+        assert rec.status == "succeeded"
+        assert w.fleet.weight_history("local", "v2") == [0, 25, 50, 75, 100]
 
     run(go())
 
