@@ -389,7 +389,15 @@ def create_app(
             retain_s_since_traffic=body.retain_s_since_traffic,
             min_kept=body.min_kept,
         )
-        candidates = gc_mod.gc_candidates(await store.list_deployments(), policy, datetime.now(UTC))
+        protected = set()
+        for r in await store.list_rollouts(status="running"):
+            for version in (r.from_version, r.to_version):
+                d = await store.get_deployment(r.model_id, version) if version else None
+                if d is not None:
+                    protected.add(d.id)
+        candidates = gc_mod.gc_candidates(
+            await store.list_deployments(), policy, datetime.now(UTC), protected=protected
+        )
         removed = []
         for d, reason in candidates:
             removed.append({"model_id": d.spec.model_id, "version": d.spec.version, "reason": reason})

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from paved.control_plane import rollout as rollout_mod
@@ -71,6 +72,7 @@ class Controller:
         self._started_at: dict[str, float] = {}
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, float] = {}
+        self._traffic_checked = 0.0
         self._scalers: dict[str, Autoscaler] = {}
         self._task: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
@@ -166,6 +168,7 @@ class Controller:
         await self.publish_routes()
         await self._rollouts()
         await self._autoscale(deployments)
+        await self._traffic(deployments)
 
     async def _health(self, replicas: list[Replica], by_id: dict[str, Deployment]) -> None:
         now = time.monotonic()
@@ -403,6 +406,19 @@ class Controller:
     async def activate(self, deployment_id: str) -> None:
         await self.store.update_deployment(deployment_id, state="active")
         self._wakeup.set()
+
+    async def _traffic(self, deployments: list[Deployment], every_s: float = 5.0) -> None:
+        """Record when each deployment last had traffic (GC's `since last traffic` retention),
+        from the gateways' per-backend counters."""
+        now = time.time()
+        if now - self._traffic_checked < every_s or not self.analyzer.urls:
+            return
+        since, self._traffic_checked = self._traffic_checked or now - every_s, now
+        replicas = await self.store.list_replicas()
+        for d in deployments:
+            urls = {r.url for r in replicas if r.deployment_id == d.id}
+            if urls and self.analyzer.analyze(urls, since).requests > 0:
+                await self.store.update_deployment(d.id, last_traffic_at=datetime.now(UTC))
 
     # ---- rollouts and autoscaling -----------------------------------------------------------
     async def _rollouts(self) -> None:

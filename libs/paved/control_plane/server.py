@@ -135,6 +135,11 @@ async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
     }
     feed = RoutesFeed(store)
     analyzer = GatewayAnalyzer(args.gateway_metrics)
+    if not args.gateway_metrics:
+        logger.warning(
+            "no --gateway-metrics: rollout analysis sees no traffic, so each phase passes after its "
+            "inconclusive intervals; give the gateways' /metrics URLs to gate phases on errors and latency"
+        )
     controller = Controller(
         store,
         drivers,

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,8 @@ from typing import Any
 import httpx
 import openai
 from gateway_proc import GatewayProcess
+
+from paved.runfiles import runfile
 
 
 class ControlPlaneProcess:
@@ -127,6 +133,12 @@ class ControlPlaneProcess:
         raise AssertionError(f"timed out waiting for {what}\n{self.tail()}")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def reap_replicas(work_dir: Path) -> None:
     """Kill every launcher the control plane started under `work_dir` (tests leave nothing)."""
     for proc in Path("/proc").iterdir():
@@ -200,9 +212,9 @@ class TrafficDriver:
             raw = await client.chat.completions.with_raw_response.create(**kwargs)
             out = raw.parse()
             if self.structured:
-                import json
-
-                json.loads(out.choices[0].message.content or "")
+                value = json.loads(out.choices[0].message.content or "")
+                if set(value) != {"ok"} or not isinstance(value["ok"], bool):
+                    raise ValueError(f"structured output does not match its schema: {value!r}")
             self.results.append(Result(started, phase, True, 200, raw.headers.get("x-paved-backend")))
         except openai.APIStatusError as e:
             self.results.append(Result(started, phase, False, e.status_code, None, str(e)[:300]))
@@ -236,3 +248,95 @@ def gateway_for(cp: ControlPlaneProcess, tmp: Path, *args: str) -> GatewayProces
         "--routes-token", cp.admin_key, "--health-interval", "0.5", *args,
         admin_key=cp.admin_key, state_dir=tmp,
     )  # fmt: skip
+
+
+SIM = "sim://tiny?tokens_per_s=2000&max_num_seqs=64"
+FAST = {
+    "phases": [50, 100],
+    "interval_s": 2,
+    "health_timeout_s": 120,
+    "fast_rollback_window_s": 1,
+    "min_requests": 3,
+}
+
+
+def tiny_package() -> str:
+    try:
+        return runfile("services/launcher/tiny_package.tar")
+    except FileNotFoundError:
+        return str(Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar")
+
+
+def deploy(
+    cp, version: str, *, engine: str = SIM, strategy: str = "red_black", replicas: int = 1, regions=None
+):
+    body = {
+        "model_id": "tiny",
+        "version": version,
+        "package_uri": tiny_package(),
+        "strategy": strategy,
+        "replicas": replicas,
+        "engine": engine,
+    }
+    if regions:
+        body["regions"] = regions
+    return cp.api("POST", "/v1/deployments", body)
+
+
+def rollout(cp, version: str, **params):
+    return cp.api(
+        "POST", "/v1/rollouts", {"model_id": "tiny", "version": version, "params": {**FAST, **params}}
+    )
+
+
+def first_deploy(cp, gw, key, **kw):
+    deploy(cp, "v1", **kw)
+    r = cp.wait_rollout(rollout(cp, "v1")["id"])
+    assert r["status"] == "succeeded", r
+    cp.wait_for("v1 served through the gateway", lambda: serves(gw, key))
+
+
+def serves(gw, key) -> bool:
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        timeout=30,
+    )
+    return r.status_code == 200
+
+
+def audit_messages(cp, rollout_id: str) -> list[str]:
+    return [e["message"] for e in cp.api("GET", f"/v1/audit?rollout_id={rollout_id}&limit=1000")["data"]]
+
+
+@contextlib.contextmanager
+def make_fleet(tmp_path: Path) -> Iterator[Callable[..., tuple[ControlPlaneProcess, GatewayProcess, str]]]:
+    """`make(regions=...)` -> (control plane, gateway following it, a tenant's key); all stopped
+    and every replica reaped on exit."""
+    made: list[Any] = []
+
+    def make(regions: tuple[str, ...] | list[str] = ("local=31000-31099",), *cp_args: str):
+        key = "adm-" + secrets.token_hex(16)
+        gateway_port = free_port()
+        cp = ControlPlaneProcess(
+            "--gateway-metrics",
+            f"http://127.0.0.1:{gateway_port}/metrics",
+            *cp_args,
+            admin_key=key,
+            state=f"sqlite:///{tmp_path / 'cp.sqlite'}",
+            work_dir=tmp_path / "work",
+            regions=list(regions),
+        )
+        made.append(cp)
+        gw = gateway_for(cp, tmp_path, "--port", str(gateway_port))
+        made.append(gw)
+        gw.tenant("team")
+        return cp, gw, gw.key("team")
+
+    try:
+        yield make
+    finally:
+        for thing in reversed(made):
+            thing.stop()
+        reap_replicas(tmp_path / "work")

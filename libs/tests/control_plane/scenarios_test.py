@@ -11,103 +11,23 @@ pinned consumers, then GC. A three-region wave that halts in region 2.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from fleet import ControlPlaneProcess, TrafficDriver, gateway_for, reap_replicas
-
-from paved.runfiles import runfile
-
-SIM = "sim://tiny?tokens_per_s=2000&max_num_seqs=64"
-FAST = {
-    "phases": [50, 100],
-    "interval_s": 2,
-    "health_timeout_s": 120,
-    "fast_rollback_window_s": 1,
-    "min_requests": 3,
-}
-
-
-def tiny_package() -> str:
-    try:
-        return runfile("services/launcher/tiny_package.tar")
-    except FileNotFoundError:
-        return str(Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar")
-
-
-@pytest.fixture
-def fleet(tmp_path):
-    made = []
-
-    def make(regions=("local=31000-31099",)):
-        key = "adm-" + secrets.token_hex(16)
-        cp = ControlPlaneProcess(
-            admin_key=key,
-            state=f"sqlite:///{tmp_path / 'cp.sqlite'}",
-            work_dir=tmp_path / "work",
-            regions=list(regions),
-        )
-        made.append(cp)
-        gw = gateway_for(cp, tmp_path)
-        made.append(gw)
-        gw.tenant("team")
-        return cp, gw, gw.key("team")
-
-    yield make
-    for thing in reversed(made):
-        thing.stop()
-    reap_replicas(tmp_path / "work")
-
-
-def deploy(
-    cp, version: str, *, engine: str = SIM, strategy: str = "red_black", replicas: int = 1, regions=None
-):
-    body = {
-        "model_id": "tiny",
-        "version": version,
-        "package_uri": tiny_package(),
-        "strategy": strategy,
-        "replicas": replicas,
-        "engine": engine,
-    }
-    if regions:
-        body["regions"] = regions
-    return cp.api("POST", "/v1/deployments", body)
-
-
-def rollout(cp, version: str, **params):
-    return cp.api(
-        "POST", "/v1/rollouts", {"model_id": "tiny", "version": version, "params": {**FAST, **params}}
-    )
-
-
-def first_deploy(cp, gw, key, **kw):
-    deploy(cp, "v1", **kw)
-    r = cp.wait_rollout(rollout(cp, "v1")["id"])
-    assert r["status"] == "succeeded", r
-    cp.wait_for("v1 served through the gateway", lambda: _serves(gw, key))
-
-
-def _serves(gw, key) -> bool:
-    r = httpx.post(
-        gw.url + "/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
-        timeout=30,
-    )
-    return r.status_code == 200
-
-
-def _audit(cp, rollout_id: str) -> list[str]:
-    return [e["message"] for e in cp.api("GET", f"/v1/audit?rollout_id={rollout_id}&limit=1000")["data"]]
+from fleet import SIM, TrafficDriver, audit_messages, deploy, first_deploy, make_fleet, rollout
 
 
 def _versions_served(results, phase=None) -> set[str]:
     return {r.version for r in results if r.ok and (phase is None or r.phase == phase)}
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    with make_fleet(tmp_path) as make:
+        yield make
 
 
 def test_red_black_happy_path_moves_traffic_with_no_failed_request(fleet):
@@ -120,13 +40,13 @@ def test_red_black_happy_path_moves_traffic_with_no_failed_request(fleet):
     traffic.phase = "after"
     time.sleep(2)
     results = traffic.stop()
-    assert r["status"] == "succeeded", (r, _audit(cp, r["id"]))
+    assert r["status"] == "succeeded", (r, audit_messages(cp, r["id"]))
     assert traffic.failures() == [], traffic.failures()[:5]
     served = _versions_served(results)
     assert served & v1_urls and served - v1_urls  # traffic moved from v1's replica to v2's
     after = _versions_served(results, "after")
     assert after and not after & v1_urls  # all on v2 at the end
-    messages = _audit(cp, r["id"])
+    messages = audit_messages(cp, r["id"])
     assert any("50" in m for m in messages) and any("promot" in m.lower() for m in messages), messages
     deployments = {d["version"]: d for d in cp.api("GET", "/v1/deployments?model_id=tiny")["data"]}
     assert deployments["v2"]["state"] == "active" and deployments["v1"]["state"] == "inactive"
@@ -145,7 +65,7 @@ def test_a_version_failing_its_health_gate_is_rolled_back(fleet):
     traffic.stop()
     assert r["status"] == "rolled_back", r
     assert traffic.failures() == [], traffic.failures()[:5]
-    assert any("health" in m.lower() or "failed" in m.lower() for m in _audit(cp, r["id"]))
+    assert any("health" in m.lower() or "failed" in m.lower() for m in audit_messages(cp, r["id"]))
 
 
 def test_a_version_that_starts_failing_at_50_percent_is_rolled_back_by_analysis(fleet):
@@ -157,10 +77,10 @@ def test_a_version_that_starts_failing_at_50_percent_is_rolled_back_by_analysis(
     traffic = TrafficDriver(gw.url, key, "tiny", rate=8).start()
     r = cp.wait_rollout(rollout(cp, "v2", interval_s=3)["id"])
     traffic.stop()
-    assert r["status"] == "rolled_back", (r, _audit(cp, r["id"]))
+    assert r["status"] == "rolled_back", (r, audit_messages(cp, r["id"]))
     assert traffic.failures() == [], traffic.failures()[:5]
-    assert any("analysis" in m.lower() and "error rate" in m.lower() for m in _audit(cp, r["id"])), _audit(
-        cp, r["id"]
+    assert any("analysis" in m.lower() and "error rate" in m.lower() for m in audit_messages(cp, r["id"])), (
+        audit_messages(cp, r["id"])
     )
     table = httpx.get(
         cp.url + "/v1/routes", headers={"Authorization": f"Bearer {cp.admin_key}"}, timeout=10
@@ -184,7 +104,7 @@ def test_control_plane_killed_mid_rollout_resumes_and_leaves_no_orphans(fleet, t
     cp.start()  # the same state: adopts the replicas, resumes the rollout
     r = cp.wait_rollout(started["id"])
     traffic.stop()
-    assert r["status"] == "succeeded", (r, _audit(cp, r["id"]))
+    assert r["status"] == "succeeded", (r, audit_messages(cp, r["id"]))
     assert traffic.failures() == [], traffic.failures()[:5]
     kinds = [e["kind"] for e in cp.api("GET", "/v1/audit?limit=1000")["data"]]
     assert "replica.adopted" in kinds
@@ -249,11 +169,30 @@ def test_versioned_side_by_side_with_pins_then_gc(fleet):
     assert {backend_of("tiny") for _ in range(5)} == {urls["v1"]}
     cp.api("PUT", "/v1/models/tiny/current", {"version": "v2"})
     cp.wait_for("the alias follows v2", lambda: backend_of("tiny") == urls["v2"])
-    # v1 is no longer current: inactive versions beyond retention are collected; the latest,
-    # the current and pinned ones never are.
-    cp.api("PATCH", "/v1/deployments/tiny/v1", {"replicas": 0})
-    gc = cp.api("POST", "/v1/gc", {"retain_s_since_created": 0, "min_kept": 1, "dry_run": True})
-    assert [x["version"] for x in gc["removed"]] in ([], ["v1"])  # v1 counts as serving while it has replicas
+    # v1 is no longer current. It just had traffic (its pins), so a since-last-traffic
+    # retention keeps it; a since-creation one lets it go; the latest and current (v2) never go.
+    cp.wait_for(
+        "v1's traffic recorded",
+        lambda: cp.api("GET", "/v1/deployments/tiny/v1")["last_traffic_at"],
+        timeout_s=30,
+    )
+    kept = cp.api("POST", "/v1/gc", {"retain_s_since_traffic": 3600, "min_kept": 1, "dry_run": True})
+    assert kept["removed"] == []
+    gone = cp.api("POST", "/v1/gc", {"retain_s_since_created": 0, "min_kept": 1})
+    assert [x["version"] for x in gone["removed"]] == ["v1"], gone
+    cp.wait_for(
+        "v1 unrouted",
+        lambda: (
+            httpx.post(
+                gw.url + "/v1/completions",
+                headers=headers,
+                json={"model": "tiny@v1", "prompt": "x", "max_tokens": 1},
+                timeout=30,
+            ).status_code
+            == 404
+        ),
+    )
+    assert backend_of("tiny") == urls["v2"] and backend_of("tiny@v2") == urls["v2"]
 
 
 def test_three_region_wave_halts_in_region_two(fleet):
@@ -278,7 +217,7 @@ def test_three_region_wave_halts_in_region_two(fleet):
     os.killpg(pid, signal.SIGKILL)
     r = cp.wait_rollout(started["id"])
     traffic.stop()
-    assert r["status"] == "halted", (r, _audit(cp, r["id"]))
+    assert r["status"] == "halted", (r, audit_messages(cp, r["id"]))
     assert "r2" in (r["reason"] or ""), r
     assert traffic.failures() == [], traffic.failures()[:5]
     table = httpx.get(
