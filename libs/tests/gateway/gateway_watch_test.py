@@ -33,6 +33,7 @@ from servers import ServerProcess
 
 from paved.control_plane.errors import ControlError
 from paved.control_plane.routes_feed import RoutesFeed, routes_api
+from paved.control_plane.store import ControlStore
 from paved.gateway.router import Router
 from paved.gateway.routes import RoutesError, parse_routes
 from paved.gateway.watch_source import HttpRoutesSource, routes_url
@@ -41,29 +42,12 @@ SIM = "sim://tiny?tokens_per_s=400&max_num_seqs=64"
 TOKEN = "cp-" + secrets.token_hex(12)
 
 
-class MemoryStore:
-    """ControlStore's routes methods (monotonic revisions; identical content: no new row). Plain
-    Python, so one instance outlives control-plane restarts (each on its own event loop)."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    async def publish_routes(self, table: dict[str, Any]) -> int:
-        with self._lock:
-            if not self.rows or self.rows[-1] != table:
-                self.rows.append(table)
-            return len(self.rows)
-
-    async def latest_routes(self) -> tuple[int, dict[str, Any]] | None:
-        with self._lock:
-            return (len(self.rows), self.rows[-1]) if self.rows else None
-
-    def append_raw(self, table: Any) -> int:
-        """A row the feed never validated (another writer's bug): the gateway must refuse it."""
-        with self._lock:
-            self.rows.append(table)
-            return len(self.rows)
+def sqlite_store(path: Path) -> ControlStore:
+    """The real ControlStore on a SQLite file, started. It is loop-agnostic (its work runs in
+    threads), so one instance outlives control-plane restarts, each on its own event loop."""
+    store = ControlStore(f"sqlite:///{path}")
+    asyncio.run(store.start())
+    return store
 
 
 def check_auth(authorization: str | None) -> None:
@@ -81,7 +65,7 @@ class ControlPlane:
     """routes_api over `store` served by uvicorn in a thread on 127.0.0.1:`port`; a test-only
     POST /test/publish publishes through the feed (on the server's own loop)."""
 
-    def __init__(self, store: MemoryStore, port: int | None = None):
+    def __init__(self, store: ControlStore, port: int | None = None):
         self.store = store
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -129,12 +113,14 @@ class ControlPlane:
 
 
 @contextlib.contextmanager
-def control_plane(store: MemoryStore | None = None, port: int | None = None):
-    cp = ControlPlane(store or MemoryStore(), port).start()
+def control_plane(db: Path, port: int | None = None):
+    store = sqlite_store(db)
+    cp = ControlPlane(store, port).start()
     try:
         yield cp
     finally:
         cp.stop()
+        asyncio.run(store.close())
 
 
 def table(*urls: str, alias: str = "tiny") -> dict[str, Any]:
@@ -183,7 +169,7 @@ def test_routes_url_validation() -> None:
 
 
 def test_follows_publishes_and_keeps_the_last_table_on_a_bad_one(tmp_path: Path) -> None:
-    with control_plane() as cp:
+    with control_plane(tmp_path / "cp.sqlite") as cp:
         cp.publish(table("http://127.0.0.1:8001"))
 
         async def run() -> None:
@@ -206,7 +192,8 @@ def test_follows_publishes_and_keeps_the_last_table_on_a_bad_one(tmp_path: Path)
                 cached = json.loads((tmp_path / "c.json").read_text())
                 assert cached["revision"] == 2 and parse_routes(cached["table"]).revision == good
                 # A row the feed would have refused: the table in force stays, the error shows.
-                cp.store.append_raw({"models": [{"alias": "x@y", "backends": []}]})
+                # (the store validates only that it is a JSON object: meaning is the feed's job)
+                await cp.store.publish_routes({"models": [{"alias": "x@y", "backends": []}]})
                 await async_wait_for(lambda: source.last_error is not None, "last_error")
                 assert "revision 3" in (source.last_error or "") and "alias" in (source.last_error or "")
                 assert router.table.revision == good and source.feed_revision == 2
@@ -221,7 +208,7 @@ def test_follows_publishes_and_keeps_the_last_table_on_a_bad_one(tmp_path: Path)
 
 
 def test_wrong_token_and_unreachable_control_plane_at_start(tmp_path: Path) -> None:
-    with control_plane() as cp:
+    with control_plane(tmp_path / "cp.sqlite") as cp:
         cp.publish(table("http://127.0.0.1:8001"))
 
         async def wrong_token() -> None:
@@ -268,9 +255,9 @@ def test_wrong_token_and_unreachable_control_plane_at_start(tmp_path: Path) -> N
 
 def test_cache_at_start_then_resync_with_the_control_plane(tmp_path: Path) -> None:
     cache = tmp_path / "cache.json"
-    store = MemoryStore()
-    with control_plane(store) as cp:
-        cp.publish(table("http://127.0.0.1:8001"))
+    with control_plane(tmp_path / "cp.sqlite") as cp:
+        cp.publish(table("http://127.0.0.1:8002"))
+        assert cp.publish(table("http://127.0.0.1:8001")) == 2  # the cache will hold revision 2
         port = cp.port
 
         async def fill_cache() -> None:
@@ -297,14 +284,16 @@ def test_cache_at_start_then_resync_with_the_control_plane(tmp_path: Path) -> No
             assert "cached" in (source.last_error or "")
             # The control plane comes back with a rebuilt store whose revisions restart at 1:
             # the gateway resyncs to its latest table instead of waiting for revision > 1.
-            fresh = MemoryStore()
-            await asyncio.to_thread(fresh.append_raw, parse_routes(table("http://127.0.0.1:8009")).to_obj())
+            fresh = ControlStore(f"sqlite:///{tmp_path / 'rebuilt.sqlite'}")
+            await fresh.start()
+            assert await fresh.publish_routes(parse_routes(table("http://127.0.0.1:8009")).to_obj()) == 1
             cp2 = await asyncio.to_thread(ControlPlane(fresh, port).start)
             try:
                 await async_wait_for(lambda: urls_of(router) == {"http://127.0.0.1:8009"}, "resync")
                 assert source.last_error is None and source.feed_revision == 1
             finally:
                 await asyncio.to_thread(cp2.stop)
+                await fresh.close()
         finally:
             await source.stop()
 
@@ -339,7 +328,7 @@ def _routes_view(gw: GatewayProcess) -> dict[str, Any]:
 
 def test_gateway_main_follows_the_control_plane(frontends, tmp_path: Path) -> None:
     a, b = frontends
-    store = MemoryStore()
+    store = sqlite_store(tmp_path / "cp.sqlite")
     cache = tmp_path / "routes-cache.json"
     cp = ControlPlane(store).start()
     gw: GatewayProcess | None = None
@@ -412,6 +401,7 @@ def test_gateway_main_follows_the_control_plane(frontends, tmp_path: Path) -> No
         if gw is not None:
             gw.stop()
         cp.stop()
+        asyncio.run(store.close())
 
 
 def test_gateway_main_without_routes_exits_2(tmp_path: Path) -> None:
