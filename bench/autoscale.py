@@ -270,7 +270,10 @@ async def measure(args: argparse.Namespace) -> dict:
     connector_limit = MAX_CLIENTS + 8
     sessions = [
         aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connector_limit), timeout=aiohttp.ClientTimeout(total=60)
+            # Idle connections are dropped before uvicorn's 5 s keep-alive closes them: reusing
+            # one as the server closes it is a client race (ServerDisconnected), not a replica's.
+            connector=aiohttp.TCPConnector(limit=connector_limit, keepalive_timeout=2),
+            timeout=aiohttp.ClientTimeout(total=60),
         )
         for _ in pools
     ]
