@@ -69,7 +69,7 @@ class DeploymentBody(_Model):
     max_replicas: int = Field(4, ge=1, le=256)
     regions: list[str] = Field(default_factory=lambda: ["local"], min_length=1, max_length=32)
     engine: str = Field("package", max_length=1024)
-    autoscale: AutoscaleBody = Field(default_factory=AutoscaleBody)
+    autoscale: AutoscaleBody = Field(default_factory=lambda: AutoscaleBody.model_validate({}))
     no_gc: bool = False
 
 
