@@ -151,7 +151,11 @@ class Router:
         max_affinity_keys: int = 65_536,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        region: str | None = None,
     ):
+        # The gateway's own region: its backends are preferred; the others serve only when
+        # none of them can (regional failover). Backends without a region count as local.
+        self.region = region
         if eject_after_failures < 1:
             raise ValueError("eject_after_failures must be >= 1")
         if not (0 < eject_base_s <= eject_max_s):
@@ -312,6 +316,10 @@ class Router:
         candidates = [
             b for b in in_versions if b.weight > 0 and b.id not in exclude and self._available(b.id, now)
         ]
+        if self.region is not None and candidates:
+            local = [b for b in candidates if b.region in (None, self.region)]
+            if local:
+                candidates = local
         if not candidates:
             n = len(in_versions)
             raise NoBackendError(

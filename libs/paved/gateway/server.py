@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="if PATH does not exist: create a key for --bootstrap-tenant and write it there (mode 0600)",
     )
+    p.add_argument(
+        "--region",
+        help="this gateway's region: its backends are preferred, others serve when it has none healthy",
+    )
     p.add_argument("--kserve-grpc-port", type=int, help="KServe v2 gRPC port (off unless given; 0: any)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to connect to a backend")
@@ -163,7 +167,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
             f"gateway: admin key for this run (set PAVED_ADMIN_KEY to choose one): {admin_key}",
             file=sys.stderr,
         )
-    router = Router(table)
+    router = Router(table, region=args.region)
     metrics = GatewayMetrics()
     authenticator = Authenticator(store, cache_s=args.auth_cache)
     limiter = make_limiter(args.redis)

@@ -645,8 +645,36 @@ def test_pick_never_returns_an_unusable_backend(
             chosen = set(versions)
         if not pinned and not split:
             chosen = set(versions)
-        assert not any(b["url"] in usable and b["version"] in chosen for b in backends)
+        # A list, not any() over a generator: pytest's assertion rewriting mis-evaluated the
+        # generator's closure over `chosen` here.
+        offending = [b["url"] for b in backends if b["url"] in usable and b["version"] in chosen]
+        assert offending == []
         return
     assert p.backend.id in usable
     if pinned:
         assert p.version == pinned
+
+
+# -- regions --------------------------------------------------------------------------------
+
+
+def test_home_region_is_preferred_and_others_take_over_when_it_has_no_healthy_backend():
+    t = table(
+        model(
+            backends=[
+                backend(8001, region="eu"),
+                backend(8002, region="eu"),
+                backend(8003, region="us"),
+            ]
+        )
+    )
+    r = Router(t, region="us")
+    assert {r.pick("tiny", sticky_key="k").backend.id for _ in range(50)} == {"http://127.0.0.1:8003"}
+    r.set_ready("http://127.0.0.1:8003", False)
+    assert {r.pick("tiny", sticky_key="k").backend.id for _ in range(50)} == {
+        "http://127.0.0.1:8001",
+        "http://127.0.0.1:8002",
+    }
+    # Without a home region every region serves.
+    anywhere = Router(t)
+    assert len({anywhere.pick("tiny", sticky_key="k").backend.id for _ in range(200)}) == 3
