@@ -335,7 +335,7 @@ def test_gateway_main_follows_the_control_plane(frontends, tmp_path: Path) -> No
     try:
         cp.publish(table(a.url))
         gw = GatewayProcess(
-            cp.url,  # type: ignore[arg-type]  (the helper passes --routes through as text)
+            cp.url,
             "--routes-cache",
             str(cache),
             "--health-interval",
@@ -386,7 +386,7 @@ def test_gateway_main_follows_the_control_plane(frontends, tmp_path: Path) -> No
         gw.stop()
         cp.stop()
         gw = GatewayProcess(
-            cp.url,  # type: ignore[arg-type]
+            cp.url,
             "--routes-cache",
             str(cache),
             admin_key=gw.admin_key,
