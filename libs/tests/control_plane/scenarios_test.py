@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from fleet import SIM, TrafficDriver, audit_messages, deploy, first_deploy, make_fleet, rollout
+from fleet import SIM, TrafficDriver, audit_messages, deploy, first_deploy, make_fleet, rollout, tiny_package
 
 
 def _versions_served(results, phase=None) -> set[str]:
@@ -245,3 +246,89 @@ def _launcher_pid_for(url: str) -> int | None:
             if b"paved.launcher.main" in cmd and port.encode() in cmd:
                 return int(proc.name)
     return None
+
+
+def test_autoscaler_follows_the_queue_up_and_down(fleet):
+    cp, gw, key = fleet()
+    body = {
+        "model_id": "tiny",
+        "version": "v1",
+        "package_uri": tiny_package(),
+        "replicas": 1,
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "engine": "sim://tiny?tokens_per_s=20&max_num_seqs=2",
+        "autoscale": {
+            "enabled": True,
+            "target_waiting": 1,
+            "target_in_flight": 4,
+            "stable_window_s": 6,
+            "panic_window_s": 2,
+            "scale_down_delay_s": 3,
+            "interval_s": 0.5,
+        },
+    }
+    cp.api("POST", "/v1/deployments", body)
+    assert cp.wait_rollout(rollout(cp, "v1")["id"])["status"] == "succeeded"
+
+    def decisions() -> list[dict]:
+        return [
+            e["data"]
+            for e in cp.api("GET", "/v1/audit?model_id=tiny&limit=1000")["data"]
+            if e["kind"] == "autoscale"
+        ]
+
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                c.post(
+                    gw.url + "/v1/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json={"model": "tiny", "prompt": "x", "max_tokens": 60, "ignore_eos": True},
+                )
+
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(10)]
+    for w in workers:
+        w.start()
+    try:
+        cp.wait_for("a scale-up to 3", lambda: any(d["to"] == 3 for d in decisions()), timeout_s=60)
+        cp.wait_for(
+            "3 ready replicas",
+            lambda: len([x for x in cp.replicas("tiny") if x["state"] == "ready"]) == 3,
+            timeout_s=90,
+        )
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=90)
+    cp.wait_for(
+        "a scale-down to 1", lambda: any(d["to"] == 1 and d["from"] > 1 for d in decisions()), timeout_s=90
+    )
+    ups = [d for d in decisions() if d["to"] > d["from"]]
+    assert ups and all(d["to"] <= 3 for d in ups)
+    assert any(d["mode"] == "panic" for d in ups) or any("waiting" in d["reason"] for d in ups), ups
+
+
+def test_the_paved_cli_drives_the_control_plane(fleet, capsys, monkeypatch):
+    from paved.cli.main import main
+
+    cp, _gw, _key = fleet()
+    monkeypatch.setenv("PAVED_CONTROL_PLANE_URL", cp.url)
+    monkeypatch.setenv("PAVED_ADMIN_KEY", cp.admin_key)
+    assert main(["deploy", "create", "tiny", "v1", tiny_package(), "--engine", SIM]) == 0
+    assert "paved rollout start tiny v1" in capsys.readouterr().out
+    assert main(["rollout", "start", "tiny", "v1", "--phases", "100", "--interval", "1s"]) == 0
+    rollout_id = capsys.readouterr().out.split()[1].rstrip(":")
+    assert cp.wait_rollout(rollout_id)["status"] == "succeeded"
+    assert main(["deploy", "list", "--json"]) == 0
+    assert '"state": "active"' in capsys.readouterr().out
+    assert main(["audit", "--model", "tiny"]) == 0
+    assert "passed its health gate" in capsys.readouterr().out
+    assert main(["rollout", "status", rollout_id]) == 0
+    assert "succeeded" in capsys.readouterr().out
+    # Errors: an unknown version is exit 1 with the API's message; bad phases exit 2.
+    assert main(["rollout", "start", "tiny", "v9"]) == 1
+    assert "no deployment tiny@v9" in capsys.readouterr().err
+    assert main(["rollout", "start", "tiny", "v1", "--phases", "50,20"]) == 2
