@@ -259,15 +259,15 @@ def _opt_text(value: object, what: str, limit: int) -> str | None:
     return None if value is None else _text(value, what, limit)
 
 
-def _json_obj(value: object, what: str) -> dict[str, Any]:
+def _json_obj(value: object, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise BadRequest(f"{what} must be a JSON object")
     try:
         raw = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"{what} must be JSON-serialisable ({exc})") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise BadRequest(f"{what} must be at most {MAX_JSON_BYTES} bytes of JSON")
+    if len(raw) > limit:
+        raise BadRequest(f"{what} must be at most {limit} bytes of JSON")
     return cast(dict[str, Any], json.loads(raw))
 
 
@@ -1188,7 +1188,8 @@ class ControlStore:
     async def publish_routes(self, table: dict[str, Any]) -> int:
         """Store a routes table; its revision. The same content as the latest -> the latest's
         revision, no new row. (Validating the table's meaning is the feed's job.)"""
-        routes = _json_obj(table, "routes table")
+        # The gateway's own bound on a routes table (paved.gateway.routes.MAX_FILE_BYTES).
+        routes = _json_obj(table, "routes table", limit=4 * 1024 * 1024)
         return await self._run(self._publish_routes_sync, routes)
 
     def _publish_routes_sync(self, routes: dict[str, Any]) -> int:

@@ -23,11 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paved.gateway.admin_api import admin_router
 from paved.gateway.auth import AdminAuth, Authenticator
 from paved.gateway.errors import GatewayError
-from paved.gateway.health import FileRoutesSource, HealthChecker
+from paved.gateway.health import HealthChecker
 from paved.gateway.limits import Limiter
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.proxy import OpenAIProxy
 from paved.gateway.router import Router
+from paved.gateway.routes import RoutesSource
 from paved.gateway.state import GatewayStore
 from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body
@@ -46,7 +47,7 @@ class Gateway:
     router: Router
     proxy: OpenAIProxy
     metrics: GatewayMetrics
-    routes_source: FileRoutesSource | None = None
+    routes_source: RoutesSource | None = None
     health: HealthChecker | None = None
     # Extra things to start after the core (e.g. the KServe gRPC server) and stop before it.
     on_start: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)

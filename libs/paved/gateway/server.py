@@ -195,7 +195,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         proxy=proxy,
         metrics=metrics,
         # Gateway's field is annotated with the file source; both implement RoutesSource.
-        routes_source=_routes_source(args, router),  # type: ignore[arg-type]
+        routes_source=_routes_source(args, router),
         health=HealthChecker(router, interval_s=args.health_interval),
     )
     return gateway, table

@@ -24,7 +24,12 @@ class GatewayProcess:
     GRPC = re.compile(rb"gateway KServe v2 gRPC (\d+) on")
 
     def __init__(
-        self, routes: Path | str, *args: str, admin_key: str, state_dir: Path, env: dict[str, str] | None = None
+        self,
+        routes: Path | str,
+        *args: str,
+        admin_key: str,
+        state_dir: Path,
+        env: dict[str, str] | None = None,
     ):
         self.admin_key = admin_key
         self.log = tempfile.TemporaryFile(dir=os.environ.get("TEST_TMPDIR"))  # noqa: SIM115
