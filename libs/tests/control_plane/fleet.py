@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -63,7 +64,8 @@ class ControlPlaneProcess:
             ],
             stdout=subprocess.PIPE,
             stderr=self.log,
-            env={**os.environ, "PAVED_ADMIN_KEY": self.admin_key},
+            # Inherited by every launcher and engine it starts: reap_replicas finds them all.
+            env={**os.environ, "PAVED_ADMIN_KEY": self.admin_key, FLEET_ENV: fleet_token(self.work_dir)},
         )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -139,16 +141,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reap_replicas(work_dir: Path) -> None:
-    """Kill every launcher the control plane started under `work_dir` (tests leave nothing)."""
+FLEET_ENV = "PAVED_TEST_FLEET"
+
+
+def fleet_token(work_dir: Path) -> str:
+    return hashlib.sha256(str(work_dir).encode()).hexdigest()[:16]
+
+
+def fleet_processes(work_dir: Path) -> dict[int, str]:
+    """pid -> command line of every live process the fleet under `work_dir` started (the
+    control plane, launchers, and the engines they run in their own sessions): all carry its
+    token in their environment."""
+    needle = f"{FLEET_ENV}={fleet_token(work_dir)}".encode()
+    found = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"paved.launcher.main" in cmdline and str(work_dir).encode() in b" ".join(cmdline):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(int(proc.name), signal.SIGKILL)
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return found
+
+
+def reap_replicas(work_dir: Path) -> None:
+    for pid in fleet_processes(work_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @dataclass

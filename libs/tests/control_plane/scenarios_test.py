@@ -18,7 +18,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet import SIM, TrafficDriver, audit_messages, deploy, first_deploy, make_fleet, rollout, tiny_package
+from fleet import (
+    SIM,
+    TrafficDriver,
+    audit_messages,
+    deploy,
+    first_deploy,
+    fleet_processes,
+    make_fleet,
+    rollout,
+    tiny_package,
+)
 
 
 def _versions_served(results, phase=None) -> set[str]:
@@ -109,10 +119,22 @@ def test_control_plane_killed_mid_rollout_resumes_and_leaves_no_orphans(fleet, t
     assert traffic.failures() == [], traffic.failures()[:5]
     kinds = [e["kind"] for e in cp.api("GET", "/v1/audit?limit=1000")["data"]]
     assert "replica.adopted" in kinds
-    # No orphans: every launcher process running is a replica the control plane knows as live.
-    live = {x["url"] for x in cp.replicas() if x["state"] in ("starting", "ready", "unhealthy", "draining")}
-    cp.wait_for("v1 drained", lambda: len({x["url"] for x in cp.replicas() if x["state"] == "ready"}) == 1)
-    assert live
+
+    # No orphans: once v1 is drained, the launchers running are exactly the live replicas (one
+    # launcher and one engine process each), none left over from before the crash.
+    def settled() -> bool:
+        live = [x for x in cp.replicas() if x["state"] in ("starting", "ready", "unhealthy", "draining")]
+        procs = fleet_processes(tmp_path / "work")
+        launchers = [c for c in procs.values() if "paved.launcher.main" in c]
+        engines = [c for c in procs.values() if "paved.frontend.server" in c and c not in launchers]
+        seen[:] = [[x["state"] for x in live], launchers, engines]
+        return len(live) == 1 and len(launchers) == 1 and len(engines) == 1
+
+    seen: list = []
+    try:
+        cp.wait_for("one replica and nothing else running", settled, timeout_s=120)
+    except AssertionError:
+        raise AssertionError(f"live replicas, launchers, engines: {seen}") from None
 
 
 def test_a_killed_replica_is_replaced(fleet):
