@@ -10,8 +10,10 @@ pinned consumers, then GC. A three-region wave that halts in region 2.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet import (
+    FAST,
     SIM,
     TrafficDriver,
     audit_messages,
@@ -354,3 +357,29 @@ def test_the_paved_cli_drives_the_control_plane(fleet, capsys, monkeypatch):
     assert main(["rollout", "start", "tiny", "v9"]) == 1
     assert "no deployment tiny@v9" in capsys.readouterr().err
     assert main(["rollout", "start", "tiny", "v1", "--phases", "50,20"]) == 2
+
+
+def test_red_black_is_refused_when_the_io_fingerprint_changes(fleet, tmp_path):
+    cp, gw, key = fleet()
+    first_deploy(cp, gw, key)
+    # The same model with a longer context: callers would see other limits under one alias.
+    changed = tmp_path / "v2-package"
+    with tarfile.open(tiny_package()) as tar:
+        tar.extractall(changed, filter="data")
+    manifest = json.loads((changed / "model.json").read_text())
+    manifest["engine_args"]["max_model_len"] = 1024
+    (changed / "model.json").write_text(json.dumps(manifest))
+    body = {"model_id": "tiny", "version": "v2", "package_uri": str(changed), "engine": SIM}
+    assert cp.api("POST", "/v1/deployments", body)["fingerprint"]["max_model_len"] == 1024
+    r = httpx.post(
+        cp.url + "/v1/rollouts",
+        headers={"Authorization": f"Bearer {cp.admin_key}"},
+        json={"model_id": "tiny", "version": "v2", "params": FAST},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "fingerprint_changed" and "versioned" in error["message"]
+    assert "max_model_len" in error["message"]
+    forced = rollout(cp, "v2", force=True)
+    assert cp.wait_rollout(forced["id"])["status"] == "succeeded"
