@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from datetime import UTC, datetime
@@ -127,8 +128,10 @@ class Controller:
             except Exception as e:  # one bad pass must not stop the controller
                 self.last_error = f"{type(e).__name__}: {e}"
                 logger.exception("reconcile pass failed")
+            # Sleep to the next pass, or sooner when a rollout's next step is due.
+            due = min(self._wake.values(), default=math.inf) - time.time()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), self.interval_s)
+                await asyncio.wait_for(self._wakeup.wait(), max(0.0, min(self.interval_s, due)))
             self._wakeup.clear()
 
     async def _adopt(self) -> None:
@@ -199,6 +202,10 @@ class Controller:
                     version=d.spec.version,
                     data={"replica": r.id, "url": r.url},
                 )
+                # A rollout waiting on this replica moves now, not at its next poll.
+                for rollout_id, wake in self._wake.items():
+                    if math.isfinite(wake):
+                        self._wake[rollout_id] = 0.0
                 self._wakeup.set()
             elif now - started > self.health_timeout_s:
                 await self._fail(r, f"not ready after {self.health_timeout_s:.0f} s: {reason}")
@@ -358,6 +365,13 @@ class Controller:
                 if r.kserve_http:
                     backend["kserve_http"] = r.kserve_http
                 route["backends"].append(backend)
+        # While a rollout splits a model's traffic between versions the split must be the
+        # traffic share: least-outstanding would send nothing to a light version while the
+        # heavy one is idle (it scores outstanding/weight), hiding it from the analysis.
+        for m in models.values():
+            shared = {b["version"] for b in m["backends"] if b["weight"] > 0}
+            if len(shared) > 1 and "current" not in m:
+                m["strategy"] = "weighted"
         # A model whose every replica is gone keeps an entry only if it has backends (the
         # gateway answers an unknown model 404, and a routed one without health 503).
         table = {"models": [m for m in models.values() if m["backends"]]}
@@ -395,6 +409,8 @@ class Controller:
         if deployment is None:
             return rollout_mod.Analysis(0, 0, None)
         backends = {r.url for r in await self.store.list_replicas(deployment_id=deployment.id, region=region)}
+        # The window ends now, not at the last periodic scrape.
+        await self.analyzer.scrape_once()
         return self.analyzer.analyze(backends, since)
 
     async def deactivate(self, deployment_id: str) -> None:
@@ -423,7 +439,12 @@ class Controller:
     # ---- rollouts and autoscaling -----------------------------------------------------------
     async def _rollouts(self) -> None:
         now = time.time()
-        for record in await self.store.list_rollouts(status="running"):
+        running = await self.store.list_rollouts(status="running")
+        # Forget rollouts that ended elsewhere (another leader, an abort): a stale wake time in
+        # the past would make the loop spin.
+        for stale in set(self._wake) - {r.id for r in running}:
+            del self._wake[stale]
+        for record in running:
             if self._wake.get(record.id, 0.0) > now:
                 continue
             try:
@@ -432,7 +453,10 @@ class Controller:
                 if e.status == 409:
                     continue  # another control plane moved it first
                 raise
-            self._wake[record.id] = wake
+            if math.isfinite(wake):
+                self._wake[record.id] = wake
+            else:
+                self._wake.pop(record.id, None)  # finished
             if record.status == "succeeded":
                 await self._promoted(record)
 
