@@ -38,7 +38,8 @@ from paved.control_plane.fingerprint import fingerprint_package
 from paved.control_plane.routes_feed import RoutesFeed, routes_api
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import AutoscalePolicy, Deployment, DeploymentSpec
-from paved.http.errors import error_body
+from paved.gateway.errors import GatewayError
+from paved.http.errors import error_body, validation_message
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -149,7 +150,10 @@ def create_app(
     api = APIRouter(prefix="/v1")
 
     def auth(request: Request) -> None:
-        check_admin(request.headers.get("authorization"))
+        try:
+            check_admin(request.headers.get("authorization"))
+        except GatewayError as e:  # the gateway's AdminAuth: the same 401 here
+            raise ControlError(e.status, e.message, code=e.code, headers=e.headers) from None
 
     async def _deployment(model: str, version: str) -> Deployment:
         d = await store.get_deployment(model, version)
@@ -432,10 +436,8 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return JSONResponse(error_body(400, f"{where}: {message}" if where else message, where or None), 400)
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar, cast, get_args
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from paved.control_plane.errors import BadRequest, Conflict, ControlError, NotFound, Unavailable
@@ -54,6 +54,7 @@ from paved.control_plane.types import (
     RolloutStatus,
     Strategy,
 )
+from paved.sql import engine_for
 
 # The model package's own name rule (paved.launcher.package), so every stored model id and
 # version is one a package can carry.
@@ -506,62 +507,11 @@ def _audit_from_row(row: Any) -> AuditEvent:
     )
 
 
-# -- engine --------------------------------------------------------------------------------
-
-
-def engine_for(url: str) -> Engine:
-    """A SQLAlchemy engine for sqlite:///PATH (or sqlite://, in memory) or postgresql://...
-    (psycopg 3, with connect and statement timeouts)."""
-    if not isinstance(url, str) or not url:
-        raise ValueError("ControlStore needs a database URL: sqlite:///PATH or postgresql://...")
-    parsed = sa.make_url(url)
-    backend = parsed.get_backend_name()
-    if backend == "sqlite":
-        is_memory = parsed.database in (None, "", ":memory:")
-        kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 10}}
-        if is_memory:
-            # One shared connection, else each pooled connection would see its own empty DB.
-            kwargs["poolclass"] = sa.pool.StaticPool
-        engine = sa.create_engine(parsed, **kwargs)
-
-        @sa.event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            # pysqlite's own transaction handling would BEGIN lazily (DEFERRED); _begin below
-            # takes the write lock up front instead.
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA foreign_keys=ON")
-            if not is_memory:
-                cur.execute("PRAGMA journal_mode=WAL")
-            cur.close()
-
-        @sa.event.listens_for(engine, "begin")
-        def _begin(conn: Connection) -> None:
-            # IMMEDIATE: a read-then-write transaction (compare-and-set, publish) holds the
-            # write lock from its first read, so another process cannot slip in between and
-            # the busy timeout applies instead of an instant SQLITE_BUSY_SNAPSHOT.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-        return engine
-    if backend == "postgresql":
-        if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-            parsed = parsed.set(drivername="postgresql+psycopg")
-        return sa.create_engine(
-            parsed,
-            pool_pre_ping=True,
-            pool_timeout=10,
-            connect_args={"connect_timeout": 5, "options": "-c statement_timeout=10000"},
-        )
-    raise ValueError(
-        f"unsupported control store URL scheme '{parsed.drivername}': use sqlite:/// or postgresql://"
-    )
-
-
 class ControlStore:
     """Construct with a URL, `await start()`, use, `await close()`."""
 
     def __init__(self, url: str):
-        self._engine = engine_for(url)
+        self._engine = engine_for(url, what="control-plane store")
         self._is_pg = self._engine.dialect.name == "postgresql"
         # SQLite: one writer at a time anyway, and the in-memory database is one shared
         # connection that must not be used by two threads at once.

@@ -20,7 +20,7 @@ from paved.engine.protocol import (
     InvalidRequestError,
     ModelNotFoundError,
 )
-from paved.http.errors import error_body
+from paved.http.errors import error_body, validation_message
 
 logger = logging.getLogger(__name__)
 
@@ -70,36 +70,10 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, "internal server error", code="internal_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
-    if kind == "extra_forbidden":
-        return f"unrecognized request argument supplied: {param}", param
-    if not loc and kind == "missing":
-        return "the request body is missing", None
-    if not loc and kind in ("model_attributes_type", "model_type", "dict_type"):
-        return "the request body must be a JSON object", None
-    messages = []
-    for error in errors[:3]:
-        where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        # Our own validators raise ValueError; pydantic prefixes their text with this.
-        text = error["msg"].removeprefix("Value error, ")
-        messages.append(f"{where}: {text}" if where else text)
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    return "; ".join(messages) + more, param
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -31,7 +31,7 @@ from paved.gateway.router import Router
 from paved.gateway.routes import RoutesSource
 from paved.gateway.state import GatewayStore
 from paved.http.body_limit import BodyLimitMiddleware
-from paved.http.errors import error_body
+from paved.http.errors import error_body, validation_message
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -165,10 +165,8 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return JSONResponse(error_body(400, f"{where}: {message}" if where else message, where or None), 400)
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -27,12 +27,12 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from paved.gateway import keys as keylib
 from paved.gateway.errors import GatewayError
 from paved.gateway.types import Limits, Tenant
+from paved.sql import engine_for
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODELS = 1000
@@ -227,51 +227,11 @@ def _tenant_not_found(name: str) -> GatewayError:
     return GatewayError(404, f"no tenant named '{name}'", code="tenant_not_found", param="tenant")
 
 
-def _engine_for(url: str) -> Engine:
-    if not isinstance(url, str) or not url:
-        raise ValueError("GatewayStore needs a database URL: sqlite:///PATH or postgresql://...")
-    parsed = sa.make_url(url)
-    backend = parsed.get_backend_name()
-    if backend == "sqlite":
-        is_memory = parsed.database in (None, "", ":memory:")
-        kwargs: dict[str, Any] = {
-            # Worker threads take turns on pooled connections; SQLAlchemy serialises each one.
-            "connect_args": {"check_same_thread": False, "timeout": 10},
-        }
-        if is_memory:
-            # One shared connection, else each pooled connection would see its own empty DB.
-            kwargs["poolclass"] = sa.pool.StaticPool
-        engine = sa.create_engine(parsed, **kwargs)
-
-        @sa.event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA foreign_keys=ON")
-            if not is_memory:
-                # Readers do not block the writer (several gateway processes on one file).
-                cur.execute("PRAGMA journal_mode=WAL")
-            cur.close()
-
-        return engine
-    if backend == "postgresql":
-        if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-            parsed = parsed.set(drivername="postgresql+psycopg")
-        return sa.create_engine(
-            parsed,
-            pool_pre_ping=True,
-            pool_timeout=10,
-            connect_args={"connect_timeout": 5, "options": "-c statement_timeout=10000"},
-        )
-    raise ValueError(
-        f"unsupported state store URL scheme '{parsed.drivername}': use sqlite:/// or postgresql://"
-    )
-
-
 class GatewayStore:
     """Tenants and API keys. Construct, `await start()`, use, `await close()`."""
 
     def __init__(self, url: str):
-        self._engine = _engine_for(url)
+        self._engine = engine_for(url, what="gateway's state store")
         self._is_pg = self._engine.dialect.name == "postgresql"
 
     @property

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.types import Send
@@ -48,3 +49,30 @@ async def send_json(send: Send, status: int, body: dict, retry_after: str | None
         headers.append((b"retry-after", retry_after.encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """An OpenAI-style message and `param` for pydantic validation errors (a request body that
+    failed its model): 400, not FastAPI's default 422 with its own body shape."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument supplied: {param}", param
+    if not loc and kind == "missing":
+        return "the request body is missing", None
+    if not loc and kind in ("model_attributes_type", "model_type", "dict_type"):
+        return "the request body must be a JSON object", None
+    messages = []
+    for error in errors[:3]:
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        # Our own validators raise ValueError; pydantic prefixes their text with this.
+        text = error["msg"].removeprefix("Value error, ")
+        messages.append(f"{where}: {text}" if where else text)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(messages) + more, param
