@@ -637,16 +637,15 @@ def test_pick_never_returns_an_unusable_backend(
     try:
         p = r.pick(model_name, sticky_key=sticky, affinity=affinity, exclude=excluded)
     except NoBackendError:
-        # The version chosen is the one a router with every backend healthy would choose.
-        clean = Router(table(model(backends=backends, strategy=strategy, **extra)))
-        try:
-            chosen = {pinned} if pinned else {clean.pick(model_name, sticky_key=sticky).version}
-        except NoBackendError:  # all weights 0
+        # No usable backend in the versions this request may use: the pinned one, else the
+        # split's sticky choice (a split never falls back to another version, even when the
+        # chosen one has only weight-0 backends), else every version.
+        if pinned:
+            chosen = {pinned}
+        elif split:
+            chosen = set(r._versions(r.route(model_name), None, sticky))
+        else:
             chosen = set(versions)
-        if not pinned and not split:
-            chosen = set(versions)
-        # A list, not any() over a generator: pytest's assertion rewriting mis-evaluated the
-        # generator's closure over `chosen` here.
         offending = [b["url"] for b in backends if b["url"] in usable and b["version"] in chosen]
         assert offending == []
         return
