@@ -38,13 +38,26 @@ MAX_CONCURRENT_CHECKS = 64
 
 class HealthChecker:
     """GETs `url + path` of every backend in the router's table each `interval_s` (rounds do not
-    overlap) and reports 2xx as ready, anything else as not ready."""
+    overlap). A 2xx answer is ready; any other answer or a refused connection is not ready at
+    once (the backend said so, e.g. while draining, or is gone). A probe that times out only
+    counts: `timeouts_to_fail` in a row mark it not ready, so one slow answer from a busy
+    backend never takes the only backend of a model out of the routes."""
 
     def __init__(
-        self, router: Router, *, interval_s: float = 2.0, timeout_s: float = 1.0, path: str = "/health/ready"
+        self,
+        router: Router,
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        path: str = "/health/ready",
+        timeouts_to_fail: int = 3,
     ):
         if not interval_s > 0 or not timeout_s > 0:
             raise ValueError("interval_s and timeout_s must be > 0")
+        if timeouts_to_fail < 1:
+            raise ValueError("timeouts_to_fail must be >= 1")
+        self._timeouts_to_fail = timeouts_to_fail
+        self._timeouts: dict[str, int] = {}
         if not path.startswith("/"):
             raise ValueError("path must start with '/'")
         self._router = router
@@ -94,12 +107,22 @@ class HealthChecker:
         session = self._client()
         gate = asyncio.Semaphore(MAX_CONCURRENT_CHECKS)
 
-        async def one(url: str) -> bool:
+        async def one(url: str) -> bool | None:
             async with gate:
                 return await self._probe(session, url)
 
         ids = list(targets)
-        results = await asyncio.gather(*(one(targets[i]) for i in ids))
+        probed = await asyncio.gather(*(one(targets[i]) for i in ids))
+        self._timeouts = {k: v for k, v in self._timeouts.items() if k in targets}
+        results = []
+        for backend_id, verdict in zip(ids, probed, strict=True):
+            if verdict is None:  # timed out: not ready only after several in a row
+                misses = self._timeouts.get(backend_id, 0) + 1
+                self._timeouts[backend_id] = misses
+                verdict = misses < self._timeouts_to_fail and self._last.get(backend_id, True)
+            else:
+                self._timeouts.pop(backend_id, None)
+            results.append(verdict)
         # The table may have been swapped while checking: apply only verdicts about the same
         # server (same id, same url).
         current = {b.id: b.url for r in self._router.table.models.values() for b in r.backends}
@@ -120,11 +143,14 @@ class HealthChecker:
         self._last = {k: v for k, v in applied.items()}
         return applied
 
-    async def _probe(self, session: aiohttp.ClientSession, url: str) -> bool:
+    async def _probe(self, session: aiohttp.ClientSession, url: str) -> bool | None:
+        """True ready, False not ready, None timed out (inconclusive)."""
         try:
             async with session.get(url + self._path, timeout=self._timeout, allow_redirects=False) as resp:
                 return 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except TimeoutError:
+            return None
+        except (aiohttp.ClientError, OSError):
             return False
 
 

@@ -247,6 +247,36 @@ def test_health_checker_marks_readiness() -> None:
     asyncio.run(run())
 
 
+def test_a_slow_probe_counts_only_after_several_timeouts() -> None:
+    async def run() -> None:
+        gate = asyncio.Event()
+
+        async def ready(_request: web.Request) -> web.Response:
+            await gate.wait()  # never answers in time while the gate is shut
+            return web.json_response({"status": "ok"})
+
+        app = web.Application()
+        app.router.add_get("/health/ready", ready)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        router = Router(parse_routes(routes_obj(port)))
+        checker = HealthChecker(router, interval_s=3600, timeout_s=0.05, timeouts_to_fail=3)
+        try:
+            assert [await checker.check_now() for _ in range(2)] == [{url: True}, {url: True}]
+            assert await checker.check_now() == {url: False}  # the third timeout in a row
+            gate.set()
+            assert await checker.check_now() == {url: True}
+        finally:
+            await checker.stop()
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
 def test_health_checker_validates_arguments() -> None:
     router = empty_router()
     with pytest.raises(ValueError, match="> 0"):
