@@ -9,6 +9,7 @@ timeout and a 10 s statement timeout, and dead pooled connections are replaced.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -59,3 +60,17 @@ def engine_for(url: str, *, what: str = "store") -> Engine:
             connect_args={"connect_timeout": 5, "options": "-c statement_timeout=10000"},
         )
     raise ValueError(f"unsupported {what} URL scheme '{parsed.drivername}': use sqlite:/// or postgresql://")
+
+
+def utc(value: datetime | None) -> datetime | None:
+    """UTC-aware form of a datetime read back (SQLite drops the offset; PostgreSQL returns the
+    session's zone)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)

@@ -54,7 +54,7 @@ from paved.control_plane.types import (
     RolloutStatus,
     Strategy,
 )
-from paved.sql import engine_for
+from paved.sql import engine_for, utc, utc_now
 
 # The model package's own name rule (paved.launcher.package), so every stored model id and
 # version is one a package can carry.
@@ -435,29 +435,15 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    """UTC-aware form of a value read back (SQLite drops the offset; PostgreSQL returns the
-    session's zone)."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 def _deployment_from_row(row: Any) -> Deployment:
     return Deployment(
         id=row.id,
         spec=spec_from_dict(dict(row.spec)),
         fingerprint=dict(row.fingerprint or {}),
-        created_at=_utc(row.created_at) or _now(),  # NOT NULL column: the fallback never runs
+        created_at=utc(row.created_at) or utc_now(),  # NOT NULL column: the fallback never runs
         state=row.state,
         current=bool(row.current),
-        last_traffic_at=_utc(row.last_traffic_at),
+        last_traffic_at=utc(row.last_traffic_at),
     )
 
 
@@ -489,15 +475,15 @@ def _rollout_from_row(row: Any) -> RolloutRecord:
         params=dict(row.params or {}),
         state=dict(row.state or {}),
         reason=row.reason,
-        created_at=_utc(row.created_at) or _now(),
-        updated_at=_utc(row.updated_at) or _now(),
+        created_at=utc(row.created_at) or utc_now(),
+        updated_at=utc(row.updated_at) or utc_now(),
     )
 
 
 def _audit_from_row(row: Any) -> AuditEvent:
     return AuditEvent(
         id=int(row.id),
-        at=_utc(row.at) or _now(),
+        at=utc(row.at) or utc_now(),
         kind=row.kind,
         model_id=row.model_id,
         version=row.version,
@@ -577,7 +563,7 @@ class ControlStore:
             id="dep_" + uuid.uuid4().hex,
             spec=spec,
             fingerprint=_json_obj(fingerprint, "fingerprint"),
-            created_at=_now(),
+            created_at=utc_now(),
             state="active",
         )
         return await self._run(self._create_deployment_sync, deployment)
@@ -771,7 +757,7 @@ class ControlStore:
         return await self._run(self._add_replica_sync, replica)
 
     def _add_replica_sync(self, r: Replica) -> Replica:
-        now = _now()
+        now = utc_now()
         try:
             with self._tx() as conn:
                 exists = conn.execute(
@@ -820,7 +806,7 @@ class ControlStore:
                     f"replica '{replica_id}' cannot go from {row.state} to {new_state}", code="bad_transition"
                 )
             if values:
-                conn.execute(t.update().where(t.c.id == replica_id).values(**values, updated_at=_now()))
+                conn.execute(t.update().where(t.c.id == replica_id).values(**values, updated_at=utc_now()))
             row = conn.execute(sa.select(t).where(t.c.id == replica_id)).first()
         return _replica_from_row(row)
 
@@ -896,7 +882,7 @@ class ControlStore:
         _name(to_version, "to_version")
         if strategy not in STRATEGIES:
             raise BadRequest(f"strategy must be one of {list(STRATEGIES)}")
-        now = _now()
+        now = utc_now()
         record = RolloutRecord(
             id="ro_" + uuid.uuid4().hex,
             model_id=model_id,
@@ -1029,7 +1015,7 @@ class ControlStore:
                     # The conditional UPDATE is the compare-and-set (also across processes on
                     # SQLite, where FOR UPDATE is a no-op but the write lock is held).
                     where.append(t.c.phase == expect_phase)
-                result = conn.execute(t.update().where(*where).values(**values, updated_at=_now()))
+                result = conn.execute(t.update().where(*where).values(**values, updated_at=utc_now()))
                 if result.rowcount != 1:
                     raise Conflict(
                         f"rollout '{rollout_id}' is in phase {row.phase!r}, not {expect_phase!r}",
@@ -1073,7 +1059,7 @@ class ControlStore:
         rollout_id: str | None,
         data: dict[str, Any],
     ) -> AuditEvent:
-        at = _now()
+        at = utc_now()
         with self._tx() as conn:
             result = conn.execute(
                 audit_table.insert()
@@ -1156,7 +1142,7 @@ class ControlStore:
             if latest is not None and latest.digest == digest:
                 return int(latest.revision)
             result = conn.execute(
-                t.insert().values(digest=digest, routes=routes, created_at=_now()).returning(t.c.revision)
+                t.insert().values(digest=digest, routes=routes, created_at=utc_now()).returning(t.c.revision)
             )
             revision = int(result.scalar_one())
             conn.execute(t.delete().where(t.c.revision <= revision - ROUTES_KEPT))

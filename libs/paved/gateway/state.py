@@ -32,7 +32,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from paved.gateway import keys as keylib
 from paved.gateway.errors import GatewayError
 from paved.gateway.types import Limits, Tenant
-from paved.sql import engine_for
+from paved.sql import engine_for, utc, utc_now
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODELS = 1000
@@ -186,20 +186,6 @@ def _limits_from_json(raw: Any) -> Limits:
     )
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    """UTC-aware form of a value read back (SQLite drops the offset; PostgreSQL returns the
-    session's zone)."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 def _tenant_from_row(row: Any) -> Tenant:
     return Tenant(
         id=row.id,
@@ -210,15 +196,15 @@ def _tenant_from_row(row: Any) -> Tenant:
 
 
 def _key_from_row(row: Any, tenant_name: str) -> KeyInfo:
-    created = _utc(row.created_at) or _now()  # NOT NULL column: the fallback never runs
+    created = utc(row.created_at) or utc_now()  # NOT NULL column: the fallback never runs
     return KeyInfo(
         key_id=row.key_id,
         tenant=tenant_name,
         name=row.name,
         prefix=keylib.KEY_PREFIX + row.key_id,
         created_at=created,
-        expires_at=_utc(row.expires_at),
-        revoked_at=_utc(row.revoked_at),
+        expires_at=utc(row.expires_at),
+        revoked_at=utc(row.revoked_at),
         limits=_limits_from_json(row.limits),
     )
 
@@ -297,7 +283,7 @@ class GatewayStore:
                         name=tenant.name,
                         models=list(tenant.models),
                         limits=limits_to_dict(tenant.limits),
-                        created_at=_now(),
+                        created_at=utc_now(),
                     )
                 )
         except IntegrityError:
@@ -365,7 +351,7 @@ class GatewayStore:
             if not isinstance(expires_at, datetime) or expires_at.tzinfo is None:
                 raise _bad("expires_at must be a timezone-aware datetime", param="expires_at")
             expires_at = expires_at.astimezone(UTC)
-            if expires_at <= _now():
+            if expires_at <= utc_now():
                 raise _bad("expires_at must be in the future", param="expires_at")
         return await self._run(self._create_key_sync, tenant_name, name, expires_at, limits)
 
@@ -392,7 +378,7 @@ class GatewayStore:
                 raise _tenant_not_found(tenant_name)
             key_id, plaintext = keylib.generate_key()
             _, secret = keylib.parse_key(plaintext)
-            created = _now()
+            created = utc_now()
             conn.execute(
                 api_keys_table.insert().values(
                     key_id=key_id,
@@ -451,7 +437,7 @@ class GatewayStore:
             conn.execute(
                 api_keys_table.update()
                 .where(api_keys_table.c.key_id == key_id, api_keys_table.c.revoked_at.is_(None))
-                .values(revoked_at=_now())
+                .values(revoked_at=utc_now())
             )
             row = conn.execute(self._key_select().where(api_keys_table.c.key_id == key_id)).first()
         if row is None:
