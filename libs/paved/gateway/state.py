@@ -224,6 +224,21 @@ class GatewayStore:
     def dialect(self) -> str:
         return self._engine.dialect.name
 
+    @property
+    def engine(self) -> sa.Engine:
+        """The SQLAlchemy engine, for the gateway's other stores (templates, conversations,
+        experiments): one database, one connection pool, each store owning its own tables."""
+        return self._engine
+
+    async def create_tables(self, other: sa.MetaData) -> None:
+        """Create another store's tables if missing, with `start()`'s concurrency guarantees."""
+        await asyncio.to_thread(self._create_all_sync, other)
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run `fn(*args)` (synchronous database work) in a worker thread; an unreachable or
+        timed-out database becomes GatewayError(503)."""
+        return await self._run(fn, *args)
+
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
             return await asyncio.to_thread(fn, *args)
@@ -241,18 +256,21 @@ class GatewayStore:
         await asyncio.to_thread(self._start_sync)
 
     def _start_sync(self) -> None:
+        self._create_all_sync(metadata)
+
+    def _create_all_sync(self, tables: sa.MetaData) -> None:
         if self._is_pg:
             with self._engine.begin() as conn:
                 # Held to commit: a second replica waits here, then finds the tables.
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _DDL_LOCK_ID})
-                metadata.create_all(conn)
+                tables.create_all(conn)
             return
         # SQLite: two processes on one file can both see "no table"; the loser's CREATE fails
         # with "already exists" and a second pass (which then sees the tables) succeeds.
         for attempt in range(3):
             try:
                 with self._engine.begin() as conn:
-                    metadata.create_all(conn)
+                    tables.create_all(conn)
                 return
             except (OperationalError, ProgrammingError):
                 if attempt == 2:
