@@ -91,6 +91,31 @@ class GatewayMetrics:
             ("model",),
             registry=r,
         )
+        self.cache = Counter(
+            "paved_gateway_cache_lookups",
+            "Cache lookups by tenant, model alias and result (exact, semantic, miss, bypass)",
+            ("tenant", "model", "result"),
+            registry=r,
+        )
+        self.cache_false_hits = Counter(
+            "paved_gateway_cache_false_hit_reports",
+            "Cache hits a client reported as wrong (the entry is evicted), by tenant",
+            ("tenant",),
+            registry=r,
+        )
+        self.summarized_turns = Counter(
+            "paved_gateway_context_summarized_turns",
+            "Conversation turns replaced by a summary (or dropped) to fit the budget, by model alias",
+            ("model",),
+            registry=r,
+        )
+        self.internal = Histogram(
+            "paved_gateway_internal_call_duration_seconds",
+            "The gateway's own calls through the platform (summaries, cache embeddings), by purpose",
+            ("purpose", "outcome"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.routes_revision = Gauge(
             "paved_gateway_routes_loaded_timestamp_seconds",
             "When the serving routes table was loaded",

@@ -279,6 +279,15 @@ class Router:
             return (self._sticky_version(route, sticky_key),)
         return route.versions
 
+    def resolve_version(self, model: str, *, sticky_key: str) -> str | None:
+        """The one version `pick(model, sticky_key=...)` serves from, or None when the route
+        leaves several versions eligible (no pin, no `current`, no split). Callers that must
+        know the version (caches keyed by it) pin "alias@<this>" for the pick."""
+        route = self.route(model)
+        _, pinned = self.split_model(model)
+        versions = self._versions(route, pinned, sticky_key)
+        return versions[0] if len(versions) == 1 else None
+
     def _available(self, backend_id: str, now: float) -> bool:
         state = self._states[backend_id]
         if state.ready is False:

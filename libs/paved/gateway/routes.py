@@ -48,6 +48,7 @@ KINDS = ("generate", "embed", "kserve")
 _ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,255}")
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 _ID = re.compile(r"[\x21-\x7e]{1,512}")
+_TEMPLATE_REF = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}(@[1-9][0-9]{0,8})?")
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 _MODEL_KEYS = frozenset(
@@ -62,8 +63,15 @@ _MODEL_KEYS = frozenset(
         "kind",
         "bounded_load",
         "bounded_load_slack",
+        "template",
+        "max_model_len",
+        "summarizer",
+        "cache",
     }
 )
+_CACHE_KEYS = frozenset({"exact", "semantic", "ttl_s", "threshold", "embedding_model"})
+MAX_MODEL_LEN_LIMIT = 10_000_000
+MAX_CACHE_TTL_S = 7 * 86400.0
 _BACKEND_KEYS = frozenset(
     {"id", "url", "version", "weight", "upstream_model", "kserve_grpc", "kserve_http", "region"}
 )
@@ -97,6 +105,19 @@ class Backend:
 
 
 @dataclass(frozen=True)
+class CachePolicy:
+    """A route's caches: `exact` (hash of the canonical request) and `semantic` (nearest
+    earlier question by `embedding_model`'s embeddings, cosine >= `threshold`), both kept for
+    `ttl_s`. Either applies only to deterministic requests (see paved.gateway.cache)."""
+
+    exact: bool = True
+    semantic: bool = False
+    ttl_s: float = 3600.0
+    threshold: float = 0.92
+    embedding_model: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelRoute:
     """An alias and its backends. `current` is the version the bare alias follows (None: every
     version, by `split` shares when set, else by weight); `split` maps version -> share for
@@ -115,6 +136,13 @@ class ModelRoute:
     # fewer than max(ceil(c * fair), ceil(fair) + slack) in flight; None: the router's default.
     bounded_load: float | None = None
     bounded_load_slack: int | None = None
+    # The orchestration layer: the template a request naming none renders with ("name" or
+    # "name@N"), the context window conversations are fitted to (None: asked of the backend),
+    # the alias that summarizes older turns, and the caches.
+    template: str | None = None
+    max_model_len: int | None = None
+    summarizer: str | None = None
+    cache: CachePolicy | None = None
 
     def __post_init__(self) -> None:
         backends = tuple(
@@ -182,6 +210,11 @@ def _route_to_obj(r: ModelRoute) -> dict[str, Any]:
         obj["bounded_load"] = r.bounded_load
     if r.bounded_load_slack is not None:
         obj["bounded_load_slack"] = r.bounded_load_slack
+    for name in ("template", "max_model_len", "summarizer"):
+        if getattr(r, name) is not None:
+            obj[name] = getattr(r, name)
+    if r.cache is not None:
+        obj["cache"] = {k: v for k, v in dataclasses.asdict(r.cache).items() if v is not None}
     return obj
 
 
@@ -377,9 +410,46 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
         if sum(float(s) for s in split.values()) <= 0:
             raise _fail(f"{path}.split", "shares must not all be 0")
         split = {str(v): float(s) for v, s in split.items()}
+    template = _string(obj, "template", path)
+    if template is not None and not _TEMPLATE_REF.fullmatch(template):
+        raise _fail(f"{path}.template", f"must be a template name or name@version, got {template!r}")
+    max_model_len = obj.get("max_model_len")
+    if max_model_len is not None and (
+        isinstance(max_model_len, bool)
+        or not isinstance(max_model_len, int)
+        or not 1 <= max_model_len <= MAX_MODEL_LEN_LIMIT
+    ):
+        raise _fail(f"{path}.max_model_len", f"must be an integer in 1..{MAX_MODEL_LEN_LIMIT}")
+    summarizer = _string(obj, "summarizer", path)
+    if summarizer is not None and not _ALIAS.fullmatch(summarizer.partition("@")[0]):
+        raise _fail(f"{path}.summarizer", f"must be a model alias, got {summarizer!r}")
+    cache = _cache_policy(obj.get("cache"), f"{path}.cache") if "cache" in obj else None
     return ModelRoute(
-        alias, tuple(backends), strategy, split, current, tokenizer, apt, kind, bounded_load, slack
-    )
+        alias, tuple(backends), strategy, split, current, tokenizer, apt, kind, bounded_load, slack,
+        template, max_model_len, summarizer, cache,
+    )  # fmt: skip
+
+
+def _cache_policy(obj: Any, path: str) -> CachePolicy:
+    obj = _check_keys(obj, _CACHE_KEYS, path)
+    flags = {}
+    for name in ("exact", "semantic"):
+        value = obj.get(name, name == "exact")
+        if not isinstance(value, bool):
+            raise _fail(f"{path}.{name}", "must be true or false")
+        flags[name] = value
+    ttl = _number(obj.get("ttl_s", 3600.0), f"{path}.ttl_s")
+    if not 0 < ttl <= MAX_CACHE_TTL_S:
+        raise _fail(f"{path}.ttl_s", f"must be in (0, {MAX_CACHE_TTL_S:g}] seconds")
+    threshold = _number(obj.get("threshold", 0.92), f"{path}.threshold")
+    if not 0 < threshold <= 1:
+        raise _fail(f"{path}.threshold", "must be a cosine similarity in (0, 1]")
+    embedding = _string(obj, "embedding_model", path)
+    if embedding is not None and not _ALIAS.fullmatch(embedding.partition("@")[0]):
+        raise _fail(f"{path}.embedding_model", f"must be a model alias, got {embedding!r}")
+    if flags["semantic"] and embedding is None:
+        raise _fail(f"{path}.embedding_model", "is required when semantic is true")
+    return CachePolicy(flags["exact"], flags["semantic"], float(ttl), float(threshold), embedding)
 
 
 def parse_routes(obj: Any) -> RoutesTable:
