@@ -12,11 +12,15 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from paved.cli import control, keys
+from paved.cli import control, keys, templates
 from paved.cli.common import CliError
 
 # The subcommand registry: each entry adds its command group(s) to the top-level subparsers.
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (keys.register, control.register)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    keys.register,
+    control.register,
+    templates.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
