@@ -26,6 +26,7 @@ from paved.gateway.errors import GatewayError
 from paved.gateway.health import HealthChecker
 from paved.gateway.limits import Limiter
 from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.orchestrate import Orchestrator
 from paved.gateway.proxy import OpenAIProxy
 from paved.gateway.router import Router
 from paved.gateway.routes import RoutesSource
@@ -49,6 +50,8 @@ class Gateway:
     metrics: GatewayMetrics
     routes_source: RoutesSource | None = None
     health: HealthChecker | None = None
+    # Templates, conversations, caches and experiments; also set as `proxy.orchestrator`.
+    orchestrator: Orchestrator | None = None
     # Extra things to start after the core (e.g. the KServe gRPC server) and stop before it.
     on_start: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
     on_stop: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
@@ -62,6 +65,8 @@ class Gateway:
         )
         if self.health is not None:
             await self.health.start()
+        if self.orchestrator is not None:
+            await self.orchestrator.start()
         for hook in self.on_start:
             await hook()
 
@@ -69,6 +74,9 @@ class Gateway:
         for hook in reversed(self.on_stop):
             with contextlib.suppress(Exception):
                 await hook()
+        if self.orchestrator is not None:
+            with contextlib.suppress(Exception):
+                await self.orchestrator.stop()
         if self.health is not None:
             await self.health.stop()
         if self.routes_source is not None:
@@ -156,6 +164,9 @@ def create_app(
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/admin/v1/routes", routes_view, methods=["GET"])
     app.include_router(admin_router(gateway.store, gateway.admin))
+    orchestrator = gateway.orchestrator
+    if orchestrator is not None:
+        _orchestration_routes(app, gateway, orchestrator)
     for route in extra_routes or ():
         app.router.routes.append(route)
 
@@ -177,3 +188,43 @@ def create_app(
         )
 
     return BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, 128 * 1024 * 1024))
+
+
+def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestrator) -> None:
+    if orchestrator.templates is not None:
+        from paved.gateway.templates import templates_router
+
+        app.include_router(templates_router(orchestrator.templates, gateway.admin))
+    if orchestrator.experiments is not None and orchestrator.recorder is not None:
+        from paved.gateway.experiments import experiments_router, feedback_router
+
+        app.include_router(experiments_router(orchestrator.experiments, orchestrator.recorder, gateway.admin))
+        app.include_router(feedback_router(orchestrator.recorder, gateway.authenticator))
+
+    async def false_hit(request: Request) -> Response:
+        """A client reports that a cache hit answered a different question: the entry is
+        evicted (only the tenant that was served it can name it) and counted."""
+        principal = await gateway.authenticator.authenticate(request.headers.get("authorization"))
+        try:
+            body = await request.json()
+        except ValueError:
+            raise GatewayError(400, "the request body is not valid JSON") from None
+        entry = body.get("entry") if isinstance(body, dict) else None
+        if not isinstance(entry, str) or not 2 < len(entry) <= 200:
+            raise GatewayError(400, "entry must be the x-paved-cache-entry of a cached answer", param="entry")
+        tenant = principal.tenant.name
+        evicted = False
+        if entry.startswith("s:") and orchestrator.semantic is not None:
+            evicted = await orchestrator.semantic.evict(tenant, entry)
+        elif entry.startswith("e:") and orchestrator.exact is not None:
+            try:
+                key = bytes.fromhex(entry[2:])
+            except ValueError:
+                raise GatewayError(400, "entry is not a cache entry id", param="entry") from None
+            evicted = await orchestrator.exact.delete(key)
+        if not evicted:
+            raise GatewayError(404, "no such cache entry (it may have expired)", code="cache_entry_not_found")
+        gateway.metrics.cache_false_hits.labels(tenant).inc()
+        return JSONResponse({"entry": entry, "evicted": True})
+
+    app.add_route("/v1/cache/false_hit", false_hit, methods=["POST"])

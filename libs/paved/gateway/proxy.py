@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
+from paved.gateway.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.tokens import TokenCounter
@@ -45,6 +46,7 @@ from paved.http.errors import error_body
 if TYPE_CHECKING:
     from paved.gateway.auth import Authenticator
     from paved.gateway.limits import Limiter, Reservation
+    from paved.gateway.orchestrate import Hit, Orchestrator, Plan
     from paved.gateway.router import Pick, Router
     from paved.gateway.types import Principal
 
@@ -59,6 +61,9 @@ _HOP_HEADERS = frozenset(
     ("connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server")
 )
 _DONE = b"data: [DONE]"
+# What is kept of one streamed answer to cache or record it (a longer one is just forwarded).
+MAX_CAPTURE_BYTES = 1 << 20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass
@@ -105,6 +110,9 @@ class OpenAIProxy:
         self.tokens = tokens
         self.config = config
         self._session: aiohttp.ClientSession | None = None
+        # Templates, conversations, caches and experiments (paved.gateway.orchestrate); set by
+        # whoever builds the gateway, None for a plain forwarding gateway.
+        self.orchestrator: Orchestrator | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -198,6 +206,40 @@ class OpenAIProxy:
             client_wants_usage = bool(options and options.get("include_usage"))
             body["stream_options"] = {**(options or {}), "include_usage": True}
 
+        plan = None
+        if self.orchestrator is not None:
+            plan = await self.orchestrator.prepare(
+                principal, endpoint, body, model, route, request.headers, request_id
+            )
+            model = plan.model
+        try:
+            return await self._admit(
+                request, principal, route, plan, model, alias, endpoint, path, body, stream,
+                client_wants_usage, request_id, traceparent, started, log,
+            )  # fmt: skip
+        except GatewayError as e:
+            if plan is not None and self.orchestrator is not None:
+                await self.orchestrator.complete(plan, e.status, None, time.perf_counter() - started)
+            raise
+
+    async def _admit(
+        self,
+        request: Request,
+        principal: Principal,
+        route: Any,
+        plan: Plan | None,
+        model: str,
+        alias: str,
+        endpoint: str,
+        path: str,
+        body: dict[str, Any],
+        stream: bool,
+        client_wants_usage: bool,
+        request_id: str,
+        traceparent: str,
+        started: float,
+        log: dict[str, Any],
+    ) -> Response:
         count = await self.tokens.count(route.tokenizer, endpoint, body, route.affinity_prefix_tokens)
         reserve = count.tokens + _completion_budget(endpoint, body, self.config.default_max_tokens)
         log["prompt_tokens_est"] = count.tokens
@@ -207,9 +249,15 @@ class OpenAIProxy:
         log["limits_ms"] = _ms(t_count, t_limits)
         self.metrics.stage.labels("limits").observe(t_limits - t_count)
         try:
+            if plan is not None and self.orchestrator is not None:
+                hit = await self.orchestrator.lookup(plan)
+                if hit is not None:
+                    return await self._serve_hit(
+                        hit, plan, reservation, endpoint, stream, client_wants_usage, request_id, started, log
+                    )
             return await self._attempts(
                 request, principal, reservation, model, alias, endpoint, path, body, count.affinity,
-                stream, client_wants_usage, request_id, traceparent, started, log,
+                stream, client_wants_usage, request_id, traceparent, started, log, plan,
             )  # fmt: skip
         except BaseException:
             # Nothing reached the client and nothing was generated: refund everything.
@@ -234,6 +282,7 @@ class OpenAIProxy:
         traceparent: str,
         started: float,
         log: dict[str, Any],
+        plan: Plan | None = None,
     ) -> Response:
         sticky = body.get("user") if isinstance(body.get("user"), str) else principal.key_id
         excluded: set[str] = set()
@@ -311,8 +360,11 @@ class OpenAIProxy:
                     started,
                     log,
                     in_flight,
+                    plan,
                 )
-            return await self._whole(upstream, pick, reservation, alias, request, request_id, log, in_flight)
+            return await self._whole(
+                upstream, pick, reservation, alias, request, request_id, log, in_flight, plan, started
+            )
         raise last_error or GatewayError(502, "no backend answered", code="upstream_error")
 
     async def _send(
@@ -349,6 +401,8 @@ class OpenAIProxy:
         request_id: str,
         log: dict[str, Any],
         in_flight: Any,
+        plan: Plan | None = None,
+        started: float = 0.0,
     ) -> Response:
         backend = pick.backend
         ok = upstream.status < 500 or upstream.status == 503
@@ -385,6 +439,9 @@ class OpenAIProxy:
         log["status"] = upstream.status
         self._count(log, upstream.status)
         headers = _response_headers(upstream, reservation, request_id, backend.id)
+        if plan is not None and self.orchestrator is not None:
+            headers.update(plan.headers)
+            await self.orchestrator.complete(plan, upstream.status, data, time.perf_counter() - started)
         return Response(data, status_code=upstream.status, headers=headers)
 
     def _stream(
@@ -398,9 +455,13 @@ class OpenAIProxy:
         started: float,
         log: dict[str, Any],
         in_flight: Any,
+        plan: Plan | None = None,
     ) -> Response:
         backend = pick.backend
         log["streaming"] = True
+        orchestrator = self.orchestrator if plan is not None and plan.capture else None
+        captured: list[bytes] = []
+        capture_budget = [MAX_CAPTURE_BYTES]
         idle = self.config.stream_idle_timeout_s
         prompt_tokens = int(log.get("prompt_tokens_est") or 0)
 
@@ -409,8 +470,21 @@ class OpenAIProxy:
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for event in _sse_events(upstream, idle):
+                    if orchestrator is not None and capture_budget[0] >= 0:
+                        capture_budget[0] -= len(event)
+                        captured.append(event)
                     if event.startswith(_DONE):
                         state["outcome"] = "done"
+                        if orchestrator is not None and plan is not None:
+                            # Before [DONE] leaves: a client's next turn must see this one.
+                            whole = (
+                                answer_from_stream(plan.endpoint, captured)
+                                if capture_budget[0] >= 0
+                                else None
+                            )
+                            await orchestrator.complete(
+                                plan, 200 if whole is not None else 502, whole, time.perf_counter() - started
+                            )
                         yield event + b"\n\n"
                         break
                     if b'"usage":{' in event or b'"usage": {' in event:
@@ -451,14 +525,49 @@ class OpenAIProxy:
                 used = prompt_tokens + state["content_events"]
             await self._settle(reservation, used)
             status = {"done": 200, "disconnect": 499}.get(outcome, 502)
+            if orchestrator is not None and plan is not None and outcome != "disconnect":
+                await orchestrator.complete(plan, status, None, time.perf_counter() - started)
             log["status"], log["stream_outcome"] = status, outcome
             self._count(log, status)
             self._finish_log(log, started)
 
         headers = _response_headers(upstream, reservation, request_id, backend.id)
+        if plan is not None:
+            headers.update(plan.headers)
         headers["cache-control"] = "no-cache"
         headers["x-accel-buffering"] = "no"
         return _GuardedStream(events(), cleanup, headers=headers, media_type="text/event-stream")
+
+    async def _serve_hit(
+        self,
+        hit: Hit,
+        plan: Plan,
+        reservation: Reservation,
+        endpoint: str,
+        stream: bool,
+        client_wants_usage: bool,
+        request_id: str,
+        started: float,
+        log: dict[str, Any],
+    ) -> Response:
+        """Answer from the cache: no engine ran, so no tokens are charged (the request still
+        counts against requests/min); the conversation and the experiment still see it."""
+        await self._settle(reservation, 0)
+        plan.store = False
+        if self.orchestrator is not None:
+            await self.orchestrator.complete(plan, 200, hit.answer.body, time.perf_counter() - started)
+        headers = dict(reservation.headers)
+        headers.update(plan.headers)
+        headers.update(
+            {"x-request-id": request_id, "x-paved-cache": hit.header, "x-paved-cache-entry": hit.entry}
+        )
+        log.update(status=200, backend="cache", cache=hit.header)
+        self._count(log, 200)
+        if stream:
+            headers["cache-control"] = "no-cache"
+            events = replay_sse(endpoint, hit.answer, include_usage=client_wants_usage)
+            return StreamingResponse(_replay(events), headers=headers, media_type="text/event-stream")
+        return Response(hit.answer.body, status_code=200, headers=headers, media_type="application/json")
 
     # ---- accounting ------------------------------------------------------------------------
     async def _settle(self, reservation: Reservation, used: int | None) -> None:
@@ -502,6 +611,11 @@ class OpenAIProxy:
 
 class _Disconnected(Exception):
     pass
+
+
+async def _replay(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
 
 
 class _GuardedStream(StreamingResponse):
@@ -603,6 +717,15 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
         raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no engine can encode; only a
+    # body with a \uD8xx-\uDFxx escape needs the full check.
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise GatewayError(
+                400, "the request body contains a lone UTF-16 surrogate, which is not valid Unicode"
+            ) from None
     return body
 
 

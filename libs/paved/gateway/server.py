@@ -25,6 +25,7 @@ from paved.gateway.auth import AdminAuth, Authenticator, load_admin_key
 from paved.gateway.health import FileRoutesSource, HealthChecker
 from paved.gateway.limits import make_limiter
 from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.orchestrate import InternalClient, Orchestrator
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.router import Router
 from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
@@ -96,6 +97,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health/ready checks")
     p.add_argument("--routes-poll", type=float, default=1.0, help="seconds between routes-file checks")
     p.add_argument("--auth-cache", type=float, default=0.5, help="seconds a key lookup is cached")
+    p.add_argument(
+        "--exact-cache",
+        choices=("memory", "redis", "off"),
+        help="where routes with a cache policy keep exact answers (default: redis with --redis, else memory)",
+    )
+    p.add_argument("--exact-cache-mb", type=int, default=64, help="in-memory exact cache size (MiB)")
+    p.add_argument(
+        "--semantic-cache-entries",
+        type=int,
+        default=1_000_000,
+        help="semantic cache entries kept in this replica, over all tenants (0: off)",
+    )
+    p.add_argument(
+        "--template-timeout", type=float, default=0.25, help="seconds a prompt template may render"
+    )
+    p.add_argument(
+        "--no-orchestration",
+        action="store_true",
+        help="forward only: no templates, conversations, caches or experiments",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -127,6 +148,14 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--routes: {e}")
     if bool(args.bootstrap_tenant) != bool(args.bootstrap_key_file):
         p.error("--bootstrap-tenant and --bootstrap-key-file go together")
+    if args.exact_cache == "redis" and not args.redis:
+        p.error("--exact-cache redis needs --redis")
+    if not 1 <= args.exact_cache_mb <= 1 << 20:
+        p.error("--exact-cache-mb must be 1..1048576")
+    if not 0 <= args.semantic_cache_entries <= 100_000_000:
+        p.error("--semantic-cache-entries must be 0..100000000")
+    if not 0 < args.template_timeout <= 10:
+        p.error("--template-timeout must be in (0, 10] seconds")
 
 
 async def _bootstrap(store: GatewayStore, tenant: str, path: str) -> None:
@@ -186,6 +215,8 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         tokens=TokenCounter(),
         config=config,
     )
+    orchestrator = None if args.no_orchestration else _orchestrator(args, store, proxy)
+    proxy.orchestrator = orchestrator
     gateway = Gateway(
         store=store,
         authenticator=authenticator,
@@ -197,8 +228,43 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         # Gateway's field is annotated with the file source; both implement RoutesSource.
         routes_source=_routes_source(args, router),
         health=HealthChecker(router, interval_s=args.health_interval),
+        orchestrator=orchestrator,
     )
     return gateway, table
+
+
+def _orchestrator(args: argparse.Namespace, store: GatewayStore, proxy: OpenAIProxy) -> Orchestrator:
+    from paved.gateway import cache
+    from paved.gateway.context import ContextFitter, ConversationStore
+    from paved.gateway.experiments import ExperimentRecorder, ExperimentRegistry
+    from paved.gateway.templates import TemplateRegistry
+
+    exact: cache.ExactCache | None = None
+    where = args.exact_cache or ("redis" if args.redis else "memory")
+    if where == "memory":
+        exact = cache.InProcessExactCache(max_bytes=args.exact_cache_mb << 20)
+    elif where == "redis":
+        import redis.asyncio
+
+        exact = cache.RedisExactCache(redis.asyncio.Redis.from_url(args.redis))
+    semantic = (
+        cache.SemanticCache(max_entries=args.semantic_cache_entries) if args.semantic_cache_entries else None
+    )
+    conversations = ConversationStore(store)
+    return Orchestrator(
+        router=proxy.router,
+        tokens=proxy.tokens,
+        metrics=proxy.metrics,
+        internal=InternalClient(proxy.router, lambda: proxy.session, proxy.metrics),
+        templates=TemplateRegistry(store, render_timeout_s=args.template_timeout),
+        conversations=conversations,
+        fitter=ContextFitter(conversations),
+        exact=exact,
+        semantic=semantic,
+        experiments=ExperimentRegistry(store),
+        recorder=ExperimentRecorder(store),
+        default_max_tokens=args.default_max_tokens,
+    )
 
 
 async def _serve(args: argparse.Namespace) -> int:

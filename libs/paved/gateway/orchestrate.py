@@ -1,0 +1,493 @@
+"""The orchestration and cache layers: what happens to a request between admission and
+forwarding, and to its answer on the way back.
+
+Per request, in this order (each step only when configured and asked for):
+  1. an A/B experiment running on the alias assigns an arm (sticky by user or key hash), which
+     may pin a model version, choose a template and override sampling parameters;
+  2. the request's `template` (or the arm's, the route's, the tenant's default) renders in the
+     sandbox; the tenant's system prompt goes first;
+  3. `conversation_id` loads the conversation and fits it to the model's context (max_model_len
+     minus the completion budget, counted with the model's own tokenizer), older turns replaced
+     by a summary the route's `summarizer` model writes through the platform;
+  4. the version that will serve is fixed ("alias@version"), so caches are keyed by it;
+  5. after admission: the exact cache, then the semantic cache (the last user message embedded
+     by the route's `embedding_model` through the platform, looked up in the index of exactly
+     this tenant and scope); a hit is answered without an engine;
+  6. on a complete 200 answer: cached (exact and semantic), appended to the conversation, and
+     recorded for the experiment's arm; errors are recorded for the arm and never cached.
+
+Extension fields (`template`, `variables`, `conversation_id`, `cache`) are removed before the
+body goes upstream. `Cache-Control: no-cache` skips the lookup (the fresh answer is stored);
+`no-store` skips both.
+
+Invariants:
+- A cache hit only ever comes from the same tenant, model version, template version,
+  response_format, sampling parameters and earlier turns (see paved.gateway.cache).
+- The caches never fail a request: an embedding or cache-store outage is a miss.
+- The gateway's own calls (summaries, embeddings) go through the router to the platform's
+  backends with deadlines; they are not charged to the tenant's limits (they are metered in
+  `paved_gateway_internal_call_duration_seconds`).
+- A conversation is appended before the answer's last byte reaches the client, so a client
+  that sends its next turn as soon as it has read the answer sees its previous turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import numpy as np
+
+from paved.gateway import cache as cachelib
+from paved.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from paved.gateway.context import ContextFitter, ConversationStore
+    from paved.gateway.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
+    from paved.gateway.metrics import GatewayMetrics
+    from paved.gateway.router import Router
+    from paved.gateway.routes import CachePolicy, ModelRoute
+    from paved.gateway.templates import TemplateRegistry
+    from paved.gateway.tokens import TokenCounter
+    from paved.gateway.types import Principal
+
+logger = logging.getLogger("paved.gateway")
+
+EXTENSION_FIELDS = ("template", "variables", "conversation_id", "cache")
+_INTERNAL_KEY = "paved-internal"
+
+
+class InternalClient:
+    """The gateway's own calls through the platform: routed like any request (router pick,
+    begin/end, another backend on a connect error), with a deadline on every call."""
+
+    def __init__(
+        self,
+        router: Router,
+        session: Callable[[], aiohttp.ClientSession],
+        metrics: GatewayMetrics,
+        *,
+        timeout_s: float = 30.0,
+        embed_timeout_s: float = 5.0,
+    ):
+        self._router = router
+        self._session = session
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._embed_timeout_s = embed_timeout_s
+        self._context: dict[tuple[str, str], int] = {}
+
+    async def _post(self, purpose: str, model: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        started = time.perf_counter()
+        excluded: set[str] = set()
+        outcome = "error"
+        try:
+            for _ in range(2):
+                pick = self._router.pick(model, sticky_key=_INTERNAL_KEY, exclude=excluded)
+                backend = pick.backend
+                payload = {**body, "model": backend.upstream_model}
+                self._router.begin(backend.id)
+                ok = True
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        async with self._session().post(
+                            backend.url + path, json=payload, headers={"x-paved-internal": purpose}
+                        ) as resp:
+                            data = await resp.read()
+                            ok = resp.status < 500 or resp.status == 503
+                            if resp.status != 200:
+                                raise GatewayError(
+                                    502, f"{purpose} call answered {resp.status}", code="internal_call_failed"
+                                )
+                            outcome = "ok"
+                            return json.loads(data)
+                except (aiohttp.ClientConnectionError, OSError) as e:
+                    ok = False
+                    excluded.add(backend.id)
+                    logger.warning(
+                        "%s call to %s failed (%s); trying another backend", purpose, backend.id, e
+                    )
+                except TimeoutError:
+                    ok = False
+                    raise GatewayError(
+                        504, f"{purpose} call timed out", code="internal_call_failed"
+                    ) from None
+                finally:
+                    self._router.end(backend.id, ok=ok)
+            raise GatewayError(502, f"{purpose} call found no backend", code="internal_call_failed")
+        finally:
+            self._metrics.internal.labels(purpose, outcome).observe(time.perf_counter() - started)
+
+    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        answer = await self._post("summary", model, "/v1/chat/completions", body, self._timeout_s)
+        try:
+            content = answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise GatewayError(
+                502, "the summarizer's answer has no message", code="internal_call_failed"
+            ) from None
+        return content if isinstance(content, str) else ""
+
+    async def embed(self, model: str, text: str) -> np.ndarray:
+        answer = await self._post(
+            "embedding", model, "/v1/embeddings", {"input": text}, self._embed_timeout_s
+        )
+        try:
+            vector = np.asarray(answer["data"][0]["embedding"], dtype=np.float32)
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise GatewayError(
+                502, "the embedding answer has no vector", code="internal_call_failed"
+            ) from None
+        norm = float(np.linalg.norm(vector))
+        if vector.ndim != 1 or not np.isfinite(norm) or norm == 0:
+            raise GatewayError(
+                502, "the embedding model returned an unusable vector", code="internal_call_failed"
+            )
+        return vector / norm
+
+    async def max_model_len(self, model: str) -> int | None:
+        """The serving backend's context length as its /v1/models reports it (cached per
+        backend and upstream model)."""
+        pick = self._router.pick(model, sticky_key=_INTERNAL_KEY)
+        backend = pick.backend
+        key = (backend.id, backend.upstream_model)
+        if key in self._context:
+            return self._context[key]
+        try:
+            async with asyncio.timeout(self._embed_timeout_s):
+                async with self._session().get(backend.url + "/v1/models") as resp:
+                    listing = json.loads(await resp.read()) if resp.status == 200 else {}
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+        for card in listing.get("data") or []:
+            if isinstance(card, dict) and card.get("id") == backend.upstream_model:
+                value = card.get("max_model_len")
+                if isinstance(value, int) and value > 0:
+                    self._context[key] = value
+                    return value
+        return None
+
+
+@dataclass
+class Plan:
+    """What `Orchestrator.prepare` decided for one request; read by the proxy."""
+
+    model: str  # what the router picks for ("alias" or "alias@version")
+    alias: str
+    endpoint: str
+    tenant: str
+    request_id: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    template: str | None = None  # the rendered template's "name@N"
+    conversation: tuple[str, list[dict[str, Any]]] | None = None  # (id, the turn's new messages)
+    experiment: tuple[Experiment, Arm] | None = None
+    policy: CachePolicy | None = None
+    keys: cachelib.CacheKeys | None = None
+    lookup: bool = False
+    store: bool = False
+    vector: np.ndarray | None = None
+    completed: bool = False
+
+    @property
+    def capture(self) -> bool:
+        """Whether the proxy must hand the answer back (cache, conversation or experiment)."""
+        return self.store or self.conversation is not None or self.experiment is not None
+
+
+@dataclass(frozen=True)
+class Hit:
+    answer: cachelib.CachedAnswer
+    header: str  # x-paved-cache
+    entry: str  # x-paved-cache-entry: what a false-hit report names
+
+
+@dataclass
+class Orchestrator:
+    router: Router
+    tokens: TokenCounter
+    metrics: GatewayMetrics
+    internal: InternalClient
+    templates: TemplateRegistry | None = None
+    conversations: ConversationStore | None = None
+    fitter: ContextFitter | None = None
+    exact: cachelib.ExactCache | None = None
+    semantic: cachelib.SemanticCache | None = None
+    experiments: ExperimentRegistry | None = None
+    recorder: ExperimentRecorder | None = None
+    default_max_tokens: int = 256
+
+    async def start(self) -> None:
+        for part in (self.templates, self.conversations, self.experiments, self.recorder):
+            if part is not None:
+                await part.start()
+
+    async def stop(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.stop()
+
+    # -- before admission --------------------------------------------------------------------
+    async def prepare(
+        self,
+        principal: Principal,
+        endpoint: str,
+        body: dict[str, Any],
+        model: str,
+        route: ModelRoute,
+        headers: Mapping[str, str],
+        request_id: str = "",
+    ) -> Plan:
+        """Apply experiments, templates and conversation context to `body` (in place) and
+        decide the caches; GatewayError(400) for bad extension fields."""
+        extension = {name: body.pop(name) for name in EXTENSION_FIELDS if name in body}
+        alias, pinned = self.router.split_model(model)
+        tenant = principal.tenant.name
+        plan = Plan(model=model, alias=alias, endpoint=endpoint, tenant=tenant, request_id=request_id)
+        chat = endpoint == "chat"
+        for name in ("template", "variables", "conversation_id"):
+            if name in extension and not chat:
+                raise GatewayError(400, f"{name} applies only to chat completions", param=name)
+        opt_in = extension.get("cache")
+        if opt_in is not None and not isinstance(opt_in, bool):
+            raise GatewayError(400, "cache must be true or false", param="cache")
+        user = body.get("user")
+        sticky = user if isinstance(user, str) else principal.key_id
+
+        template_ref = extension.get("template")
+        if template_ref is not None and not isinstance(template_ref, str):
+            raise GatewayError(400, "template must be a string: name or name@version", param="template")
+        if self.experiments is not None and endpoint in ("chat", "completions"):
+            experiment = await self.experiments.running_for(tenant, alias)
+            if experiment is not None and pinned is None:
+                from paved.gateway.experiments import assign, unit_key
+
+                unit = unit_key(
+                    experiment,
+                    tenant=tenant,
+                    key_id=principal.key_id,
+                    user=user if isinstance(user, str) else None,
+                )
+                arm = assign(experiment, unit)
+                plan.experiment = (experiment, arm)
+                plan.headers["x-paved-experiment"] = f"{experiment.name};arm={arm.name}"
+                if arm.version is not None:
+                    plan.model = f"{alias}@{arm.version}"
+                    self.router.route(plan.model)  # 404 if no backend serves the arm's version
+                if arm.template is not None and template_ref is None and chat:
+                    template_ref = arm.template
+                body.update(dict(arm.params))
+
+        if chat:
+            await self._render(plan, principal, body, template_ref, extension.get("variables"), route)
+            if "conversation_id" in extension:
+                await self._fit(plan, body, extension["conversation_id"], route)
+
+        version = self.router.resolve_version(plan.model, sticky_key=str(sticky))
+        policy = route.cache
+        if policy is None or endpoint not in ("chat", "completions") or opt_in is False:
+            return plan
+        cache_control = (headers.get("cache-control") or "").lower()
+        if version is None or not cachelib.is_deterministic(body, opt_in=opt_in is True):
+            plan.headers["x-paved-cache"] = "bypass"
+            return plan
+        plan.model = f"{alias}@{version}"
+        plan.policy = policy
+        plan.keys = cachelib.cache_keys(
+            tenant=tenant, model=plan.model, template=plan.template, endpoint=endpoint, body=body
+        )
+        plan.store = "no-store" not in cache_control and (policy.exact or policy.semantic)
+        plan.lookup = plan.store and "no-cache" not in cache_control
+        if not plan.lookup:
+            plan.headers["x-paved-cache"] = "bypass"
+        return plan
+
+    async def _render(
+        self,
+        plan: Plan,
+        principal: Principal,
+        body: dict[str, Any],
+        ref: str | None,
+        variables: Any,
+        route: ModelRoute,
+    ) -> None:
+        if self.templates is None:
+            if ref is not None or variables is not None:
+                raise GatewayError(400, "this gateway has no template registry", param="template")
+            return
+        prompting = await self.templates.tenant_prompting(plan.tenant)
+        ref = ref or route.template or prompting.default_template
+        if variables is not None and ref is None:
+            raise GatewayError(400, "variables need a template", param="variables")
+        messages = body.get("messages")
+        if messages is None and ref is not None:
+            messages = []
+        if not isinstance(messages, list):
+            return  # the upstream answers the real validation error
+        if ref is not None:
+            template = await self.templates.get(ref)
+            rendered = await self.templates.render(template, {} if variables is None else variables)
+            messages = [*rendered, *messages]
+            plan.template = template.ref
+            plan.headers["x-paved-template"] = template.ref
+        if prompting.system_prompt:
+            messages = [{"role": "system", "content": prompting.system_prompt}, *messages]
+        body["messages"] = messages
+
+    async def _fit(self, plan: Plan, body: dict[str, Any], conversation_id: Any, route: ModelRoute) -> None:
+        if self.fitter is None or self.conversations is None:
+            raise GatewayError(400, "this gateway keeps no conversations", param="conversation_id")
+        from paved.gateway.context import CONVERSATION_ID_RE
+
+        if not isinstance(conversation_id, str) or not CONVERSATION_ID_RE.fullmatch(conversation_id):
+            raise GatewayError(
+                400, f"conversation_id must match {CONVERSATION_ID_RE.pattern}", param="conversation_id"
+            )
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise GatewayError(400, "messages must be a list of objects", param="messages")
+        lead = 0
+        while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
+            lead += 1
+        system, new = messages[:lead], messages[lead:]
+        if not new:
+            raise GatewayError(400, "a conversation turn needs at least one new message", param="messages")
+        max_model_len = route.max_model_len or await self.internal.max_model_len(plan.model)
+        if max_model_len is None:
+            raise GatewayError(
+                503,
+                f"the context length of '{plan.alias}' is unknown: set max_model_len on its route",
+                code="context_unavailable",
+            )
+        completion = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(completion, int) or isinstance(completion, bool) or completion < 0:
+            completion = self.default_max_tokens
+            body.setdefault("max_tokens", completion)
+        budget = max_model_len - completion
+        if budget <= 0:
+            raise GatewayError(
+                400,
+                f"max_tokens {completion} leaves no room for a prompt in the model's context "
+                f"({max_model_len} tokens)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        tokenizer = route.tokenizer
+
+        async def count(msgs: list[dict[str, Any]]) -> int:
+            return (await self.tokens.count(tokenizer, "chat", {"messages": msgs}, 1)).tokens
+
+        summarize = None
+        if route.summarizer is not None:
+            summarizer = route.summarizer
+
+            async def summarize(msgs: list[dict[str, Any]], max_tokens: int) -> str:
+                return await self.internal.chat(summarizer, msgs, max_tokens)
+
+        fitted = await self.fitter.fit(
+            tenant=plan.tenant,
+            conversation_id=conversation_id,
+            system=system,
+            new=new,
+            budget=budget,
+            count=count,
+            summarize=summarize,
+        )
+        body["messages"] = fitted.messages
+        plan.conversation = (conversation_id, new)
+        plan.headers["x-paved-context-summarized-turns"] = str(fitted.summarized_turns)
+        plan.headers["x-paved-context-tokens"] = str(fitted.prompt_tokens)
+        if fitted.summarized_turns:
+            self.metrics.summarized_turns.labels(plan.alias).inc(fitted.summarized_turns)
+
+    # -- after admission ---------------------------------------------------------------------
+    async def lookup(self, plan: Plan) -> Hit | None:
+        """The cached answer for this request, if any (never raises)."""
+        if not plan.lookup or plan.keys is None or plan.policy is None:
+            return None
+        policy, keys = plan.policy, plan.keys
+        if policy.exact and self.exact is not None:
+            answer = await self.exact.get(keys.exact)
+            if answer is not None:
+                self.metrics.cache.labels(plan.tenant, plan.alias, "exact").inc()
+                return Hit(answer, "exact", "e:" + keys.exact.hex())
+        if policy.semantic and self.semantic is not None and keys.text and policy.embedding_model:
+            try:
+                plan.vector = await self.internal.embed(policy.embedding_model, keys.text)
+            except GatewayError as e:
+                logger.warning("semantic cache skipped: %s", e.message)
+            if plan.vector is not None:
+                hit = await self.semantic.lookup(plan.tenant, keys.scope, plan.vector, policy.threshold)
+                if hit is not None:
+                    self.metrics.cache.labels(plan.tenant, plan.alias, "semantic").inc()
+                    return Hit(hit.answer, f"semantic;score={hit.score:.4f}", hit.entry_id)
+        self.metrics.cache.labels(plan.tenant, plan.alias, "miss").inc()
+        plan.headers["x-paved-cache"] = "miss"
+        return None
+
+    async def complete(self, plan: Plan, status: int, data: bytes | None, latency_s: float) -> None:
+        """Record an answer (once): cache it when complete, append it to the conversation,
+        count it for the experiment's arm. Never raises."""
+        if plan.completed:
+            return
+        plan.completed = True
+        good = data is not None and cachelib.is_cacheable_answer(status, data)
+        answer = _json(data) if data is not None and status == 200 else None
+        try:
+            if good and data is not None and plan.store and plan.keys is not None and plan.policy is not None:
+                cached = cachelib.CachedAnswer(data, time.time())
+                if plan.policy.exact and self.exact is not None:
+                    await self.exact.put(plan.keys.exact, cached, plan.policy.ttl_s)
+                if plan.policy.semantic and self.semantic is not None and plan.vector is not None:
+                    await self.semantic.insert(plan.tenant, plan.keys.scope, plan.vector, cached)
+            if plan.conversation is not None and answer is not None and self.conversations is not None:
+                message = _assistant_message(answer)
+                if message is not None:
+                    conversation_id, new = plan.conversation
+                    await self.conversations.append(plan.tenant, conversation_id, [*new, message])
+        except GatewayError as e:
+            logger.warning("could not record the answer of a %s request: %s", plan.alias, e.message)
+        if plan.experiment is not None and self.recorder is not None:
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            usage = usage if isinstance(usage, dict) else {}
+            experiment, arm = plan.experiment
+            self.recorder.record(
+                experiment,
+                arm,
+                tenant=plan.tenant,
+                request_id=plan.request_id,
+                latency_s=latency_s,
+                prompt_tokens=_int(usage.get("prompt_tokens")),
+                completion_tokens=_int(usage.get("completion_tokens")),
+                error=status != 200 or answer is None,
+            )
+
+
+def _json(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _assistant_message(answer: dict[str, Any]) -> dict[str, Any] | None:
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        return None
+    kept: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        kept["tool_calls"] = message["tool_calls"]
+    return kept
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
