@@ -34,7 +34,8 @@ template — this module never estimates tokens):
   cached in the store and refreshed incrementally: the summarizer receives the previous summary
   and only turns[summary_upto:cut], so each turn is summarized once; a fit whose cut equals the
   cached summary_upto calls no summarizer. A catch-up of very many turns folds them in at most
-  `max_summary_calls` calls of at most `max_summary_input_tokens` (default: the budget) each.
+  `max_summary_calls` calls of at most `max_summary_input_tokens` tokens each (default: the
+  summarizer's context length, else the budget, less the summary's cap).
 - The summary's own tokens are at most min(max_summary_tokens, summary_share * budget); a longer
   answer from the summarizer is cut to fit (binary search over its length with `count`).
 - Without a summarizer (`summarize` None), or when the summarizer fails or answers nothing, the
@@ -624,7 +625,10 @@ class ContextFitter:
         budget: int,
         count: Count,
         summarize: Summarize | None,
+        summarizer_context: int | None = None,
     ) -> Fitted:
+        """`summarizer_context`: the summarizer model's context length, when known; a summary
+        request then leaves room in it for the summary (else the budget stands in for it)."""
         system = _validate_messages(system, "messages")
         new = _validate_messages(new, "messages")
         # Refused here, before the model call, rather than by append after the answer.
@@ -632,7 +636,7 @@ class ContextFitter:
         if not isinstance(budget, int) or isinstance(budget, bool):
             raise _bad("the context budget must be an integer", "max_tokens")
         conversation = await self.conversations.load(tenant, conversation_id)
-        return await _Fit(self, conversation, system, new, budget, count, summarize).run()
+        return await _Fit(self, conversation, system, new, budget, count, summarize, summarizer_context).run()
 
 
 class _Fit:
@@ -647,8 +651,10 @@ class _Fit:
         budget: int,
         count: Count,
         summarize: Summarize | None,
+        summarizer_context: int | None = None,
     ):
         self.fitter = fitter
+        self.summarizer_context = summarizer_context
         self.conv = conversation
         self.turns = list(conversation.turns)
         self.system = system
@@ -808,7 +814,8 @@ class _Fit:
     async def chunk_end(self, summary: str | None, start: int, cut: int, cap: int) -> int:
         """The largest end <= cut whose summary request of turns[start:end] fits the summarizer's
         input bound (at least one turn)."""
-        limit = self.fitter.max_summary_input_tokens or self.budget
+        # The summarizer answers up to `cap` tokens in the same context as its request.
+        limit = self.fitter.max_summary_input_tokens or (self.summarizer_context or self.budget) - cap
         if await self.count(summary_request(summary, self.turns[start:cut], cap)) <= limit:
             return cut
         lo, hi = start + 1, cut - 1  # answer in [start + 1, cut - 1]

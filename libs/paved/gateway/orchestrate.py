@@ -383,8 +383,13 @@ class Orchestrator:
             return (await self.tokens.count(tokenizer, "chat", {"messages": msgs}, 1)).tokens
 
         summarize = None
+        summarizer_context = None
         if route.summarizer is not None:
             summarizer = route.summarizer
+            summarizer_route = self.router.route(summarizer)
+            summarizer_context = summarizer_route.max_model_len or await self.internal.max_model_len(
+                summarizer
+            )
 
             async def summarize(msgs: list[dict[str, Any]], max_tokens: int) -> str:
                 return await self.internal.chat(summarizer, msgs, max_tokens)
@@ -397,6 +402,7 @@ class Orchestrator:
             budget=budget,
             count=count,
             summarize=summarize,
+            summarizer_context=summarizer_context,
         )
         body["messages"] = fitted.messages
         plan.conversation = (conversation_id, new)
