@@ -8,8 +8,9 @@ answer: everything but `IGNORED_FIELDS` and `model` (the resolved `alias@version
 it). `scope` is the same hash with the last user message's text taken out (its role, name and
 non-text parts kept); a semantic hit needs an identical scope, so it never crosses a tenant,
 model version, template version, `response_format`, sampling parameter, tool list, system
-prompt or earlier turn. The two hashes are domain-separated, so a scope never equals an exact
-key.
+prompt or earlier turn; nor, by default, a question with other numbers in it (`question_numbers`:
+sentence embeddings cannot be trusted with them). The two hashes are domain-separated, so a
+scope never equals an exact key.
 
 Invariants callers rely on:
 - Only `is_deterministic` requests are meant to be cached (temperature 0 given explicitly, or
@@ -74,6 +75,7 @@ __all__ = [
     "cache_keys",
     "is_cacheable_answer",
     "is_deterministic",
+    "question_numbers",
     "replay_sse",
 ]
 
@@ -169,16 +171,37 @@ def _split_semantic(endpoint: str, fields: dict[str, Any]) -> tuple[str | None, 
     return None, fields
 
 
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def question_numbers(text: str) -> list[str]:
+    """The numbers of a question in order, thousands separators dropped ("$300,000" and
+    "300000" agree): a semantic hit needs the same ones, because sentence embeddings barely
+    tell "#48213" from "#48231" or "15 percent of 80" from "80 percent of 15"
+    (docs/benchmarks.md, "Gateway caches")."""
+    return [m.group(0).replace(",", "") for m in _NUMBER.finditer(text)]
+
+
 def cache_keys(
-    *, tenant: str, model: str, template: str | None, endpoint: str, body: Mapping[str, Any]
+    *,
+    tenant: str,
+    model: str,
+    template: str | None,
+    endpoint: str,
+    body: Mapping[str, Any],
+    numbers_in_scope: bool = True,
 ) -> CacheKeys:
     """The exact key, the semantic scope and the semantic text of one request (see the module
-    docstring). `model` is the resolved `alias@version`, `template` `name@N` or None."""
+    docstring). `model` is the resolved `alias@version`, `template` `name@N` or None. With
+    `numbers_in_scope` (the default) the scope also covers `question_numbers(text)`."""
     fields = {k: v for k, v in body.items() if k not in IGNORED_FIELDS and k != "model"}
     head = {"tenant": tenant, "model": model, "template": template, "endpoint": endpoint}
     exact = hashlib.sha256(canonical_json({"kind": "exact", **head, "body": fields})).digest()
     text, scoped = _split_semantic(endpoint, fields)
-    scope = hashlib.sha256(canonical_json({"kind": "scope", **head, "body": scoped})).digest()
+    numbers = question_numbers(text) if numbers_in_scope and text is not None else None
+    scope = hashlib.sha256(
+        canonical_json({"kind": "scope", **head, "body": scoped, "numbers": numbers})
+    ).digest()
     return CacheKeys(exact=exact, scope=scope, text=text)
 
 

@@ -44,6 +44,7 @@ from paved.gateway.cache import (
     cache_keys,
     is_cacheable_answer,
     is_deterministic,
+    question_numbers,
     replay_sse,
 )
 from paved.testing.redis import redis_server
@@ -150,6 +151,32 @@ def test_scope_drops_only_the_last_user_text():
     named = chat_body()
     named["messages"][-1]["name"] = "alice"
     assert keys_of(named).scope != a.scope
+
+
+def test_numbers_of_the_question_are_in_the_scope():
+    """A semantic hit needs the same numbers in the same order (MiniLM scores "15 percent of 80"
+    vs "80 percent of 15" at 0.98); the wording around them is free."""
+    scope = keys_of(chat_body("What is 15 percent of 80?")).scope
+    assert keys_of(chat_body("Calculate 15% of 80.")).scope == scope
+    assert keys_of(chat_body("What is 80 percent of 15?")).scope != scope
+    assert keys_of(chat_body("What is 15 percent of 81?")).scope != scope
+    assert keys_of(chat_body("What is 15 percent of eighty?")).scope != scope
+    order = keys_of(chat_body("Where is my order #48213?")).scope
+    assert keys_of(chat_body("Where is my order #48231?")).scope != order
+    assert keys_of(chat_body("Status of order 48213, please")).scope == order
+    loan = keys_of(chat_body("Payment on a $300,000 mortgage at 6.5%?")).scope
+    assert keys_of(chat_body("Monthly cost of a 300000 dollar loan at 6.5 percent")).scope == loan
+    assert question_numbers("$1,250.75 in 2 days, 3.0 times") == ["1250.75", "2", "3.0"]
+    # Without the guard only the text's wording is free.
+    off = {"numbers_in_scope": False}
+    assert (
+        cache_keys(
+            tenant="t", model="m@1", template=None, endpoint="chat", body=chat_body("a 1"), **off
+        ).scope
+        == cache_keys(
+            tenant="t", model="m@1", template=None, endpoint="chat", body=chat_body("b 2"), **off
+        ).scope
+    )
 
 
 def test_semantic_text_forms():
