@@ -124,8 +124,10 @@ class InternalClient:
         finally:
             self._metrics.internal.labels(purpose, outcome).observe(time.perf_counter() - started)
 
-    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    async def chat(
+        self, model: str, messages: list[dict[str, Any]], max_tokens: int, *, temperature: float = 0.0
+    ) -> str:
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature}
         answer = await self._post("summary", model, "/v1/chat/completions", body, self._timeout_s)
         try:
             content = answer["choices"][0]["message"]["content"]
@@ -386,13 +388,14 @@ class Orchestrator:
         summarizer_context = None
         if route.summarizer is not None:
             summarizer = route.summarizer
+            temperature = route.summarizer_temperature or 0.0
             summarizer_route = self.router.route(summarizer)
             summarizer_context = summarizer_route.max_model_len or await self.internal.max_model_len(
                 summarizer
             )
 
             async def summarize(msgs: list[dict[str, Any]], max_tokens: int) -> str:
-                return await self.internal.chat(summarizer, msgs, max_tokens)
+                return await self.internal.chat(summarizer, msgs, max_tokens, temperature=temperature)
 
         fitted = await self.fitter.fit(
             tenant=plan.tenant,

@@ -66,6 +66,7 @@ _MODEL_KEYS = frozenset(
         "template",
         "max_model_len",
         "summarizer",
+        "summarizer_temperature",
         "cache",
     }
 )
@@ -143,6 +144,8 @@ class ModelRoute:
     max_model_len: int | None = None
     summarizer: str | None = None
     cache: CachePolicy | None = None
+    # The summarizer's sampling temperature (None: 0, greedy).
+    summarizer_temperature: float | None = None
 
     def __post_init__(self) -> None:
         backends = tuple(
@@ -210,7 +213,7 @@ def _route_to_obj(r: ModelRoute) -> dict[str, Any]:
         obj["bounded_load"] = r.bounded_load
     if r.bounded_load_slack is not None:
         obj["bounded_load_slack"] = r.bounded_load_slack
-    for name in ("template", "max_model_len", "summarizer"):
+    for name in ("template", "max_model_len", "summarizer", "summarizer_temperature"):
         if getattr(r, name) is not None:
             obj[name] = getattr(r, name)
     if r.cache is not None:
@@ -423,10 +426,17 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
     summarizer = _string(obj, "summarizer", path)
     if summarizer is not None and not _ALIAS.fullmatch(summarizer.partition("@")[0]):
         raise _fail(f"{path}.summarizer", f"must be a model alias, got {summarizer!r}")
+    summarizer_temperature = obj.get("summarizer_temperature")
+    if summarizer_temperature is not None:
+        summarizer_temperature = _number(summarizer_temperature, f"{path}.summarizer_temperature")
+        if summarizer_temperature > 2:
+            raise _fail(f"{path}.summarizer_temperature", "must be in 0..2")
+        if summarizer is None:
+            raise _fail(f"{path}.summarizer_temperature", "needs a summarizer")
     cache = _cache_policy(obj.get("cache"), f"{path}.cache") if "cache" in obj else None
     return ModelRoute(
         alias, tuple(backends), strategy, split, current, tokenizer, apt, kind, bounded_load, slack,
-        template, max_model_len, summarizer, cache,
+        template, max_model_len, summarizer, cache, summarizer_temperature,
     )  # fmt: skip
 
 

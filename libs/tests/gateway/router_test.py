@@ -170,6 +170,25 @@ class Clock:
             "models[0].backends[0].kserve_grpc",
             "host:port",
         ),
+        ({"models": [model(template="Bad Name")]}, "models[0].template", "name@version"),
+        ({"models": [model(template="t@0")]}, "models[0].template", "name@version"),
+        ({"models": [model(max_model_len=0)]}, "models[0].max_model_len", "1.."),
+        ({"models": [model(max_model_len=True)]}, "models[0].max_model_len", "integer"),
+        ({"models": [model(summarizer="a b")]}, "models[0].summarizer", "alias"),
+        ({"models": [model(summarizer_temperature=0.5)]}, "models[0].summarizer_temperature", "summarizer"),
+        (
+            {"models": [model(summarizer="s", summarizer_temperature=3)]},
+            "models[0].summarizer_temperature",
+            "0..2",
+        ),
+        ({"models": [model(cache=[])]}, "models[0].cache", "object"),
+        ({"models": [model(cache={"exact": 1})]}, "models[0].cache.exact", "true or false"),
+        ({"models": [model(cache={"semantic": True})]}, "models[0].cache.embedding_model", "required"),
+        ({"models": [model(cache={"threshold": 1.5})]}, "models[0].cache.threshold", "(0, 1]"),
+        ({"models": [model(cache={"threshold": 0})]}, "models[0].cache.threshold", "(0, 1]"),
+        ({"models": [model(cache={"ttl_s": 0})]}, "models[0].cache.ttl_s", "seconds"),
+        ({"models": [model(cache={"ttl_s": 10**7})]}, "models[0].cache.ttl_s", ""),
+        ({"models": [model(cache={"lru": True})]}, "models[0].cache.lru", "unknown key"),
     ],
 )
 def test_parse_errors_name_the_field(obj: dict[str, Any], path: str, fragment: str) -> None:
@@ -178,6 +197,27 @@ def test_parse_errors_name_the_field(obj: dict[str, Any], path: str, fragment: s
     assert str(e.value).startswith(path + ":"), str(e.value)
     assert fragment in str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+def test_orchestration_fields_round_trip() -> None:
+    obj = {
+        "models": [
+            model(
+                template="support@2",
+                max_model_len=4096,
+                summarizer="tiny",
+                summarizer_temperature=0.5,
+                cache={"semantic": True, "embedding_model": "minilm", "threshold": 0.95, "ttl_s": 60},
+            )
+        ]
+    }
+    table = parse_routes(obj)
+    route = next(iter(table.models.values()))
+    assert (route.template, route.max_model_len, route.summarizer) == ("support@2", 4096, "tiny")
+    assert route.cache is not None and route.cache.exact and route.cache.semantic
+    assert (route.cache.threshold, route.cache.ttl_s, route.cache.embedding_model) == (0.95, 60.0, "minilm")
+    assert parse_routes(table.to_obj()) == table
+    assert parse_routes({"models": [model()]}).revision != table.revision
 
 
 def test_parse_rejects_too_many_backends() -> None:
