@@ -214,14 +214,16 @@ def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestr
             raise GatewayError(400, "entry must be the x-paved-cache-entry of a cached answer", param="entry")
         tenant = principal.tenant.name
         evicted = False
-        if entry.startswith("s:") and orchestrator.semantic is not None:
-            evicted = await orchestrator.semantic.evict(tenant, entry)
-        elif entry.startswith("e:") and orchestrator.exact is not None:
+        if entry.startswith("e:"):
+            if orchestrator.exact is None:
+                raise GatewayError(404, "no such cache entry", code="cache_entry_not_found")
             try:
                 key = bytes.fromhex(entry[2:])
             except ValueError:
                 raise GatewayError(400, "entry is not a cache entry id", param="entry") from None
             evicted = await orchestrator.exact.delete(key)
+        elif orchestrator.semantic is not None:
+            evicted = await orchestrator.semantic.evict(tenant, entry)
         if not evicted:
             raise GatewayError(404, "no such cache entry (it may have expired)", code="cache_entry_not_found")
         gateway.metrics.cache_false_hits.labels(tenant).inc()

@@ -154,6 +154,33 @@ def test_exact_cache_rules(gw, client):
     assert h["x-paved-cache"] == "miss"
 
 
+def test_false_hit_report_evicts_an_exact_entry(gw, client):
+    messages = [{"role": "user", "content": f"fh {secrets.token_hex(4)}"}]
+    _chat(client, model="tiny", messages=messages, max_tokens=4, temperature=0)
+    _, h = _chat(client, model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert h["x-paved-cache"] == "exact"
+    auth = {"Authorization": f"Bearer {gw.api_key}"}
+    for bad in ({}, {"entry": 3}, {"entry": "e:zz"}):
+        r = httpx.post(gw.url + "/v1/cache/false_hit", json=bad, headers=auth, timeout=10)
+        assert r.status_code == 400, (bad, r.text)
+    r = httpx.post(gw.url + "/v1/cache/false_hit", json={"entry": h["x-paved-cache-entry"]}, timeout=10)
+    assert r.status_code == 401
+    r = httpx.post(
+        gw.url + "/v1/cache/false_hit", json={"entry": h["x-paved-cache-entry"]}, headers=auth, timeout=10
+    )
+    assert r.status_code == 200, r.text
+    r = httpx.post(
+        gw.url + "/v1/cache/false_hit", json={"entry": h["x-paved-cache-entry"]}, headers=auth, timeout=10
+    )
+    assert r.status_code == 404
+    _, h = _chat(client, model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert h["x-paved-cache"] == "miss"
+    assert (
+        'paved_gateway_cache_false_hit_reports_total{tenant="acme"} 1.0'
+        in httpx.get(gw.url + "/metrics").text
+    )
+
+
 def test_streams_are_captured_and_replayed(gw, client):
     messages = [{"role": "user", "content": f"stream {secrets.token_hex(4)}"}]
     chunks = list(

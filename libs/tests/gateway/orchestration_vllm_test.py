@@ -381,6 +381,9 @@ def test_semantic_cache_with_minilm(platform):
     r = httpx.post(gw.url + "/v1/cache/false_hit", json={"entry": entry},
                    headers={"Authorization": f"Bearer {gw.keys['team']}"}, timeout=10)  # fmt: skip
     assert r.status_code == 200, r.text
+    # Gone: the paraphrase is a miss now (a semantic hit was never stored as an entry itself).
+    _, h = _ask(client, [system, {"role": "user", "content": paraphrase}])
+    assert h["x-paved-cache"] == "miss", h["x-paved-cache"]
     metrics = httpx.get(gw.url + "/metrics", timeout=10).text
     assert 'paved_gateway_cache_false_hit_reports_total{tenant="team"} 1.0' in metrics
     assert 'result="semantic",tenant="team"' in metrics
