@@ -24,6 +24,7 @@ import uvicorn
 from paved.control_plane.analysis import GatewayAnalyzer
 from paved.control_plane.api import create_app
 from paved.control_plane.controller import Controller
+from paved.control_plane.dashboard import dashboard_router
 from paved.control_plane.driver import Driver
 from paved.control_plane.leader import LeaderLock
 from paved.control_plane.local_driver import LocalDriver
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="URL",
-        help="a gateway's /metrics, read for rollout analysis (repeatable)",
+        help="a gateway's /metrics, read for rollout analysis and the dashboard (repeatable)",
     )
     p.add_argument("--interval", type=float, default=1.0, help="seconds between reconcile passes")
     p.add_argument(
@@ -150,7 +151,8 @@ async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
         smoke=not args.no_smoke,
     )
     leader = LeaderLock(state)
-    app = create_app(store, controller, feed, admin.check, leader=leader)
+    dashboard = dashboard_router(store, controller, admin.check, gateway_metrics=args.gateway_metrics)
+    app = create_app(store, controller, feed, admin.check, leader=leader, extra_routers=[dashboard])
 
     async def lead() -> None:
         # Followers serve the API; the lock's holder runs the controller.

@@ -1,0 +1,132 @@
+"""The dashboard in a real browser: Playwright (sync API) driving Debian's chromium, headless,
+against the control-plane main and a gateway over the simulated engine with traffic flowing.
+
+It signs in (a wrong key is refused first), sees the deployment, starts a rollout v1 -> v2 from
+the page (confirming the dialog), watches v2's share of the traffic move to 50 % in the page,
+rolls back from the page, and sees the rollout end rolled back, the traffic back on v1 and the
+abort in the audit trail; no request through the gateway fails meanwhile. Every wait is on page
+text or attributes with a bound. Screenshots go to $TEST_UNDECLARED_OUTPUTS_DIR (Bazel's test
+outputs); with $PAVED_DASHBOARD_SCREENSHOT set, the mid-rollout screen (1280x900) is also saved
+there (that is how docs/img/dashboard.png is made).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from fleet import FAST, TrafficDriver, deploy, first_deploy, make_fleet
+from playwright.sync_api import Page, expect, sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+# Long analysis intervals: the rollout sits at 50 % until the page rolls it back.
+PARAMS = {**FAST, "phases": [50, 100], "interval_s": 120}
+
+
+@pytest.fixture
+def outputs(tmp_path: Path) -> Path:
+    return Path(os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tmp_path)
+
+
+@pytest.fixture
+def page():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: tools/bazel installs Debian's chromium (apt)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            yield context.new_page()
+        finally:
+            browser.close()
+
+
+def _share(page: Page, version: str):
+    return page.locator(
+        f'#traffic tr[data-alias="tiny"][data-region="local"][data-version="{version}"] td.share'
+    )
+
+
+def _confirm(page: Page, expected_text: str) -> None:
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_be_visible(timeout=10_000)
+    expect(dialog).to_contain_text(expected_text)
+    dialog.get_by_role("button", name="Confirm").click()
+    expect(dialog).to_be_hidden(timeout=10_000)
+
+
+def test_rollout_and_rollback_from_the_dashboard(tmp_path, page, outputs):
+    with make_fleet(tmp_path) as make:
+        cp, gw, key = make()
+        first_deploy(cp, gw, key)
+        deploy(cp, "v2")
+        traffic = TrafficDriver(gw.url, key, "tiny", rate=4).start()
+        try:
+            _drive(page, cp, outputs)
+        finally:
+            results = traffic.stop()
+        assert results and traffic.failures() == [], traffic.failures()[:5]
+
+
+def _drive(page: Page, cp, outputs: Path) -> None:
+    page.goto(cp.url + "/dashboard")
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    page.get_by_label("Admin key").fill("not-the-key")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#login-error")).to_contain_text("rejected", timeout=10_000)
+
+    page.get_by_label("Admin key").fill(cp.admin_key)
+    page.get_by_role("button", name="Sign in").click()
+    deployment = page.locator('#deployments tr[data-model="tiny"][data-version="v1"]')
+    expect(deployment).to_contain_text("active", timeout=15_000)
+    expect(page.locator('#deployments tr[data-model="tiny"][data-version="v2"]')).to_contain_text("inactive")
+    expect(_share(page, "v1")).to_have_attribute("data-share", "100", timeout=15_000)
+    expect(page.locator('#replicas tr[data-state="ready"]')).to_have_count(1, timeout=15_000)
+    # Per-tenant usage from the gateway's /metrics (the traffic driver is the tenant "team").
+    expect(page.locator('#tenants tr[data-tenant="team"]')).to_be_visible(timeout=15_000)
+    page.screenshot(path=str(outputs / "dashboard_before.png"), full_page=True)
+
+    # Start v1 -> v2 from the form, confirming the dialog.
+    page.get_by_label("Model", exact=True).select_option("tiny")
+    page.get_by_label("To version").select_option("v2")
+    page.get_by_label("Params (JSON)").fill(json.dumps(PARAMS))
+    page.get_by_role("button", name="Start rollout…").click()
+    _confirm(page, "version v2")
+    running = page.locator('#rollouts tr[data-status="running"]')
+    expect(running).to_have_count(1, timeout=15_000)
+    expect(running).to_contain_text("v1 → v2")
+
+    # The weights move in the page: v2 takes half of the region's traffic.
+    expect(_share(page, "v2")).to_have_attribute("data-share", "50", timeout=120_000)
+    expect(_share(page, "v1")).to_have_attribute("data-share", "50")
+    expect(running).to_have_attribute("data-phase", "analysis:0", timeout=30_000)
+    expect(page.locator("#weights-chart polyline")).to_have_count(2)  # a line per version
+    shot = outputs / "dashboard_rollout.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("PAVED_DASHBOARD_SCREENSHOT"):  # the docs' picture: one laptop screen
+        page.screenshot(path=os.environ["PAVED_DASHBOARD_SCREENSHOT"])
+
+    # Roll back from the page.
+    rollout_id = running.get_attribute("data-rollout")
+    page.get_by_role("button", name=f"Roll back rollout {rollout_id}").click()
+    _confirm(page, f"Abort rollout {rollout_id}")
+    ended = page.locator(f'#rollouts tr[data-rollout="{rollout_id}"]')
+    expect(ended).to_have_attribute("data-status", "rolled_back", timeout=120_000)
+    expect(ended.get_by_role("button")).to_have_count(0)  # nothing left to roll back
+    expect(_share(page, "v1")).to_have_attribute("data-share", "100", timeout=30_000)
+    expect(page.locator('#audit tr[data-kind="rollout.abort_requested"]')).to_contain_text(
+        "aborted through the API", timeout=15_000
+    )
+    expect(page.locator("#rollout-audit")).to_contain_text("abort requested")
+    page.screenshot(path=str(outputs / "dashboard_rolled_back.png"), full_page=True)
+    r = cp.api("GET", f"/v1/rollouts/{rollout_id}")
+    assert r["status"] == "rolled_back", r
