@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from paved.cli import control, keys, templates
+from paved.cli import control, keys, templates, up
 from paved.cli.common import CliError
 
 # The subcommand registry: each entry adds its command group(s) to the top-level subparsers.
@@ -20,6 +20,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     keys.register,
     control.register,
     templates.register,
+    up.register,
 )
 
 

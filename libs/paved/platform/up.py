@@ -1,0 +1,707 @@
+"""`up`: the control plane, a gateway following its routes and the tiny model, in one command.
+
+Invariants:
+  * Every process is an existing main started as a child (`python -m paved.control_plane.server`,
+    `python -m paved.gateway.server`, `python -m moto.server`); nothing here serves requests.
+  * Each child is the leader of its own process group, and every child (and every launcher and
+    engine below it: they inherit the environment) carries `PAVED_PLATFORM=<token>`. `stop()`
+    signals the groups, waits a bounded time, SIGKILLs what is left, then sweeps /proc for the
+    token, so no process outlives the platform, whether it stops after a failed start, on
+    Ctrl-C/SIGTERM, or because a child died.
+  * One admin key for the control plane and the gateway: read from `WORK/admin_key` or generated
+    there (mode 0600); it reaches the children through files and the environment, never argv.
+  * Loopback only; every HTTP call has a deadline and every wait loop a bound.
+  * Usage errors raise `UsageError` (exit 2), runtime failures `PlatformError` (exit 1), each
+    with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from paved.runfiles import runfile
+
+HOST = "127.0.0.1"
+MARKER_ENV = "PAVED_PLATFORM"
+MODEL_ID = "tiny"
+VERSION = "v1"
+TENANT = "demo"
+SIM_ENGINE = "sim://tiny?tokens_per_s=200&max_num_seqs=64"
+PORTS_PER_REGION = 200  # launcher HTTP + admin per replica, with room for a red-black surge
+CP_PORT_OFFSET = 10  # --port 8080: gateway 8080, control plane 8090 (their own defaults)
+S3_BUCKET = "paved-models"
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "test",
+    "AWS_SECRET_ACCESS_KEY": "test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+HTTP_TIMEOUT_S = 10.0
+XGB_NOTE = (
+    "note: the XGBoost fixture is not deployed: the control plane deploys launcher packages (LLMs) "
+    "only, not KServe model directories; `tools/bazel run //services/kserve:serve` serves it alone"
+)
+
+
+class UsageError(Exception):
+    """A bad flag or flag combination: exit status 2."""
+
+
+class PlatformError(Exception):
+    """The platform could not start or a child died: exit status 1."""
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGTERM handler (SIGINT raises KeyboardInterrupt)."""
+
+
+@dataclass
+class Config:
+    work_dir: Path
+    port: int = 8080  # gateway; the control plane on port + 10; 0: any free ports
+    replica_port_base: int = 30000  # region i's replicas on base + 200 i .. + 199
+    state: str | None = None  # the control plane's; default sqlite:///WORK/control_plane.sqlite
+    redis: str | None = None  # the gateway's limits
+    regions: int = 1
+    replicas: int = 1  # per region
+    engine: str = "vllm"  # or "sim"
+    s3: bool = False
+    boot_timeout_s: float = 1800.0
+
+    def validate(self) -> None:
+        if self.work_dir.exists() and not self.work_dir.is_dir():
+            raise UsageError(f"--work-dir {self.work_dir}: exists and is not a directory")
+        if not (self.port == 0 or 1024 <= self.port <= 65535 - CP_PORT_OFFSET):
+            raise UsageError(f"--port {self.port}: 0 (any free ports) or 1024..{65535 - CP_PORT_OFFSET}")
+        if not 1 <= self.regions <= 8:
+            raise UsageError(f"--regions {self.regions}: between 1 and 8")
+        if not 1 <= self.replicas <= 32:
+            raise UsageError(f"--replicas {self.replicas}: between 1 and 32")
+        top = self.replica_port_base + PORTS_PER_REGION * self.regions - 1
+        if self.replica_port_base < 1024 or top > 65535:
+            raise UsageError(
+                f"--replica-ports {self.replica_port_base}: ports {self.replica_port_base}-{top} must lie "
+                "within 1024-65535"
+            )
+        if self.port and self.replica_port_base <= self.port + CP_PORT_OFFSET and self.port <= top:
+            raise UsageError(f"--port {self.port} overlaps the replica ports {self.replica_port_base}-{top}")
+        if self.engine not in ("vllm", "sim"):
+            raise UsageError(f"--engine {self.engine!r}: vllm or sim")
+        if self.state is not None:
+            _check_state(self.state)
+        if self.redis is not None:
+            _check_redis(self.redis)
+
+    def region_args(self) -> list[tuple[str, int, int]]:
+        names = ["local"] if self.regions == 1 else [f"r{i + 1}" for i in range(self.regions)]
+        out = []
+        for i, name in enumerate(names):
+            lo = self.replica_port_base + PORTS_PER_REGION * i
+            out.append((name, lo, lo + PORTS_PER_REGION - 1))
+        return out
+
+
+def _check_state(state: str) -> None:
+    if state.startswith("sqlite:///"):
+        path = state.removeprefix("sqlite:///")
+        if not path or path.endswith("/"):
+            raise UsageError(f"--state {state!r}: sqlite:///PATH names a file")
+        return
+    parts = urllib.parse.urlsplit(state)
+    if parts.scheme not in (
+        "postgresql",
+        "postgresql+psycopg",
+        "postgresql+psycopg2",
+    ) or not parts.path.strip("/"):
+        raise UsageError(f"--state {state!r}: sqlite:///PATH or postgresql://USER@HOST:PORT/DB")
+
+
+def _check_redis(url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname or port == -1:
+        raise UsageError(f"--redis {url!r}: redis://HOST:PORT/DB")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--work-dir",
+        help="state, keys, logs and replica dirs (default: a new directory under the system temp dir)",
+    )
+    p.add_argument(
+        "--port",
+        type=_int("--port"),
+        default=8080,
+        help="gateway port; the control plane listens on PORT+10 (default 8080; 0: any free ports)",
+    )
+    p.add_argument(
+        "--replica-ports",
+        type=_int("--replica-ports"),
+        default=30000,
+        metavar="BASE",
+        help=f"region i's replicas use ports BASE+{PORTS_PER_REGION}i.. (default 30000)",
+    )
+    p.add_argument(
+        "--state",
+        help="the control plane's store: sqlite:///PATH (default in the work dir) or postgresql://...",
+    )
+    p.add_argument("--redis", metavar="URL", help="redis://HOST:PORT/DB for the gateway's shared limits")
+    p.add_argument("--regions", type=_int("--regions"), default=1, help="regions of local replicas (1..8)")
+    p.add_argument("--replicas", type=_int("--replicas"), default=1, help="replicas per region (1..32)")
+    p.add_argument(
+        "--engine",
+        default="vllm",
+        choices=("vllm", "sim"),
+        help="vllm (the tiny model on vLLM) or sim (the simulated engine: many replicas, no vLLM)",
+    )
+    p.add_argument("--s3", action="store_true", help="serve the package from a loopback S3 (moto)")
+    p.add_argument(
+        "--boot-timeout", type=float, default=1800.0, help="seconds for every replica to be ready (1800)"
+    )
+
+
+def _int(flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: not an integer") from None
+
+    return parse
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    if args.work_dir:
+        # `bazel run` starts mains in the runfiles tree: relative paths are the caller's.
+        base = os.environ.get("BUILD_WORKING_DIRECTORY", "")
+        work_dir = Path(base, os.path.expanduser(args.work_dir)).absolute()
+    else:
+        work_dir = Path(tempfile.gettempdir(), "paved-up-(new)")  # made once the flags are valid
+    if not 0 < args.boot_timeout <= 86400:
+        raise UsageError(f"--boot-timeout {args.boot_timeout}: between 0 and 86400 seconds")
+    cfg = Config(
+        work_dir=work_dir,
+        port=args.port,
+        replica_port_base=args.replica_ports,
+        state=args.state,
+        redis=args.redis,
+        regions=args.regions,
+        replicas=args.replicas,
+        engine=args.engine,
+        s3=args.s3,
+        boot_timeout_s=args.boot_timeout,
+    )
+    cfg.validate()
+    if not args.work_dir:
+        cfg.work_dir = Path(tempfile.mkdtemp(prefix="paved-up-"))
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class _Child:
+    """One main in its own process group; stdout and stderr appended to `log`."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path):
+        self.name = name
+        self.log = log
+        self._out: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self._lines: list[str] = []
+        self._seen = threading.Condition()
+        self.proc = subprocess.Popen(  # noqa: S603 - argv built by Platform, no shell
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._out,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,  # its own group: stop() signals it and whatever it forked
+        )
+        threading.Thread(target=self._pump, name=f"{name}-stdout", daemon=True).start()
+
+    def _pump(self) -> None:
+        stdout = self.proc.stdout
+        if stdout is None:  # never: Popen(stdout=PIPE)
+            return
+        for raw in stdout:
+            with contextlib.suppress(ValueError):  # the log closed by stop()
+                self._out.write(raw)
+                self._out.flush()
+            with self._seen:
+                self._lines.append(raw.decode(errors="replace"))
+                self._seen.notify_all()
+        with self._seen:
+            self._seen.notify_all()
+
+    def wait_line(self, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        checked = 0
+        with self._seen:
+            while True:
+                for line in self._lines[checked:]:
+                    match = pattern.search(line)
+                    if match:
+                        return match
+                checked = len(self._lines)
+                left = deadline - time.monotonic()
+                if self.proc.poll() is not None:
+                    raise PlatformError(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
+                if left <= 0:
+                    raise PlatformError(f"{self.name} did not start within {timeout_s:.0f} s; see {self.log}")
+                self._seen.wait(min(left, 0.5))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM to the group, then SIGKILL once `timeout_s` has passed."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                print(f"up: {self.name} still running after {timeout_s:.0f} s; killing it", file=sys.stderr)
+        # The group too: a grandchild may outlive its parent.
+        self.signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._out.close()
+
+
+def marked_processes(token: str) -> dict[int, str]:
+    """pid -> command line of every live (not zombie) process whose environment has
+    PAVED_PLATFORM=token."""
+    needle = f"{MARKER_ENV}={token}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return found
+
+
+@dataclass
+class Platform:
+    """`start()` brings everything up (printing progress through `say`), `stop()` takes it
+    all down; `stop()` is safe to call at any point, and more than once."""
+
+    cfg: Config
+    say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
+    token: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    def __post_init__(self) -> None:
+        self.children: list[_Child] = []
+        self.admin_key = ""
+        self.api_key = ""
+        self.gateway_url = ""
+        self.control_plane_url = ""
+        self.s3_endpoint: str | None = None
+        self.package_uri = ""
+        self.replicas: list[dict[str, Any]] = []
+        self._stopped = False
+
+    # -- start -------------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.cfg
+        work = cfg.work_dir
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+            (work / "logs").mkdir(exist_ok=True)
+        except OSError as e:
+            raise PlatformError(f"--work-dir {work}: {e.strerror}") from None
+        self.admin_key = self._admin_key(work / "admin_key")
+        env = dict(os.environ)
+        # The children import paved from where this process does (a `bazel run` runfiles tree).
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env[MARKER_ENV] = self.token
+        env["PAVED_ADMIN_KEY"] = self.admin_key
+        env["PAVED_ROUTES_TOKEN"] = self.admin_key  # the gateway's --routes-token default
+        env.pop("PAVED_STATE_DIR", None)  # every path below is explicit
+
+        package = self._tiny_package()
+        if cfg.s3:
+            env.update(S3_CREDENTIALS)
+            self.package_uri = self._start_s3(env, package)
+            # The control plane reads the package too (its fingerprint), with a client that
+            # finds the endpoint in the environment.
+            env["AWS_ENDPOINT_URL_S3"] = self.s3_endpoint or ""
+        else:
+            self.package_uri = package
+
+        gw_port = cfg.port or _free_port()
+        cp_port = cfg.port + CP_PORT_OFFSET if cfg.port else _free_port()
+        state = cfg.state or f"sqlite:///{work / 'control_plane.sqlite'}"
+        regions = cfg.region_args()
+        cp_argv = [
+            sys.executable, "-m", "paved.control_plane.server",
+            "--host", HOST, "--port", str(cp_port),
+            "--state", state,
+            "--work-dir", str(work / "replicas"),
+            "--cache-dir", str(work / "cache"),
+            "--gateway-metrics", f"http://{HOST}:{gw_port}/metrics",
+            "--stop-replicas-on-exit",
+        ]  # fmt: skip
+        for name, lo, hi in regions:
+            cp_argv += ["--region", f"{name}={lo}-{hi}"]
+        if self.s3_endpoint:
+            cp_argv += ["--s3-endpoint-url", self.s3_endpoint]
+        self.say(f"starting the control plane ({_redact(state)}; {len(regions)} region(s))")
+        cp = self._spawn("control plane", cp_argv, env, "control_plane.log")
+        self.control_plane_url = cp.wait_line(
+            re.compile(r"serving control plane on (http://\S+)"), 120
+        ).group(1)
+
+        gw_argv = [
+            sys.executable, "-m", "paved.gateway.server",
+            "--routes", f"{self.control_plane_url}/v1/routes",
+            "--routes-cache", str(work / "routes_cache.json"),
+            "--host", HOST, "--port", str(gw_port),
+            "--state", f"sqlite:///{work / 'gateway.sqlite'}",
+            "--bootstrap-tenant", TENANT,
+            "--bootstrap-key-file", str(work / f"{TENANT}.key"),
+        ]  # fmt: skip
+        if cfg.redis:
+            gw_argv += ["--redis", cfg.redis]
+        self.say("starting the gateway (following the control plane's routes)")
+        gw = self._spawn("gateway", gw_argv, env, "gateway.log")
+        self.gateway_url = gw.wait_line(re.compile(r"serving gateway on (http://\S+)"), 120).group(1)
+        try:
+            self.api_key = (work / f"{TENANT}.key").read_text().strip()
+        except OSError as e:
+            raise PlatformError(f"the gateway wrote no key for tenant {TENANT}: {e.strerror}") from None
+
+        self._deploy([name for name, _, _ in regions])
+        self.say(XGB_NOTE)
+        self._wait_replicas(cfg.replicas * len(regions))
+        self._wait_served()
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], log: str) -> _Child:
+        child = _Child(name, argv, env, self.cfg.work_dir / "logs" / log, self.cfg.work_dir)
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _admin_key(path: Path) -> str:
+        with contextlib.suppress(FileNotFoundError):
+            key = path.read_text().strip()
+            if key:
+                return key
+        key = "adm-" + secrets.token_hex(24)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise PlatformError(f"cannot write the admin key to {path}: {e.strerror}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.chmod(path, 0o600)
+        return key
+
+    @staticmethod
+    def _tiny_package() -> str:
+        try:
+            return runfile("services/launcher/tiny_package.tar")
+        except FileNotFoundError:
+            # A source checkout with the package built (direct pytest runs).
+            built = Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar"
+            if built.exists():
+                return str(built)
+            raise PlatformError(
+                "no tiny package: run through Bazel, or `tools/bazel build //services/launcher:tiny_package`"
+            ) from None
+
+    def _start_s3(self, env: dict[str, str], package: str) -> str:
+        port = _free_port()
+        self.say(f"starting a loopback S3 (moto) on port {port}")
+        s3 = self._spawn(
+            "s3", [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)], env, "s3.log"
+        )
+        self.s3_endpoint = f"http://{HOST}:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            if not s3.alive():
+                raise PlatformError(f"the S3 server exited; see {s3.log}")
+            try:
+                httpx.get(self.s3_endpoint + "/moto-api/", timeout=2)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise PlatformError(f"the S3 server did not answer within 60 s; see {s3.log}") from None
+                time.sleep(0.2)
+        import boto3  # only with --s3
+        from botocore.config import Config as BotoConfig
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.s3_endpoint,
+            aws_access_key_id=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            region_name=S3_CREDENTIALS["AWS_DEFAULT_REGION"],
+            config=BotoConfig(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=60),
+        )
+        key = f"{MODEL_ID}/{VERSION}/tiny_package.tar"
+        client.create_bucket(Bucket=S3_BUCKET)
+        client.upload_file(package, S3_BUCKET, key)
+        return f"s3://{S3_BUCKET}/{key}"
+
+    def api(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        try:
+            return httpx.request(
+                method,
+                self.control_plane_url + path,
+                json=body,
+                headers={"Authorization": f"Bearer {self.admin_key}"},
+                timeout=HTTP_TIMEOUT_S,
+            )
+        except httpx.HTTPError as e:
+            raise PlatformError(f"control plane {method} {path}: {type(e).__name__}: {e}") from None
+
+    def _deploy(self, regions: list[str]) -> None:
+        n = self.cfg.replicas
+        engine = SIM_ENGINE if self.cfg.engine == "sim" else "package"
+        body = {
+            "model_id": MODEL_ID,
+            "version": VERSION,
+            "package_uri": self.package_uri,
+            "replicas": n,
+            # --replicas is what runs: the autoscaler keeps it there.
+            "min_replicas": n,
+            "max_replicas": n,
+            "regions": regions,
+            "engine": engine,
+        }
+        r = self.api("POST", "/v1/deployments", body)
+        if r.status_code == 409:
+            self.say(
+                f"{MODEL_ID}@{VERSION} is already registered (a reused work dir): its replicas come back"
+            )
+        elif r.status_code not in (200, 201):
+            raise PlatformError(f"registering {MODEL_ID}@{VERSION}: {r.status_code} {_error(r)}")
+        else:
+            self.say(f"registered {MODEL_ID}@{VERSION} from {self.package_uri} (engine {engine})")
+        r = self.api("POST", "/v1/rollouts", {"model_id": MODEL_ID, "version": VERSION, "params": {}})
+        if r.status_code == 409:
+            self.say(f"rollout of {MODEL_ID}@{VERSION}: {_error(r)}")
+        elif r.status_code not in (200, 201):
+            raise PlatformError(f"rolling out {MODEL_ID}@{VERSION}: {r.status_code} {_error(r)}")
+        else:
+            self.say(f"rollout {r.json()['id']}: {n} replica(s) in each of {', '.join(regions)}")
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            if not child.alive():
+                raise PlatformError(f"{child.name} exited with {child.proc.returncode}; see {child.log}")
+
+    def _wait_replicas(self, want: int) -> None:
+        deadline = time.monotonic() + self.cfg.boot_timeout_s
+        states: dict[str, str] = {}
+        while True:
+            self._check_children()
+            r = self.api("GET", f"/v1/replicas?model_id={MODEL_ID}")
+            if r.status_code != 200:
+                raise PlatformError(f"control plane GET /v1/replicas: {r.status_code} {_error(r)}")
+            replicas = r.json()["data"]
+            for rep in replicas:
+                if states.get(rep["id"]) != rep["state"]:
+                    states[rep["id"]] = rep["state"]
+                    why = f" ({rep['reason']})" if rep.get("reason") else ""
+                    self.say(f"replica {rep['id']} [{rep['region']}] {rep['url']}: {rep['state']}{why}")
+            ready = [rep for rep in replicas if rep["state"] == "ready"]
+            if len(ready) >= want:
+                self.replicas = sorted(ready, key=lambda rep: (rep["region"], rep["id"]))
+                return
+            if time.monotonic() > deadline:
+                raise PlatformError(
+                    f"{len(ready)} of {want} replicas ready after {self.cfg.boot_timeout_s:.0f} s; "
+                    f"see {self.cfg.work_dir / 'replicas'}"
+                )
+            time.sleep(0.5)
+
+    def _wait_served(self) -> None:
+        """Until one chat completion through the gateway answers 200: the gateway has the routes
+        and has found the backends healthy."""
+        deadline = time.monotonic() + 120
+        last = ""
+        while time.monotonic() < deadline:
+            self._check_children()
+            try:
+                r = httpx.post(
+                    self.gateway_url + "/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {self.api_key}"},
+                    json={
+                        "model": MODEL_ID,
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 1,
+                    },
+                    timeout=60,
+                )
+                if r.status_code == 200:
+                    return
+                last = f"{r.status_code} {_error(r)}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(0.5)
+        raise PlatformError(f"the gateway does not serve {MODEL_ID} after 120 s: {last}")
+
+    def summary(self) -> list[str]:
+        lines = [
+            f"paved platform is up (work dir {self.cfg.work_dir}, logs in {self.cfg.work_dir / 'logs'}):",
+            f"  gateway: {self.gateway_url}  (OpenAI API at {self.gateway_url}/v1)",
+            f"  control plane: {self.control_plane_url}",
+        ]
+        if self.s3_endpoint:
+            lines.append(f"  s3: {self.s3_endpoint}  (package {self.package_uri})")
+        for rep in self.replicas:
+            lines.append(f"  replica {rep['id']} [{rep['region']}] metrics: {rep['url']}/metrics")
+        lines += [
+            f"  admin key: {self.admin_key}  (also in {self.cfg.work_dir / 'admin_key'})",
+            f"  api key ({TENANT}): {self.api_key}",
+            f"  pids: {' '.join(str(c.proc.pid) for c in self.children)}",
+            f"try: curl {self.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {self.api_key}' "
+            f'-H \'Content-Type: application/json\' -d \'{{"model": "{MODEL_ID}", "messages": '
+            '[{"role": "user", "content": "hello"}]}\'',
+            "Ctrl-C (or SIGTERM) stops everything.",
+        ]
+        return lines
+
+    def wait(self) -> None:
+        """Until a child dies (PlatformError); signals interrupt it."""
+        while True:
+            self._check_children()
+            time.sleep(0.5)
+
+    # -- stop --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        by_name = {c.name: c for c in self.children}
+        # The gateway first (no new traffic), then the control plane, which drains its replicas
+        # (--stop-replicas-on-exit), then the S3 they may still read from.
+        for name, timeout_s in (("gateway", 20.0), ("control plane", 90.0), ("s3", 10.0)):
+            child = by_name.get(name)
+            if child is not None:
+                child.stop(timeout_s)
+        # Replicas run in their own sessions (a control plane that crashed leaves them running):
+        # whatever still carries the token is ended here.
+        deadline = time.monotonic() + 15
+        left = marked_processes(self.token)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = marked_processes(self.token)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _redact(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def _error(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    except ValueError:
+        message = None
+    return " ".join(str(message or r.text[:200]).split())
+
+
+def run(args: argparse.Namespace, prog: str = "up") -> int:
+    """Start, print the summary, wait for a signal or a dead child, stop. Exit status."""
+    try:
+        cfg = config_from_args(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    platform = Platform(cfg)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Stop
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    status = 0
+    try:
+        platform.start()
+        for line in platform.summary():
+            print(line, flush=True)
+        platform.wait()
+    except (KeyboardInterrupt, _Stop):
+        print(f"{prog}: stopping", flush=True)
+    except PlatformError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        # A second Ctrl-C must not cut the teardown short: every wait in stop() is bounded.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            platform.stop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    print(f"{prog}: stopped", flush=True)
+    return status
+
+
+def build_parser(prog: str = "up") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="The paved platform on this machine: control plane, gateway and the tiny model.",
+    )
+    add_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""`up` as a process (python -m paved.platform.up, what //services/platform:up runs) on the
+simulated engine: 2 replicas in each of 2 regions, the package in a loopback S3, an official
+`openai` client request through the gateway with the key it printed, /v1/models, then SIGTERM:
+exit 0 and no process it started left (every one carries a marker in its environment, inherited
+from the `up` process); SIGTERM while replicas boot, and a failed start (exit 1), leave nothing
+either. And the flag checks: each bad flag is exit 2 with a one-line message, before anything
+starts (also as `paved up`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from paved.cli.main import main as paved_main
+from paved.platform.up import main as up_main
+
+MARKER = "PAVED_TEST_UP"
+
+
+def marked(token: str) -> dict[int, str]:
+    needle = f"{MARKER}={token}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return found
+
+
+class Up:
+    """`python -m paved.platform.up ARGS` with the marker in its environment; its output read
+    line by line."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.token = f"{os.getpid()}-{time.monotonic_ns()}"
+        env = {**os.environ, MARKER: self.token, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env.pop("PAVED_ADMIN_KEY", None)
+        argv = [sys.executable, "-u", "-m", "paved.platform.up", "--work-dir", str(tmp_path / "work"), *args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode(errors="replace"))
+        self.lines.put(None)
+
+    def read_until(self, pattern: str, timeout_s: float) -> re.Match[str] | None:
+        """The first match of `pattern` in a new line; None once up has exited."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                return None
+            self.output.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"no {pattern!r} from up within {timeout_s} s:\n{self.text()}")
+
+    def expect(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        match = self.read_until(pattern, timeout_s)
+        assert match is not None, f"up exited before {pattern!r}:\n{self.text()}"
+        return match
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def wait(self, timeout_s: float = 240) -> int:
+        status = self.proc.wait(timeout_s)
+        while self.read_until(r"$^", 10) is not None:  # the rest of its output
+            pass
+        return status
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in marked(self.token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    up = Up(
+        tmp_path, "--port", "0", "--replica-ports", "44000",
+        "--engine", "sim", "--replicas", "2", "--regions", "2", "--boot-timeout", "240", "--s3",
+    )  # fmt: skip
+    proc, token, read_until, output = up.proc, up.token, up.expect, up.output
+    try:
+        gateway = read_until(r"^  gateway: (http://\S+)", 300).group(1)
+        key = read_until(r"^  api key \(demo\): (\S+)", 30).group(1)
+        pids = [int(p) for p in read_until(r"^  pids: ([\d ]+)", 30).group(1).split()]
+        metrics = [line for line in output if re.match(r"^  replica \S+ \[r[12]\] metrics: http://", line)]
+        assert len(metrics) == 4, output
+        assert {"[r1]", "[r2]"} == {line.split()[2] for line in metrics}
+        # The package came from the loopback S3, which the launchers read it from.
+        assert any(line.startswith("registered tiny@v1 from s3://paved-models/") for line in output), output
+        work = tmp_path / "work"
+        assert (work / "admin_key").stat().st_mode & 0o777 == 0o600
+
+        running = marked(token)
+        # The S3, control plane and gateway it printed, and 4 launchers with their engines.
+        assert len(pids) == 3 and set(pids) <= set(running), (pids, running)
+        assert [running[pid].split(" -m ", 1)[1].split()[0] for pid in pids] == [
+            "moto.server",
+            "paved.control_plane.server",
+            "paved.gateway.server",
+        ]
+        mains = [cmd.split(" -m ", 1)[-1].split()[0] for cmd in running.values()]
+        assert mains.count("paved.launcher.main") == 4, running
+        assert mains.count("paved.frontend.server") == 4, running
+
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key=key, max_retries=0, timeout=60)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.parse().choices[0].message.content
+        assert "tiny" in [m.id for m in client.models.list().data]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gateway + "/v1", api_key="pvd_wrong", max_retries=0).models.list()
+
+        proc.send_signal(signal.SIGTERM)
+        assert up.wait() == 0, up.text()
+        assert marked(token) == {}, marked(token)
+        assert "up: stopped\n" in output
+    finally:
+        up.cleanup()
+
+
+def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path) -> None:
+    up = Up(tmp_path, "--port", "0", "--replica-ports", "44400", "--engine", "sim", "--replicas", "3")
+    try:
+        up.expect(r"^replica \S+ \[local\] \S+: starting", 120)
+        assert marked(up.token)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.wait() == 0, up.text()
+        assert marked(up.token) == {}, marked(up.token)
+        assert not any(line.startswith("paved platform is up") for line in up.output)
+    finally:
+        up.cleanup()
+
+
+def test_a_failed_start_exits_1_and_stops_what_it_started(tmp_path: Path) -> None:
+    # The gateway's port is taken: the control plane is already up when the gateway fails.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        if port > 65535 - 10:
+            pytest.skip("ephemeral port too high for PORT+10")
+        up = Up(tmp_path, "--port", str(port), "--replica-ports", "44600", "--engine", "sim")
+        try:
+            up.expect(r"^starting the gateway", 120)
+            assert up.wait() == 1, up.text()
+            errors = [line for line in up.output if line.startswith("up: error: ")]
+            assert len(errors) == 1 and "gateway exited" in errors[0], up.text()
+            assert marked(up.token) == {}, marked(up.token)
+        finally:
+            up.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--regions", "0"], "--regions 0: between 1 and 8"),
+        (["--regions", "9"], "--regions 9: between 1 and 8"),
+        (["--replicas", "33"], "--replicas 33: between 1 and 32"),
+        (["--replicas", "x"], "--replicas 'x': not an integer"),
+        (["--engine", "tgi"], "invalid choice: 'tgi'"),
+        (["--port", "80"], "--port 80: 0 (any free ports) or 1024"),
+        (["--port", "30000"], "overlaps the replica ports"),
+        (["--replica-ports", "65000", "--regions", "8"], "must lie within 1024-65535"),
+        (["--state", "mysql://h/db"], "--state 'mysql://h/db': sqlite:///PATH or postgresql://"),
+        (["--state", "sqlite:///"], "sqlite:///PATH names a file"),
+        (["--redis", "http://h:6379"], "--redis 'http://h:6379': redis://HOST:PORT/DB"),
+        (["--redis", "redis://h:99999/0"], "redis://HOST:PORT/DB"),
+        (["--boot-timeout", "0"], "--boot-timeout 0"),
+        (["--s3=yes"], "ignored explicit argument"),
+    ],
+)
+def test_bad_flags_exit_2_before_starting_anything(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    assert up_main(["--work-dir", str(work), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not work.exists()
+    # `paved up` is the same command.
+    assert paved_main(["up", "--work-dir", str(work), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_work_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    assert up_main(["--work-dir", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0
+    assert "exists and is not a directory" in err
