@@ -4,10 +4,12 @@ against the control-plane main and a gateway over the simulated engine with traf
 It signs in (a wrong key is refused first), sees the deployment, starts a rollout v1 -> v2 from
 the page (confirming the dialog), watches v2's share of the traffic move to 50 % in the page,
 rolls back from the page, and sees the rollout end rolled back, the traffic back on v1 and the
-abort in the audit trail; no request through the gateway fails meanwhile. Every wait is on page
-text or attributes with a bound. Screenshots go to $TEST_UNDECLARED_OUTPUTS_DIR (Bazel's test
-outputs); with $PAVED_DASHBOARD_SCREENSHOT set, the mid-rollout screen (1280x900) is also saved
-there (that is how docs/img/dashboard.png is made).
+abort in the audit trail; then scales v1 to 2 from the page and runs GC (its dry run finds
+nothing); no request through the gateway fails meanwhile. A second test pins a versioned
+deployment as current from the page. Every wait is on page text or attributes with a bound.
+Screenshots go to $TEST_UNDECLARED_OUTPUTS_DIR (Bazel's test outputs); with
+$PAVED_DASHBOARD_SCREENSHOT set, the mid-rollout screen (1280x900) is also saved there (that is
+how docs/img/dashboard.png is made).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 from pathlib import Path
 
 import pytest
-from fleet import FAST, TrafficDriver, deploy, first_deploy, make_fleet
+from fleet import FAST, TrafficDriver, deploy, first_deploy, make_fleet, rollout
 from playwright.sync_api import Page, expect, sync_playwright
 
 CHROMIUM = "/usr/bin/chromium"
@@ -77,6 +79,33 @@ def test_rollout_and_rollback_from_the_dashboard(tmp_path, page, outputs):
         assert results and traffic.failures() == [], traffic.failures()[:5]
 
 
+def _sign_in(page: Page, cp) -> None:
+    page.goto(cp.url + "/dashboard")
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    page.get_by_label("Admin key").fill(cp.admin_key)
+    page.get_by_role("button", name="Sign in").click()
+
+
+def test_pin_a_versioned_deployment_from_the_dashboard(tmp_path, page, outputs):
+    with make_fleet(tmp_path) as make:
+        cp, gw, key = make()
+        first_deploy(cp, gw, key, strategy="versioned")  # v1 becomes current
+        deploy(cp, "v2", strategy="versioned")
+        r = cp.wait_rollout(rollout(cp, "v2")["id"])
+        assert r["status"] == "succeeded", r
+        _sign_in(page, cp)
+        v2 = page.locator('#deployments tr[data-model="tiny"][data-version="v2"]')
+        expect(v2).to_contain_text("active", timeout=15_000)
+        expect(page.locator('#deployments tr[data-version="v1"]')).to_contain_text("v1 (current)")
+        page.get_by_role("button", name="Pin tiny to v2").click()
+        _confirm(page, "Make v2 the version the bare alias tiny follows")
+        expect(v2).to_contain_text("v2 (current)", timeout=15_000)
+        expect(page.get_by_role("button", name="Pin tiny to v1")).to_be_visible()
+        expect(page.locator('#traffic tr[data-version="v2"]')).to_contain_text("(current v2)", timeout=15_000)
+        page.screenshot(path=str(outputs / "dashboard_pinned.png"), full_page=True)
+        assert cp.api("GET", "/v1/deployments/tiny/v2")["current"] is True
+
+
 def _drive(page: Page, cp, outputs: Path) -> None:
     page.goto(cp.url + "/dashboard")
     expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
@@ -130,3 +159,18 @@ def _drive(page: Page, cp, outputs: Path) -> None:
     page.screenshot(path=str(outputs / "dashboard_rolled_back.png"), full_page=True)
     r = cp.api("GET", f"/v1/rollouts/{rollout_id}")
     assert r["status"] == "rolled_back", r
+
+    # Scale v1 from the page: the dialog's input, then a second ready replica.
+    page.get_by_role("button", name="Scale tiny@v1").click()
+    page.get_by_role("dialog").get_by_label("Replicas per region").fill("2")
+    _confirm(page, "tiny@v1")
+    expect(deployment).to_contain_text("local: 2", timeout=15_000)
+    v1_ready = page.locator('#replicas tr[data-state="ready"]', has_text="tiny@v1")
+    expect(v1_ready).to_have_count(2, timeout=60_000)
+    expect(page.locator('#audit tr[data-kind="scale"]', has_text="tiny@v1 scaled to 2")).to_have_count(1)
+    assert cp.api("GET", "/v1/deployments/tiny/v1")["desired"] == {"local": 2}
+
+    # GC from the page: its dry run finds nothing to remove (red-black versions are never GC's).
+    page.get_by_role("button", name="Garbage-collect…").click()
+    expect(page.locator("#toast")).to_contain_text("nothing to remove", timeout=10_000)
+    expect(page.get_by_role("dialog")).to_be_hidden()
