@@ -16,6 +16,7 @@ from paved.frontend.metrics import FrontendMetrics
 from paved.frontend.middleware import MetricsMiddleware
 from paved.frontend.registry import ModelRegistry
 from paved.frontend.state import AppState
+from paved.frontend.tracing import TracingMiddleware
 from paved.http.body_limit import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
@@ -120,4 +121,7 @@ def create_app(
         BodyLimitMiddleware, max_bytes=max_body_bytes, max_buffered_bytes=max_buffered_body_bytes
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # Outermost of all: every response (413s, metrics, errors) carries x-request-id, and the
+    # access line times the whole stack.
+    app.add_middleware(TracingMiddleware)
     return app

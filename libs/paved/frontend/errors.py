@@ -20,6 +20,7 @@ from paved.engine.protocol import (
     InvalidRequestError,
     ModelNotFoundError,
 )
+from paved.frontend.tracing import response_headers
 from paved.http.errors import error_body, validation_message
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
-    async def _api(_: Request, exc: Exception) -> JSONResponse:
+    async def _api(request: Request, exc: Exception) -> JSONResponse:
         error = to_api_error(exc)
+        # The catch-all runs in Starlette's server-error middleware, outside TracingMiddleware:
+        # the id header is added here so that 500s carry it too.
+        headers = {**(error.headers or {}), **response_headers(request)}
         return error_response(
-            error.status, error.message, param=error.param, code=error.code, headers=error.headers
+            error.status, error.message, param=error.param, code=error.code, headers=headers
         )
 
     # Expected errors are answered by the exception middleware; only the catch-all for bugs

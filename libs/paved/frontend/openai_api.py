@@ -32,6 +32,7 @@ from paved.frontend import responses, schemas, structured
 from paved.frontend.errors import APIError
 from paved.frontend.registry import ServedModel, Ticket
 from paved.frontend.state import AppState
+from paved.frontend.tracing import counted, engine_request_id, request_log
 
 router = APIRouter()
 
@@ -205,6 +206,8 @@ def _message_dict(message: schemas.ChatMessage) -> dict[str, Any]:
 @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=_ERRORS)
 async def chat_completions(body: schemas.ChatCompletionRequest, request: Request):
     state = _state(request)
+    log = request_log(request)
+    log.model = body.model
     served = _generative(state, body.model)
     card = served.card
     _check_logprobs(card, body.top_logprobs, "top_logprobs")
@@ -212,7 +215,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt = ChatPrompt(messages=[_message_dict(m) for m in body.messages], tools=tools)
-    request_id = responses.new_id("chatcmpl")
+    request_id = engine_request_id("chatcmpl", request)
     generate = GenerateRequest(
         request_id=request_id,
         model=body.model,
@@ -227,7 +230,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     headers = _headers(resolved)
     if body.stream:
         events = responses.chat_events(
-            stream,
+            counted(stream, log),
             request_id=request_id,
             model=body.model,
             n=body.n,
@@ -237,7 +240,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
         )
         return _SSEResponse(events, admitted, headers)
     try:
-        result = await _unless_disconnected(request, responses.collect(stream, body.n))
+        result = await _unless_disconnected(request, responses.collect(counted(stream, log), body.n))
     finally:
         await admitted.close()
     payload = responses.chat_completion(
@@ -260,12 +263,14 @@ def _prompts(prompt: Any) -> list[TextPrompt | TokenPrompt]:
 @router.post("/v1/completions", response_model=schemas.Completion, responses=_ERRORS)
 async def completions(body: schemas.CompletionRequest, request: Request):
     state = _state(request)
+    log = request_log(request)
+    log.model = body.model
     served = _generative(state, body.model)
     card = served.card
     _check_logprobs(card, body.logprobs, "logprobs")
     resolved = await _resolve(state, body, card)
     prompts = _prompts(body.prompt)
-    request_id = responses.new_id("cmpl")
+    request_id = engine_request_id("cmpl", request)
     sampling = structured.sampling_options(
         body,
         max_tokens=body.max_tokens,
@@ -281,11 +286,11 @@ async def completions(body: schemas.CompletionRequest, request: Request):
         for i, p in enumerate(prompts)
     ]
     admitted = await _admit(state, served, generates, body.n * len(prompts))
-    streams = admitted.streams
+    streams = [counted(s, log, i) for i, s in enumerate(admitted.streams)]
     headers = _headers(resolved)
     if body.stream:
         events = responses.completion_events(
-            list(streams),
+            streams,
             request_id=request_id,
             model=body.model,
             n=body.n,
@@ -336,16 +341,21 @@ async def completions(body: schemas.CompletionRequest, request: Request):
 @router.post("/v1/embeddings", response_model=schemas.EmbeddingList, responses=_ERRORS)
 async def embeddings(body: schemas.EmbeddingRequest, request: Request):
     state = _state(request)
+    log = request_log(request)
+    log.model = body.model
     served = state.models.get(body.model)
     if served.card.kind != "embed":
         raise APIError(400, f"model {body.model!r} is not an embedding model", param="model")
     inputs = _prompts(body.input)
     admitted = await _admit(state, served, [], len(inputs))
     try:
-        embed = EmbedRequest(responses.new_id("embd"), body.model, inputs, dimensions=body.dimensions)
+        embed = EmbedRequest(
+            engine_request_id("embd", request), body.model, inputs, dimensions=body.dimensions
+        )
         result = await _unless_disconnected(request, served.engine.embed(embed))
     finally:
         await admitted.close()
+    log.prompt_tokens = result.prompt_tokens
     data = []
     for i, vector in enumerate(result.embeddings):
         if body.encoding_format == "base64":
@@ -381,6 +391,8 @@ async def rank(body: schemas.RankRequest, request: Request):
     logits, so such requests skip prefix-cache reads.
     """
     state = _state(request)
+    log = request_log(request)
+    log.model = body.model
     served = _generative(state, body.model)
     engine = served.engine
     context = await engine.tokenize(body.model, body.context, add_special_tokens=True)
@@ -390,7 +402,7 @@ async def rank(body: schemas.RankRequest, request: Request):
     for i, ids in enumerate(candidates):
         if not ids:
             raise InvalidRequestError(f"candidates[{i}] tokenizes to nothing", param="candidates")
-    request_id = responses.new_id("rank")
+    request_id = engine_request_id("rank", request)
     sampling = SamplingOptions(max_tokens=0, prompt_logprobs=0)
     generates = [
         GenerateRequest(f"{request_id}-{i}", body.model, TokenPrompt([*context, *ids]), sampling)
@@ -399,7 +411,10 @@ async def rank(body: schemas.RankRequest, request: Request):
     admitted = await _admit(state, served, generates, len(generates))
     try:
         results = await _unless_disconnected(
-            request, asyncio.gather(*(responses.collect(s, 1) for s in admitted.streams))
+            request,
+            asyncio.gather(
+                *(responses.collect(counted(s, log, i), 1) for i, s in enumerate(admitted.streams))
+            ),
         )
     finally:
         await admitted.close()

@@ -24,9 +24,7 @@ import contextlib
 import json
 import logging
 import re
-import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +40,7 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.tokens import TokenCounter
 from paved.http.errors import error_body
+from paved.http.tracing import request_ids
 
 if TYPE_CHECKING:
     from paved.gateway.auth import Authenticator
@@ -53,8 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("paved.gateway")
 access_log = logging.getLogger("paved.gateway.access")
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 # Upstream statuses worth another backend: the answer never started there.
 _RETRYABLE = frozenset((502, 503, 504))
 _HOP_HEADERS = frozenset(
@@ -75,19 +72,6 @@ class ProxyConfig:
     max_attempts: int = 3
     # Reserved for a request that names no max_tokens (reconciled with usage on finish).
     default_max_tokens: int = 256
-
-
-def request_ids(request: Request) -> tuple[str, str]:
-    """The request's id (the client's `x-request-id` if well formed, else new) and the W3C
-    `traceparent` to send upstream (the client's trace continued with a new span id, or a new
-    trace)."""
-    given = request.headers.get("x-request-id")
-    request_id = given if given is not None and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-    parent = request.headers.get("traceparent")
-    match = _TRACEPARENT.fullmatch(parent) if parent else None
-    trace_id = match.group(1) if match and match.group(1) != "0" * 32 else secrets.token_hex(16)
-    flags = match.group(3) if match else "01"
-    return request_id, f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
 
 
 class OpenAIProxy:
@@ -699,7 +683,12 @@ def _usage_of(data: bytes) -> dict[str, Any] | None:
 def _response_headers(
     upstream: aiohttp.ClientResponse, reservation: Reservation, request_id: str, backend_id: str
 ) -> dict[str, str]:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+    # The upstream's x-request-id echo (aiohttp spells it X-Request-ID) gives way to ours below.
+    headers = {
+        k: v
+        for k, v in upstream.headers.items()
+        if k.lower() not in _HOP_HEADERS and k.lower() != "x-request-id"
+    }
     headers.update(reservation.headers)
     headers["x-request-id"] = request_id
     headers["x-paved-backend"] = backend_id

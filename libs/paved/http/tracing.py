@@ -1,0 +1,74 @@
+"""Request ids and W3C trace context shared by every paved hop (gateway, frontend).
+
+Invariants:
+- A request id is the client's `x-request-id` when it matches `[A-Za-z0-9._:-]{1,128}` (safe in
+  logs, headers and engine request ids), else a new uuid4 hex; it is never empty.
+- Each hop continues a well-formed incoming `traceparent` (version 00, non-zero trace id) with
+  a new span id of its own, keeping the trace id and flags; anything else starts a new trace
+  (flags 01). The incoming span id becomes the hop's parent span id.
+- Knows no framework: it reads a mapping of (case-insensitive) header names to values.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+REQUEST_ID_HEADER = "x-request-id"
+TRACEPARENT_HEADER = "traceparent"
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_ZERO_TRACE = "0" * 32
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """One hop's ids: the request id, the trace, this hop's span and the caller's span."""
+
+    request_id: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    flags: str
+
+    @property
+    def traceparent(self) -> str:
+        """The W3C `traceparent` naming this hop's span (sent to the next hop)."""
+        return f"00-{self.trace_id}-{self.span_id}-{self.flags}"
+
+
+def trace_context(headers: Mapping[str, str]) -> TraceContext:
+    """The ids of a request arriving with `headers` (see the module's invariants)."""
+    given = headers.get(REQUEST_ID_HEADER)
+    request_id = given if given is not None and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    parent = headers.get(TRACEPARENT_HEADER)
+    match = _TRACEPARENT.fullmatch(parent) if parent else None
+    continued = match is not None and match.group(1) != _ZERO_TRACE
+    trace_id = match.group(1) if match and continued else secrets.token_hex(16)
+    # Kept from the gateway's original rule: a malformed-but-matching header's flags survive.
+    flags = match.group(3) if match else "01"
+    return TraceContext(
+        request_id=request_id,
+        trace_id=trace_id,
+        span_id=secrets.token_hex(8),
+        parent_span_id=match.group(2) if match and continued else None,
+        flags=flags,
+    )
+
+
+class _HasHeaders(Protocol):
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+def request_ids(request: _HasHeaders) -> tuple[str, str]:
+    """The request's id (the client's `x-request-id` if well formed, else new) and the W3C
+    `traceparent` to send upstream (the client's trace continued with a new span id, or a new
+    trace)."""
+    context = trace_context(request.headers)
+    return context.request_id, context.traceparent
