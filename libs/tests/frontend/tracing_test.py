@@ -225,6 +225,7 @@ def test_the_gateway_and_the_frontend_log_the_same_request_and_trace(frontend, t
         assert r.json()["id"].startswith(f"chatcmpl-{request_id}-")
         gateway_line = _access_line(gw, request_id, "paved.gateway.access")
         assert gateway_line["status"] == 200
+        assert gateway_line["trace_id"] == trace_id
         line = _frontend_line(frontend, request_id)
         # The gateway continued the client's trace with a span of its own: the frontend's parent.
         assert line["trace_id"] == trace_id
