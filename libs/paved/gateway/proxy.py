@@ -294,7 +294,14 @@ class OpenAIProxy:
                 log["route_ms"] = _ms(t_route, time.perf_counter())
             backend = pick.backend
             body["model"] = backend.upstream_model
-            payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            try:
+                payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            except UnicodeEncodeError:
+                # Only text the gateway put in (a rendered template, a summary) can get here:
+                # the client's body was checked for lone surrogates on arrival.
+                raise GatewayError(
+                    400, "the prompt contains a lone UTF-16 surrogate, which is not valid Unicode"
+                ) from None
             self.router.begin(backend.id)
             in_flight = self.metrics.in_flight.labels(backend.id)
             in_flight.inc()
