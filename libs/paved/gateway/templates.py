@@ -14,17 +14,28 @@ Invariants callers rely on:
   exists anyway), no autoescape blocks, no attribute or item access to a name starting with "_"
   (`''.__class__`, `x['__class__']`), no `attr` filter, only the allowed filters and tests, at
   most MAX_MESSAGES messages of at most MAX_SOURCE_BYTES each, roles from ROLES. A refusal is
-  GatewayError(400, code="template_refused") saying why; a syntax error is
+  GatewayError(400, code="template_refused") saying why (so is a template nested too deeply for
+  Python's compiler); a syntax error is
   GatewayError(400, code="template_syntax_error").
 - Rendering runs in a worker thread of its own small pool (never on the event loop), in an
   ImmutableSandboxedEnvironment with StrictUndefined and autoescape off, and is bounded:
   * time: a wall-clock deadline of `render_timeout_s`, enforced inside the worker by a trace
     function (line events of the template's own frames, call events of every frame), so a pure
-    Jinja loop with an empty body stops too;
+    Jinja loop with an empty body stops too, and by a watchdog thread that, past the deadline,
+    raises the deadline in the worker again every 20 ms until it returns (a single raise can be
+    swallowed by a generator's finalization, which also drops the trace function); compiling
+    (create, a render's cache miss) runs in the same workers under a deadline of its own;
+  * workers: a job takes a free worker or, when none frees up within `render_timeout_s`,
+    answers 503 (template_render_busy); it never queues behind a busy one;
   * size: the output is counted while it is generated and stops at `max_output_chars`; no value
     a template builds (concatenation, `+`, `*`, `**`, literals, filters, method calls) may exceed
     that weight either, checked before the allocation where the size is predictable (`'x' * 10**9`,
-    `2 ** 10**9`, `replace`, `join`, `indent`) and right after it otherwise; `range` is bounded;
+    `2 ** 10**9`, `replace`, `join`, `indent`, `round`'s precision in -20..20) and right after it
+    otherwise; integers weigh by their size; buffered output ({% set %} blocks, macro and call
+    bodies, {% filter %}) and lists count as they are built against a per-render total of
+    32 x `max_output_chars`; an undefined inside a rendered container is its error (a refused
+    lookup's SecurityError), never the text "Undefined"; output must encode as UTF-8 (no lone
+    surrogates); `range` is bounded;
     only allow-listed callables run (range, dict, namespace, joiner, macros, and a few non-growing
     str/dict/list methods; never `str.format` or `%` string formatting).
   Every failure is GatewayError(400): "template_refused" for what the sandbox forbids (a
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import ctypes
 import functools
 import json
 import re
@@ -86,8 +98,16 @@ MAX_SYSTEM_PROMPT_BYTES = 64 * 1024
 MAX_INT_BITS = 4096
 # The filename of every compiled template: how the deadline's trace function knows its frames.
 _TEMPLATE_FILENAME = "<paved-prompt-template>"
-# A render waits this long past its deadline for a free worker before answering 503.
+# A render's result is awaited this long past its deadline before answering 503 (the watchdog
+# has interrupted the worker long before).
 _QUEUE_GRACE_S = 5.0
+# Vetting and compiling (create, or a render's cache miss) run under this deadline of their own.
+_COMPILE_TIMEOUT_S = 10.0
+# Past a deadline the watchdog interrupts its worker every _KICK_INTERVAL_S, at most _MAX_KICKS times.
+_KICK_INTERVAL_S = 0.02
+_MAX_KICKS = 500
+# A render may build (buffered block output, lists) this many times max_output_chars in all.
+_BUILT_BUDGET_FACTOR = 32
 _MAX_CACHED = 4096
 _MAX_COMPILED = 256
 _MAX_COMPILED_SOURCE = 32 * 1024 * 1024
@@ -284,6 +304,12 @@ class _BoundedCodeGenerator(CodeGenerator):
         super().visit_Tuple(node, frame)
         self.write(")")
 
+    def buffer(self, frame: Frame) -> None:
+        # Buffered output ({% set %} blocks, macro and call bodies, {% filter %}) goes to a list
+        # that counts what is appended against the render's budget, not only when joined.
+        super().buffer(frame)
+        self.writeline(f"{frame.buffer} = environment.paved_buffer()")
+
     def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
         self.write("environment.paved_concat((")
         for arg in node.nodes:
@@ -314,7 +340,7 @@ _LOOP_METHODS = frozenset({"cycle", "changed"})
 # fmt: off
 _PLAIN_FILTERS = (
     "abs", "capitalize", "count", "d", "default", "dictsort", "first", "float", "int", "items",
-    "last", "length", "lower", "map", "max", "min", "reject", "rejectattr", "reverse", "round",
+    "last", "length", "lower", "map", "max", "min", "reject", "rejectattr", "reverse",
     "select", "selectattr", "sort", "title", "trim", "truncate", "unique", "upper", "wordcount",
 )
 # fmt: on
@@ -352,6 +378,35 @@ class _WeightCache:
 
 
 _render_state = threading.local()
+
+
+def _charge(amount: int) -> None:
+    """Count `amount` against the current render's budget of built values (buffered output,
+    lists); nothing outside a render (compile-time folding) is charged."""
+    left: int | None = getattr(_render_state, "budget", None)
+    if left is None:
+        return
+    left -= amount
+    _render_state.budget = left
+    if left < 0:
+        raise _RenderLimit("the values this render built would exceed its total budget")
+
+
+class _BudgetedBuffer(list[Any]):
+    """A render's output buffer that charges every appended string as it arrives."""
+
+    def append(self, item: Any) -> None:
+        _charge(len(item) + 1 if isinstance(item, str) else 1)
+        super().append(item)
+
+    def extend(self, items: Iterable[Any]) -> None:
+        for item in items:
+            self.append(item)
+
+
+def _int_weight(value: int) -> int:
+    # A 4096-bit integer holds as much memory as a short string: weighed by its size.
+    return value.bit_length() // 30 + 1
 
 
 def _weights() -> _WeightCache | None:
@@ -405,6 +460,7 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
             sum=self._sum,
             tojson=self._tojson,
             indent=self._indent,
+            round=self._round,
             wordwrap=self._checked(FILTERS["wordwrap"], self._wordwrap_pre),
         )
         self.filters = filters
@@ -414,7 +470,7 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
     def _limit(self, what: str) -> _RenderLimit:
         return _RenderLimit(f"{what} would exceed the limit of {self.max_chars} characters")
 
-    def weigh(self, value: Any, budget: int | None = None) -> int:
+    def weigh(self, value: Any, budget: int | None = None, fail_undefined: bool = False) -> int:
         """A value's expanded size (characters plus container slots, shared parts counted each
         time they occur), walked iteratively and abandoned once over `budget`."""
         limit = self.max_chars if budget is None else budget
@@ -425,7 +481,7 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
         while stack:
             item = pop()
             kind = type(item)
-            if cache is not None and (kind is list or kind is tuple or kind is dict):
+            if cache is not None and not fail_undefined and (kind is list or kind is tuple or kind is dict):
                 known = cache.get(item)
                 if known is not None:
                     total += known
@@ -435,7 +491,9 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
             # Every entry left on the stack will weigh at least 1, so total + len(stack) is a
             # lower bound of the final weight: the walk stops as soon as that passes the limit
             # (before pushing a container's items, so the stack never outgrows the limit).
-            if kind is int or kind is float or kind is bool or item is None:
+            if kind is int:
+                total += _int_weight(item)
+            elif kind is float or kind is bool or item is None:
                 total += 1
             elif isinstance(item, str):
                 total += len(item) + 1
@@ -455,6 +513,11 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
                 attrs = _namespace_attrs(item)
                 if attrs is not None:
                     stack.append(attrs)
+            elif fail_undefined and isinstance(item, Undefined):
+                # An undefined inside a container being rendered (`xs|map(attribute=k)|list`
+                # with a refused or missing k): its own error (SecurityError for an unsafe
+                # lookup), never the text "Undefined".
+                item._fail_with_undefined_error()
             else:  # range, macros, generators, undefined: constant-size reprs
                 total += 1
             if total + len(stack) > limit:
@@ -482,11 +545,14 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
             text = str(value)  # StrictUndefined: raises UndefinedError naming the variable
         else:
             if not isinstance(value, int | float | bool | type(None)):
-                self.weigh(value)
+                self.weigh(value, fail_undefined=True)
             text = str(value)
         if len(text) > self.max_chars:
             raise self._limit("a string")
         return text
+
+    def paved_buffer(self) -> list[Any]:
+        return _BudgetedBuffer()
 
     def _finalize(self, value: Any) -> str:
         return self._text(value)
@@ -624,7 +690,9 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
         total = 1
         for item in value:
             kind = type(item)
-            if kind is int or kind is float or kind is bool or item is None:
+            if kind is int:
+                total += _int_weight(item)
+            elif kind is float or kind is bool or item is None:
                 total += 1  # the common case, inline: a call per item would dominate
             elif kind is str:
                 total += len(item) + 1
@@ -633,6 +701,7 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
             if total > self.max_chars:
                 raise self._limit("a list")
             out.append(item)
+        _charge(total)
         cache = _weights()
         if cache is not None:
             cache.put(out, total)
@@ -684,6 +753,16 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
         if len(text) + (text.count("\n") + 1) * pad > self.max_chars:
             raise self._limit("an indent")
         return str(FILTERS["indent"](text, width, first, blank))
+
+    @staticmethod
+    def _round(value: Any, precision: Any = 0, method: Any = "common") -> Any:
+        # round(1, -10**7) and floor/ceil's 10**precision compute huge powers in C, holding the
+        # GIL (and at compile time too, when folded): the precision is bounded first.
+        if not _is_int(precision) or not -20 <= precision <= 20:
+            raise _RenderLimit("round() precision must be an integer from -20 to 20")
+        if method not in ("common", "ceil", "floor"):
+            raise _RenderLimit("round() method must be common, ceil or floor")
+        return FILTERS["round"](value, precision, method)
 
     @staticmethod
     def _wordwrap_pre(
@@ -787,7 +866,9 @@ def _compile(env: _PromptEnvironment, source: str, param: str) -> Template:
             param=param,
             code="template_syntax_error",
         ) from None
-    except RecursionError:
+    except (RecursionError, SyntaxError, MemoryError, OverflowError):
+        # Python's own compiler limits (indentation depth, statically nested blocks, nested
+        # parentheses) on a template that parsed: the template is too deep, not a 500.
         raise _refused(f"{param}: the template is nested too deeply", param) from None
 
 
@@ -810,6 +891,65 @@ def _deadline_tracer(deadline: float) -> Callable[[types.FrameType, str, Any], A
         return local if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
 
     return on_call
+
+
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+
+def _absorb() -> None:
+    """Nothing: calling it lets a pending asynchronous exception be delivered."""
+
+
+class _Watchdog:
+    """Interrupts the worker thread that created it once `deadline` passes, by raising
+    _DeadlineExceeded in it asynchronously, again every _KICK_INTERVAL_S until the worker
+    calls close(). One raise is not enough: CPython drops a thread's trace function when it
+    raises, and a raise that lands in a generator being finalized is swallowed ("Exception
+    ignored"), after which the render would go on with no deadline. After close() returns no
+    interruption is pending or will come."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline  # the worker may move it (compile, then render)
+        # What its job answers when an interruption reaches it outside the job's own handlers.
+        self.timeout_error: Callable[[], GatewayError] = lambda: _refused(
+            "the template took too long to compile", None
+        )
+        self._thread_id = threading.get_ident()
+        self._lock = threading.Lock()
+        self._done = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="paved-template-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        kicks = 0
+        while kicks < _MAX_KICKS:
+            remaining = self.deadline - time.monotonic()
+            if remaining > 0:
+                # Woken at least every 0.1 s: the worker may have moved the deadline earlier.
+                if self._stop.wait(min(remaining, 0.1)):
+                    return
+                continue
+            with self._lock:
+                if self._done:
+                    return
+                _set_async_exc(ctypes.c_ulong(self._thread_id), ctypes.py_object(_DeadlineExceeded))
+            kicks += 1
+            if self._stop.wait(_KICK_INTERVAL_S):
+                return
+
+    def close(self) -> None:
+        while True:
+            try:
+                with self._lock:
+                    self._done = True
+                self._stop.set()
+                # A kick sent before `done` was set is delivered at the next Python call's
+                # start: taken here. (Clearing it with SetAsyncExc(id, NULL) instead leaves
+                # CPython 3.11's eval breaker signalled for good.)
+                _absorb()
+                return
+            except _DeadlineExceeded:  # delivered on the way out: done is set, so once more
+                continue
 
 
 class _LRU:
@@ -866,6 +1006,15 @@ def _template_from_row(row: Any) -> PromptTemplate:
     )
 
 
+def _busy() -> GatewayError:
+    return GatewayError(
+        503,
+        "prompt templates are rendering at capacity; retry",
+        code="template_render_busy",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _not_found(ref: str, param: str = "template") -> GatewayError:
     return GatewayError(404, f"no prompt template '{ref}'", code="template_not_found", param=param)
 
@@ -901,6 +1050,9 @@ class TemplateRegistry:
         self._pool = ThreadPoolExecutor(
             max_workers=max_concurrent_renders, thread_name_prefix="paved-template"
         )
+        # Free workers: taken before a job is submitted, given back by the worker when it is
+        # done, so a job never queues behind a worker that is still busy (or stuck).
+        self._slots = threading.Semaphore(max_concurrent_renders)
         self._pinned = _LRU(_MAX_CACHED)  # (name, version) -> PromptTemplate, forever
         self._expiring = _LRU(_MAX_CACHED * 4)  # key -> (expires_at, value); misses as value None
         self._compiled = _LRU(_MAX_COMPILED, _MAX_COMPILED_SOURCE)  # (name, version) -> templates
@@ -918,8 +1070,40 @@ class TemplateRegistry:
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _in_pool(self, wait_s: float, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args) in a free worker, waiting at most `wait_s` for one (then 503); fn runs
+        under a _Watchdog it is given as its first argument."""
+        give_up = time.monotonic() + wait_s
+        while not self._slots.acquire(blocking=False):
+            if time.monotonic() >= give_up:
+                raise _busy()
+            await asyncio.sleep(0.005)
+        try:
+            job = self._pool.submit(self._guarded, fn, *args)
+        except BaseException:
+            self._slots.release()
+            raise
+        # A job cancelled before it ran never reaches _guarded's release.
+        job.add_done_callback(lambda f: self._slots.release() if f.cancelled() else None)
+        try:
+            return await asyncio.wait_for(
+                asyncio.wrap_future(job), wait_s + _COMPILE_TIMEOUT_S + _QUEUE_GRACE_S
+            )
+        except TimeoutError:
+            raise _busy() from None
+
+    def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
+        try:
+            watchdog = _Watchdog(time.monotonic() + _COMPILE_TIMEOUT_S)
+            try:
+                try:
+                    return fn(watchdog, *args)
+                finally:
+                    watchdog.close()
+            except _DeadlineExceeded:
+                raise watchdog.timeout_error() from None
+        finally:
+            self._slots.release()
 
     # -- short-lived cache ------------------------------------------------------------------
 
@@ -943,7 +1127,7 @@ class TemplateRegistry:
             raise _bad(
                 f"description must be a string of at most {MAX_DESCRIPTION_CHARS} characters", "description"
             )
-        compiled = await self._in_pool(self._vet_all, clean)
+        compiled = await self._in_pool(self._timeout_s, self._vet_all, clean)
         created = await self._store.run(self._create_sync, name, clean, description)
         self._pinned.put((name, created.version), created)
         self._compiled.put((name, created.version), compiled, sum(len(m["content"]) for m in clean))
@@ -951,7 +1135,7 @@ class TemplateRegistry:
         self._remember(("latest", name), created.version, self._clock())
         return created
 
-    def _vet_all(self, messages: list[dict[str, str]]) -> tuple[Template, ...]:
+    def _vet_all(self, _watchdog: _Watchdog, messages: list[dict[str, str]]) -> tuple[Template, ...]:
         compiled = []
         for i, message in enumerate(messages):
             param = f"messages[{i}].content"
@@ -1136,19 +1320,7 @@ class TemplateRegistry:
         refusal, limit or template error; 503 when every rendering thread stays busy)."""
         if not isinstance(template, PromptTemplate):
             raise TypeError("render() takes a PromptTemplate (from get())")
-        compiled = await self._in_pool(self._compiled_for, template)
-        future = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._render_sync, template, compiled, variables
-        )
-        try:
-            return await asyncio.wait_for(future, self._timeout_s + _QUEUE_GRACE_S)
-        except TimeoutError:
-            raise GatewayError(
-                503,
-                "prompt templates are rendering at capacity; retry",
-                code="template_render_busy",
-                headers={"Retry-After": "1"},
-            ) from None
+        return await self._in_pool(self._timeout_s, self._render_sync, template, variables)
 
     def _compiled_for(self, template: PromptTemplate) -> tuple[Template, ...]:
         key = (template.name, template.version)
@@ -1163,14 +1335,21 @@ class TemplateRegistry:
         return compiled
 
     def _render_sync(
-        self, template: PromptTemplate, compiled: tuple[Template, ...], variables: object
+        self, watchdog: _Watchdog, template: PromptTemplate, variables: object
     ) -> builtins.list[dict[str, str]]:
-        deadline = time.monotonic() + self._timeout_s
+        compiled = self._compiled_for(template)  # under the watchdog's compile deadline
         data = _validate_variables(variables)
+        deadline = time.monotonic() + self._timeout_s
+        watchdog.deadline = deadline
         index = 0
+        watchdog.timeout_error = lambda: self._render_error(
+            template, index, f"rendering took longer than the limit of {self._timeout_s:g} s"
+        )
         previous = sys.gettrace()
         _render_state.weights = _WeightCache(8 * self._max_output)
-        sys.settrace(_deadline_tracer(deadline))
+        _render_state.budget = _BUILT_BUDGET_FACTOR * self._max_output
+        tracer = _deadline_tracer(deadline)
+        sys.settrace(tracer)
         try:
             out = []
             used = 0
@@ -1179,13 +1358,21 @@ class TemplateRegistry:
                 for chunk in _generate(tmpl, data):
                     if time.monotonic() > deadline:  # in case anything switched the tracer off
                         raise _DeadlineExceeded
+                    if sys.gettrace() is not tracer:  # CPython drops a tracer that raised
+                        sys.settrace(tracer)
                     used += len(chunk)
                     if used > self._max_output:
                         raise _RenderLimit(
                             f"the output would exceed the limit of {self._max_output} characters"
                         )
                     chunks.append(chunk)
-                out.append({"role": message["role"], "content": "".join(chunks)})
+                content = "".join(chunks)
+                try:
+                    content.encode("utf-8")
+                except UnicodeEncodeError:
+                    # A lone surrogate ('\ud800' in a literal): the response body is UTF-8.
+                    raise _RenderLimit("the output is not valid Unicode text (a lone surrogate)") from None
+                out.append({"role": message["role"], "content": content})
                 index += 1
             return out
         except _DeadlineExceeded:
@@ -1212,6 +1399,7 @@ class TemplateRegistry:
         finally:
             sys.settrace(previous)
             _render_state.weights = None
+            _render_state.budget = None
 
     @staticmethod
     def _render_error(template: PromptTemplate, index: int, why: str) -> GatewayError:

@@ -600,6 +600,138 @@ def test_rendering_features(registry):
     )  # the trailing newline is kept
 
 
+# -- red-team regressions: deadline escapes, C-level work, buffers, nesting, ints -------------------
+
+# A generator chain abandoned mid-iteration at every step: an interruption often lands while one
+# is being finalized, where CPython swallows it ("Exception ignored") and drops the tracer.
+_GEN_CHAIN = (
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% set y = xs"
+    + "|map('upper')" * 90
+    + "|first %}{% endfor %}{% endfor %}"
+)
+
+
+def test_deadline_holds_when_an_interruption_is_swallowed(store):
+    reg = TemplateRegistry(store, render_timeout_s=0.05, max_concurrent_renders=1)
+    run(reg.start())
+    template = run(reg.create("t", [msg(_GEN_CHAIN)]))
+
+    async def trials() -> list[tuple[int, str]]:
+        outcomes = []
+        for _ in range(40):
+            try:
+                await reg.render(template, {"xs": ["a", "b"]})
+                outcomes.append((200, "rendered"))
+            except GatewayError as exc:
+                outcomes.append((exc.status, exc.code))
+        return outcomes
+
+    # Every trial ends in the deadline's 400 (an escaped one would leave the only worker busy,
+    # and the next trial a 503).
+    outcomes = run(trials())
+    assert set(outcomes) == {(400, "template_render_error")}, outcomes
+    assert run(reg.render(run(reg.create("ok", [msg("{{ 1 + 1 }}")])), {}))[0]["content"] == "2"
+    run(reg.close())
+
+
+def test_no_free_worker_is_a_503_not_a_queue(store):
+    reg = TemplateRegistry(store, render_timeout_s=0.05, max_concurrent_renders=1)
+    run(reg.start())
+    template = run(reg.create("t", [msg("{{ 1 }}")]))
+    assert reg._slots.acquire(blocking=False)  # as if the only worker were stuck
+    try:
+        err = gateway_error(reg.render, template, {})
+        assert err.status == 503 and err.code == "template_render_busy"
+    finally:
+        reg._slots.release()
+    assert run(reg.render(template, {}))[0]["content"] == "1"
+    run(reg.close())
+
+
+@pytest.mark.parametrize(
+    ("source", "variables"),
+    [
+        ("{{ x|round(p) }}", {"x": 1, "p": -10000000}),
+        ("{{ x|round(p, 'floor') }}", {"x": 1.5, "p": 10000000}),
+        ("{{ x|round(p, 'ceil') }}", {"x": 1.5, "p": -21}),
+        ("{{ 1|round(-10000000) }}", None),  # constant-folded at compile time unless refused
+        ("{{ x|round(1, 'up') }}", {"x": 1.5}),
+    ],
+)
+def test_round_precision_is_bounded(registry, source, variables):
+    err = render_error(registry, source, variables)
+    assert err.status == 400 and err.code == "template_render_error"
+    assert "round() " in err.message
+
+
+def test_round_still_rounds(registry):
+    assert render(registry, "{{ 42.55|round(1, 'floor') }} {{ 1234|round(-2) }} {{ 2.5|round }}") == (
+        "42.5 1200 2.0"
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% set s %}{% for i in range(2000) %}{{ big ~ 'y' }}{% endfor %}{% endset %}done",
+        "{% macro m() %}{% for i in range(2000) %}{{ big }}{% endfor %}{% endmacro %}{% set x = m() %}done",
+        "{% macro w() %}{{ caller() }}{% endmacro %}"
+        "{% call w() %}{% for i in range(2000) %}{{ big }}{% endfor %}{% endcall %}",
+        "{% filter upper %}{% for i in range(2000) %}{{ big }}{% endfor %}{% endfilter %}",
+    ],
+)
+def test_buffered_blocks_count_against_the_budget(registry, source):
+    # Each block would hold 2000 x 100k characters before anything joins or prints it.
+    err = render_error(registry, "{% set big = 'x' * 99990 %}" + source)
+    assert err.status == 400 and err.code == "template_render_error"
+    assert "total budget" in err.message
+
+
+def test_buffered_blocks_still_work(registry):
+    source = (
+        "{% set s %}{% for i in range(3) %}{{ i }}{% endfor %}{% endset %}{{ s }}|"
+        "{% filter upper %}a{% endfilter %}"
+    )
+    assert render(registry, source) == "012|A"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% if 1 %}" * 100 + "{% endif %}" * 100,
+        "{% for a in x %}" * 21 + "{% endfor %}" * 21,
+        "{{ x" + "|map('upper')" * 200 + " }}",
+    ],
+)
+def test_too_deep_for_python_is_refused(registry, source):
+    err = gateway_error(registry.create, "t", [msg(source)])
+    assert err.status == 400 and err.code == "template_refused" and "nested too deeply" in err.message
+
+
+def test_big_ints_weigh_their_size(store):
+    reg = TemplateRegistry(store, max_output_chars=100_000, render_timeout_s=5.0)
+    run(reg.start())
+    # 999 small ints weigh 1000; 999 ints of 4000 bits weigh 134 each.
+    small = run(reg.create("s", [msg("{{ range(999)|list|length }}")]))
+    assert run(reg.render(small, {}))[0]["content"] == "999"
+    big = run(reg.create("b", [msg("{{ range(2**4000, 2**4000 + 999)|list|length }}")]))
+    assert "list would exceed" in gateway_error(reg.render, big, {}).message
+    run(reg.close())
+
+
+def test_refused_lookups_inside_rendered_containers_are_refused(registry):
+    err = render_error(registry, "{{ xs|map(attribute=k)|list }}", {"xs": [1], "k": "__class__"})
+    assert err.status == 400 and err.code == "template_refused"
+    err = render_error(registry, "{{ [x.nope] }}", {"x": {}})
+    assert err.status == 400 and err.code == "template_render_error" and "undefined" in err.message
+
+
+def test_lone_surrogates_are_a_400(registry):
+    err = render_error(registry, "{{ '\\ud800' }}")
+    assert err.status == 400 and err.code == "template_render_error" and "surrogate" in err.message
+    assert render(registry, "{{ '\\u00e9' }}") == "\u00e9"
+
+
 # -- the admin API ------------------------------------------------------------------------------
 
 
