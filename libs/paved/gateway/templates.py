@@ -1339,12 +1339,14 @@ class TemplateRegistry:
     ) -> builtins.list[dict[str, str]]:
         compiled = self._compiled_for(template)  # under the watchdog's compile deadline
         data = _validate_variables(variables)
-        deadline = time.monotonic() + self._timeout_s
-        watchdog.deadline = deadline
         index = 0
+        # The render's answer first, then its deadline: a watchdog that fires in between (a
+        # loaded machine) must not answer with the compile-time message.
         watchdog.timeout_error = lambda: self._render_error(
             template, index, f"rendering took longer than the limit of {self._timeout_s:g} s"
         )
+        deadline = time.monotonic() + self._timeout_s
+        watchdog.deadline = deadline
         previous = sys.gettrace()
         _render_state.weights = _WeightCache(8 * self._max_output)
         _render_state.budget = _BUILT_BUDGET_FACTOR * self._max_output
