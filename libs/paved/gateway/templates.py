@@ -1147,6 +1147,13 @@ class TemplateRegistry:
         for _ in range(_CREATE_ATTEMPTS):
             try:
                 with self._store.engine.begin() as conn:
+                    if conn.dialect.name == "postgresql":
+                        # Creators of one name take turns (SQLite's BEGIN IMMEDIATE already
+                        # does): optimistic retries alone can all lose under many replicas.
+                        conn.execute(
+                            sa.text("SELECT pg_advisory_xact_lock(hashtext(:key))"),
+                            {"key": "paved.gateway.template:" + name},
+                        )
                     latest = conn.execute(
                         sa.select(sa.func.max(templates_table.c.version)).where(
                             templates_table.c.name == name

@@ -124,7 +124,8 @@ def fleet(tmp_path):
 
 
 def test_summary_over_a_fleet_on_the_simulated_engine(fleet):
-    cp, gw, key = fleet()
+    # A port range of its own: tests run in parallel, and replicas bind only once ready.
+    cp, gw, key = fleet(("local=31500-31549",))
     first_deploy(cp, gw, key)
     for _ in range(4):
         r = httpx.post(
