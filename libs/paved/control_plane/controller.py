@@ -57,6 +57,7 @@ class Controller:
         health_timeout_s: float = 900.0,
         live_failures: int = 3,
         smoke: bool = True,
+        drain_delay_s: float = 2.0,
     ):
         self.store = store
         self.drivers = drivers
@@ -66,6 +67,10 @@ class Controller:
         self.health_timeout_s = health_timeout_s
         self.live_failures = live_failures
         self.smoke = smoke
+        # Gateways learn of a routes change by watching the feed, a moment after it is
+        # published; a replica told to stop before then can still be picked, and a request sent
+        # to it as it closes its connections fails. Kubernetes' preStop sleep, by another name.
+        self.drain_delay_s = drain_delay_s
         # (model_id, region) -> version -> weight, set by rollouts; absent: every active
         # deployment of the model weighs 1.
         self._weights: dict[tuple[str, str], dict[str, float]] = {}
@@ -317,6 +322,7 @@ class Controller:
         async def drain() -> None:
             # The routes without it are published before the process is told to stop.
             await self.publish_routes()
+            await asyncio.sleep(self.drain_delay_s)
             driver = self.drivers.get(r.region)
             try:
                 if driver is not None:

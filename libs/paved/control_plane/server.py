@@ -31,7 +31,7 @@ from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.gateway.auth import AdminAuth, load_admin_key
-from paved.http.sockets import bind
+from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
 logger = logging.getLogger("paved.control_plane")
 
@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between reconcile passes")
     p.add_argument(
         "--health-timeout", type=float, default=900.0, help="seconds a replica may take to be ready"
+    )
+    p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=2.0,
+        help="seconds between taking a replica out of the routes and stopping it: how long the "
+        "gateways may take to see a routes change (default 2)",
     )
     p.add_argument(
         "--no-smoke", action="store_true", help="readiness without the structured smoke generation"
@@ -149,6 +156,7 @@ async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
         interval_s=args.interval,
         health_timeout_s=args.health_timeout,
         smoke=not args.no_smoke,
+        drain_delay_s=args.drain_delay,
     )
     leader = LeaderLock(state)
     dashboard = dashboard_router(store, controller, admin.check, gateway_metrics=args.gateway_metrics)
@@ -170,7 +178,14 @@ async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
 
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, loop="none", http="httptools", log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app,
+        loop="none",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
+    )
     server = _Server(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print("control plane: --port must be 0..65535", file=sys.stderr)
         return 2
+    for flag, value, low, high in (
+        ("--interval", args.interval, 0.05, 3600.0),
+        ("--health-timeout", args.health_timeout, 1.0, 86400.0),
+        ("--drain-delay", args.drain_delay, 0.0, 300.0),
+    ):
+        # A nan or a zero interval would spin the reconcile loop; comparisons reject nan.
+        if not low <= value <= high:
+            print(f"control plane: {flag} must be within {low:g}..{high:g} seconds", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -26,7 +26,7 @@ from paved.frontend import config as config_file  # noqa: E402
 from paved.frontend.app import create_app  # noqa: E402
 from paved.frontend.config import RemoteModelConfig, ServerConfig, make_engine  # noqa: E402
 from paved.frontend.registry import ModelRegistry  # noqa: E402
-from paved.http.sockets import bind  # noqa: E402
+from paved.http.sockets import SERVER_KEEPALIVE_S, bind  # noqa: E402
 from paved.runfiles import tiny_model_dir  # noqa: E402
 
 logger = logging.getLogger("paved.frontend")
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         access_log=args.access_log,
         log_level=args.log_level,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
         # uvicorn annotates int but hands it to asyncio.wait_for, which takes fractions too.
         timeout_graceful_shutdown=config.drain_timeout_s,  # type: ignore[arg-type]
     )

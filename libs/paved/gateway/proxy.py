@@ -40,6 +40,7 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.tokens import TokenCounter
 from paved.http.errors import error_body
+from paved.http.sockets import POOL_KEEPALIVE_S
 from paved.http.tracing import request_ids
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class OpenAIProxy:
         if self._session is None:
             # Keep-alive pool to the backends; per-call timeouts are set on each request.
             connector = aiohttp.TCPConnector(
-                limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30
+                limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=POOL_KEEPALIVE_S
             )
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         return self._session
@@ -275,6 +276,7 @@ class OpenAIProxy:
     ) -> Response:
         sticky = body.get("user") if isinstance(body.get("user"), str) else principal.key_id
         excluded: set[str] = set()
+        dropped: set[str] = set()
         last_error: GatewayError | None = None
         headers = {
             "content-type": "application/json",
@@ -315,9 +317,16 @@ class OpenAIProxy:
                 log["status"] = 499
                 raise GatewayError(499, "client closed the request", code="client_closed_request") from None
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                self.router.end(backend.id, ok=False)
                 in_flight.dec()
-                excluded.add(backend.id)
+                if isinstance(e, aiohttp.ServerDisconnectedError) and backend.id not in dropped:
+                    # Most often a pooled keep-alive connection the backend closed as we reused
+                    # it (a backend not configured like paved's, one restarting): the backend is
+                    # likely fine, so it may take the next attempt, once.
+                    dropped.add(backend.id)
+                    self.router.end(backend.id, ok=True)
+                else:
+                    self.router.end(backend.id, ok=False)
+                    excluded.add(backend.id)
                 self.metrics.retries.labels(backend.id, type(e).__name__).inc()
                 logger.warning("backend %s failed before answering (%s); trying another", backend.id, e)
                 last_error = GatewayError(

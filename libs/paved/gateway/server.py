@@ -32,7 +32,7 @@ from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file, par
 from paved.gateway.state import GatewayStore
 from paved.gateway.tokens import TokenCounter
 from paved.gateway.watch_source import HttpRoutesSource, routes_url
-from paved.http.sockets import bind
+from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
 logger = logging.getLogger("paved.gateway")
 
@@ -306,6 +306,7 @@ async def _serve(args: argparse.Namespace) -> int:
         http="httptools",
         log_level="warning",
         access_log=False,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
         timeout_graceful_shutdown=10,
     )
     server = _Server(config)

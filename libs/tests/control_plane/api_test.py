@@ -97,3 +97,20 @@ def test_semantic_errors(client):
     _error(client.put("/v1/models/tiny/current", json={"version": "v1"}), 400)  # red_black has no current
     _error(client.get("/v1/audit?limit=0"), 400)
     _error(client.post("/v1/gc", json={"min_kept": 0}), 400)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--interval", "0"],
+        ["--interval", "nan"],
+        ["--health-timeout", "-1"],
+        ["--drain-delay", "inf"],
+        ["--drain-delay", "-0.5"],
+    ],
+)
+def test_server_flags_out_of_range_exit_2_naming_the_flag(flags, capsys):
+    from paved.control_plane.server import main
+
+    assert main([*flags, "--port", "0"]) == 2
+    assert flags[0] in capsys.readouterr().err

@@ -10,6 +10,8 @@ import contextlib
 import json
 import secrets
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -509,3 +511,98 @@ def test_routes_rewritten_during_load_fail_nothing(gateway, key, frontends):
     write_routes(routes, [{"alias": "tiny", "backends": [_backend(s) for s in frontends]}, *keep])
     assert len(statuses) == 120
     assert set(statuses) == {200}, statuses
+
+
+class _ClosesKeptAliveConnections:
+    """A loopback backend that answers the first request on each connection, keeps it alive, and
+    closes it without a word when a second request arrives on it: the race a pooled connection
+    meets when the backend's idle timeout fires just as the gateway reuses it."""
+
+    BODY = json.dumps(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": "tiny",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.completions = 0
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn) -> None:
+        conn.settimeout(30)
+        with conn, contextlib.suppress(OSError):
+            buf = b""
+            served = 0
+            for _ in range(100):
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = next(
+                    (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                     if line.lower().startswith(b"content-length:")),
+                    0,
+                )  # fmt: skip
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                is_completion = head.startswith(b"POST /v1/completions")
+                if is_completion and served:
+                    return  # a kept-alive connection closed as the request arrives
+                body = self.BODY if is_completion else b"{}"
+                self.completions += is_completion
+                served += is_completion
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+def test_a_kept_alive_connection_closed_under_a_request_is_retried(tmp_path):
+    backend = _ClosesKeptAliveConnections()
+    gw = None
+    try:
+        routes = write_routes(tmp_path / "r.json", [{"alias": "tiny", "backends": [_backend(backend)]}])
+        gw = GatewayProcess(
+            routes, "--health-interval", "60", admin_key="adm-" + secrets.token_hex(16), state_dir=tmp_path
+        )
+        gw.tenant("t")
+        key = gw.key("t")
+        for i in range(4):
+            r = httpx.post(
+                gw.url + "/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                timeout=30,
+            )
+            # The only backend is tried again on a fresh connection, not excluded for the call.
+            assert r.status_code == 200, (i, r.text)
+        assert backend.completions == 4
+    finally:
+        if gw is not None:
+            gw.stop()
+        backend.close()
