@@ -179,6 +179,11 @@ def create_app(
             raise BadRequest(
                 f"package {body.package_uri!r} cannot be read: {e}", code="bad_package"
             ) from None
+        if fingerprint.get("kind") == "kserve" and body.engine != "package":
+            raise BadRequest(
+                "a kserve package (a classic model) is served by paved.kserve, not an LLM engine: "
+                "engine must be 'package'"
+            )
         spec = DeploymentSpec(
             model_id=body.model_id,
             version=body.version,
@@ -364,6 +369,8 @@ def create_app(
                     "url": r.url,
                     "admin_url": r.admin_url,
                     "kserve_grpc": r.kserve_grpc,
+                    "kserve_http": r.kserve_http,
+                    "metrics_url": r.metrics_url,
                     "reason": r.reason,
                 }
             )

@@ -294,6 +294,7 @@ class Controller:
             region=region,
             engine=d.spec.engine,
             kserve=bool(d.fingerprint.get("kserve")) if d.fingerprint else False,
+            kind=(d.fingerprint or {}).get("kind", "generate"),
         )
         try:
             replica = await driver.create(request)

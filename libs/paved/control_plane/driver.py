@@ -43,6 +43,9 @@ class ReplicaRequest:
     region: str
     engine: str = "package"
     kserve: bool = False  # also open a KServe v2 gRPC port
+    # The package's kind (its fingerprint's): "kserve" is a classic model the launcher serves
+    # through paved.kserve (HTTP and gRPC are both KServe v2), never the paved frontend.
+    kind: str = "generate"
 
     def validate(self) -> None:
         """BadRequest naming the field when a value is unusable."""
@@ -62,6 +65,12 @@ class ReplicaRequest:
             raise BadRequest(f"engine must be 'package' or a sim:// URI, got {self.engine!r}")
         if not isinstance(self.kserve, bool):
             raise BadRequest(f"kserve must be a boolean, got {self.kserve!r}")
+        if self.kind not in ("generate", "embed", "kserve"):
+            raise BadRequest(f"kind must be 'generate', 'embed' or 'kserve', got {self.kind!r}")
+        if self.kind == "kserve" and not self.kserve:
+            raise BadRequest("a kserve replica needs kserve=true (its gRPC port)")
+        if self.kind == "kserve" and self.engine != "package":
+            raise BadRequest("a kserve replica serves its package's model: engine must be 'package'")
 
 
 class Driver(Protocol):

@@ -4,11 +4,15 @@ Red-black rollouts move the bare alias from one version to the next under live t
 is only safe when requests and answers keep their shape. The fingerprint captures that shape
 from the package's model.json (validated by paved.launcher.package), without fetching weights:
 
-    {"kind": "generate" | "embed",
+    {"kind": "generate" | "embed" | "kserve" (a classic KServe model, mode "kserve"),
      "tokenizer_sha256": sha256 over the tokenizer files' (path, manifest sha256) list,
      "chat_template_sha256": see below, or None when the package has no chat template,
      "max_model_len": engine_args.max_model_len or None,
      "kserve": engine_args.kserve (declared KServe tensor specs) or None}
+
+A "kserve" package has no tokenizer (its tokenizer and chat template fields are None); its
+"kserve" field is engine_args.kserve when declared, else the manifest sha256 of its Triton
+config.json, which states the tensors (any change to it counts as a change).
 
 Chat template: a `chat_template.*` tokenizer file -> its manifest sha256; else the
 `chat_template` value of tokenizer_config.json when that file can be read (a directory, a
@@ -74,6 +78,17 @@ def fingerprint_package(uri: str, *, downloader: Downloader | None = None) -> di
 def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None) -> dict[str, Any]:
     """The fingerprint of a parsed model.json (+ tokenizer_config.json's bytes, if read)."""
     engine_args = dict(package.engine_args)
+    kserve = engine_args.get("kserve")
+    declared = kserve if isinstance(kserve, dict | list) and kserve else None
+    if package.mode == "kserve" or package.tokenizer is None:
+        config = next((f.sha256 for f in package.weights.files if f.path == "config.json"), None)
+        return {
+            "kind": "kserve",
+            "tokenizer_sha256": None,
+            "chat_template_sha256": None,
+            "max_model_len": None,
+            "kserve": declared or {"config_json_sha256": config},
+        }
     kind = engine_args.get("kind", "generate")
     if kind not in ("generate", "embed"):
         raise BadRequest(
@@ -81,13 +96,12 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
         )
     files = sorted((f.path, f.sha256) for f in package.tokenizer.files)
     max_len = engine_args.get("max_model_len")
-    kserve = engine_args.get("kserve")
     return {
         "kind": kind,
         "tokenizer_sha256": _sha(_canonical(files)),
         "chat_template_sha256": _chat_template_sha(package, tokenizer_config),
         "max_model_len": max_len if isinstance(max_len, int) and not isinstance(max_len, bool) else None,
-        "kserve": kserve if isinstance(kserve, dict | list) and kserve else None,
+        "kserve": declared,
     }
 
 
@@ -99,7 +113,7 @@ def fingerprint_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list
 
 
 def _chat_template_sha(package: ModelPackage, config_raw: bytes | None) -> str | None:
-    entries = {f.path: f.sha256 for f in package.tokenizer.files}
+    entries = {f.path: f.sha256 for f in package.tokenizer.files} if package.tokenizer else {}
     templates = sorted(p for p in entries if posixpath.basename(p).startswith("chat_template."))
     if templates:
         return _sha(_canonical([(p, entries[p]) for p in templates]))
@@ -115,11 +129,13 @@ def _chat_template_sha(package: ModelPackage, config_raw: bytes | None) -> str |
 
 
 def _has_config(package: ModelPackage) -> bool:
+    if package.tokenizer is None:
+        return False
     return any(f.path == TOKENIZER_CONFIG for f in package.tokenizer.files)
 
 
 def _read_config(uri: str, package: ModelPackage, dl: Downloader) -> bytes | None:
-    if not _has_config(package):
+    if not _has_config(package) or package.tokenizer is None:
         return None
     base = package.tokenizer.uri
     where = join_uri(base if is_absolute_uri(base) else join_uri(uri, base), TOKENIZER_CONFIG)
@@ -178,7 +194,7 @@ def _scan(tar: tarfile.TarFile, uri: str, dl: Downloader) -> tuple[ModelPackage,
 
 def _config_member(package: ModelPackage) -> str | None:
     """Where tokenizer_config.json is: a member name, an absolute uri, or None (not listed)."""
-    if not _has_config(package):
+    if not _has_config(package) or package.tokenizer is None:
         return None
     return join_uri(package.tokenizer.uri, TOKENIZER_CONFIG)
 

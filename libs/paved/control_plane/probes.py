@@ -4,8 +4,9 @@
 launcher's admin `/health/ready` must answer 200 (the engine is loaded and the public ports
 are open); with a KServe port, KServe v2 ServerReady and ModelReady must say ready; and the
 smoke request must come back right: a chat completion with a small JSON schema whose content
-parses and validates (an embeddings call for kind "embed"). A replica that answers 200 with
-garbage is therefore not ready.
+parses and validates (an embeddings call for kind "embed"; for kind "kserve", a classic model,
+one KServe v2 inference on zeros shaped as its metadata says, which must return every declared
+output). A replica that answers 200 with garbage is therefore not ready.
 
 `probe_live` is what decides whether to replace a replica: the driver still sees the very
 process it started, and the admin `/health/live` answers 200.
@@ -177,6 +178,45 @@ async def _kserve_ready(target: str, model_id: str, deadline: _Deadline) -> None
             raise _Failed(f"KServe readiness on {target}: {e.code().name}: {e.details()}") from None
 
 
+# Zeros of these KServe datatypes are built for the smoke inference (numpy dtype names).
+_SMOKE_DTYPES = {
+    "FP32": "float32", "FP64": "float64", "FP16": "float16",
+    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+    "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64", "BOOL": "bool",
+}  # fmt: skip
+_SMOKE_MAX_ELEMENTS = 1 << 16
+
+
+async def _smoke_kserve(target: str, model_id: str, deadline: _Deadline) -> None:
+    import grpc
+    import numpy as np
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            meta = await stub.ModelMetadata(
+                service_pb2.ModelMetadataRequest(name=model_id), timeout=deadline.left("KServe ModelMetadata")
+            )
+            request = service_pb2.ModelInferRequest(model_name=model_id)
+            for spec in meta.inputs:
+                dtype = _SMOKE_DTYPES.get(spec.datatype)
+                # A dynamic dimension (the batch, say) is 1 in the smoke request.
+                shape = [d if d > 0 else 1 for d in spec.shape]
+                if dtype is None or math.prod(shape) > _SMOKE_MAX_ELEMENTS:
+                    return  # not a tensor a generic smoke can build: readiness alone decides
+                tensor = request.inputs.add(name=spec.name, datatype=spec.datatype, shape=shape)
+                del tensor
+                request.raw_input_contents.append(np.zeros(shape, dtype=dtype).tobytes())
+            answer = await stub.ModelInfer(request, timeout=deadline.left("KServe smoke inference"))
+        except grpc.aio.AioRpcError as e:
+            raise _Failed(f"KServe smoke on {target}: {e.code().name}: {e.details()}") from None
+    got = {o.name for o in answer.outputs}
+    missing = [o.name for o in meta.outputs if o.name not in got]
+    if missing:
+        raise _Failed(f"KServe smoke on {target}: outputs {missing} missing from the answer")
+
+
 def _session() -> aiohttp.ClientSession:
     # Probes go straight to the replica, never through a proxy from the environment.
     return aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(limit=4, force_close=True))
@@ -193,8 +233,10 @@ async def probe_ready(
     """(True, "ready") or (False, why); see the module docstring for the checks."""
     if not isinstance(model_id, str) or not model_id:
         raise BadRequest("model_id must be a non-empty string")
-    if kind not in ("generate", "embed"):
-        raise BadRequest(f"kind must be 'generate' or 'embed', got {kind!r}")
+    if kind not in ("generate", "embed", "kserve"):
+        raise BadRequest(f"kind must be 'generate', 'embed' or 'kserve', got {kind!r}")
+    if kind == "kserve" and not replica.kserve_grpc:
+        raise BadRequest("a kserve replica needs a KServe gRPC address")
     deadline = _Deadline(_check_timeout(timeout_s))
     try:
         async with _session() as session:
@@ -203,7 +245,9 @@ async def probe_ready(
             )
             if replica.kserve_grpc:
                 await _kserve_ready(replica.kserve_grpc, model_id, deadline)
-            if smoke:
+            if smoke and kind == "kserve":
+                await _smoke_kserve(replica.kserve_grpc or "", model_id, deadline)
+            elif smoke:
                 check = _smoke_embed if kind == "embed" else _smoke_chat
                 await check(session, replica.url, model_id, deadline)
     except _Failed as e:

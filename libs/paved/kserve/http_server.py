@@ -1,7 +1,8 @@
 """KServe v2 over HTTP/REST (FastAPI), with Triton's binary tensor and generate extensions.
 
 Endpoints: /v2, /v2/health/{live,ready}, /v2/models/{m}[/versions/{v}], .../ready, .../config,
-.../infer, .../generate, .../generate_stream (SSE), /v2/repository/index.
+.../infer, .../generate, .../generate_stream (SSE), /v2/repository/index; and paved's own
+/health/{live,ready} (ready is 503 until loaded), what the gateway and the launcher probe.
 Status codes are Triton's (http_server.cc): a not-ready server or model is 400, unknown model
 404, unsupported feature 501, unavailable 503, and every error body is {"error": "..."}, which
 is what tritonclient.http raises from. Bodies over the size limit are 413 before they are read.
@@ -361,6 +362,19 @@ def create_http_app(
         if repository.ready():
             return Response(status_code=200)
         return _error(400, "server is not ready: models are still loading")
+
+    # What every paved server answers (the gateway's health checker and the launcher's gate
+    # probe these paths), so a KServe-only replica stands in a fleet like any other. 503, not
+    # KServe's 400, while loading: these are load-balancer probes.
+    @app.get("/health/live")
+    async def paved_live():
+        return Response(status_code=200)
+
+    @app.get("/health/ready")
+    async def paved_ready():
+        if repository.ready():
+            return Response(status_code=200)
+        return _error(503, "server is not ready: models are still loading")
 
     async def metadata(name: str, version: str = ""):
         model = repository.get(name, version)

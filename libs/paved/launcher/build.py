@@ -7,8 +7,10 @@
 
 Layout of the result: model.json, weights/<files>, tokenizer/<files>, plugins/<wheels>.
 Tokenizer files (tokenizer*.json, special_tokens_map.json, vocab/merges, *.model, chat
-templates) go under tokenizer/, everything else under weights/. Tarballs are reproducible
-(sorted entries, mtime 0, uid/gid 0).
+templates) go under tokenizer/, everything else under weights/. With `--mode kserve` the folder
+is a classic (Triton-layout) model directory, e.g. //models/xgb: all of it goes under weights/,
+there is no tokenizer, and its config.json's `name` must be the model id (the name KServe
+clients call). Tarballs are reproducible (sorted entries, mtime 0, uid/gid 0).
 """
 
 from __future__ import annotations
@@ -90,16 +92,18 @@ def build_package(
     hf_dir = os.path.realpath(hf_dir)
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    if mode == "kserve":
+        _check_kserve_name(os.path.join(hf_dir, "config.json"), model_id)
     placed: list[tuple[str, str]] = []  # (package-relative path, source file)
     weights: list[dict[str, Any]] = []
     tokenizer: list[dict[str, Any]] = []
     for rel in _walk(hf_dir):
         src = os.path.join(hf_dir, rel)
         entry = {"path": rel, "sha256": sha256_file(src), "size": os.path.getsize(src)}
-        role = "tokenizer" if is_tokenizer_file(rel) else "weights"
+        role = "tokenizer" if mode != "kserve" and is_tokenizer_file(rel) else "weights"
         (tokenizer if role == "tokenizer" else weights).append(entry)
         placed.append((f"{role}/{rel}", src))
-    if not tokenizer:
+    if not tokenizer and mode != "kserve":
         raise ValueError(f"{hf_dir} has no tokenizer files ({', '.join(TOKENIZER_PATTERNS)})")
     wheels = []
     for wheel in plugin_wheels:
@@ -117,7 +121,7 @@ def build_package(
             "mode": mode,
             "engine_args": engine_args or {},
             "weights": {"uri": "weights", "files": weights},
-            "tokenizer": {"uri": "tokenizer", "files": tokenizer},
+            "tokenizer": {"uri": "tokenizer", "files": tokenizer} if tokenizer else None,
             "plugins": wheels,
         }
     )
@@ -139,6 +143,20 @@ def build_package(
         with open(os.path.join(out, MODEL_JSON), "wb") as f:
             f.write(manifest)
     return package
+
+
+def _check_kserve_name(config_path: str, model_id: str) -> None:
+    try:
+        with open(config_path, "rb") as f:
+            config = json.loads(f.read(1 << 20))
+    except ValueError:
+        raise ValueError(f"{config_path} is not JSON (a Triton model config)") from None
+    name = config.get("name") if isinstance(config, dict) else None
+    if name != model_id:
+        raise ValueError(
+            f"{config_path} names the model {name!r}, not {model_id!r}: KServe clients call it by "
+            "that name, so --model-id must be it"
+        )
 
 
 def _write_tar(out: str, manifest: bytes, placed: list[tuple[str, str]]) -> None:
@@ -195,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="package directory, or a .tar/.tar.gz/.tgz file")
     p.add_argument("--model-id", required=True)
     p.add_argument("--version", required=True)
-    p.add_argument("--mode", choices=("embedded", "standalone"), default="embedded")
+    p.add_argument("--mode", choices=("embedded", "standalone", "kserve"), default="embedded")
     p.add_argument("--engine-args", default="{}", help="JSON object of vLLM engine arguments")
     p.add_argument("--plugin", action="append", default=[], help="plugin wheel to include (repeatable)")
     p.add_argument("--upload", help="s3://bucket/prefix to upload the result to")

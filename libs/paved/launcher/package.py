@@ -18,7 +18,10 @@ multipart uploads and ranged GETs carry no checksum, so this manifest is what ve
 trusts.
 
 Modes: "embedded" starts the paved frontend with the engine in-process; "standalone" starts
-the engine alone (vLLM's own OpenAI server), for a frontend that reaches it remotely.
+the engine alone (vLLM's own OpenAI server), for a frontend that reaches it remotely; "kserve"
+serves a classic (Triton-layout XGBoost) model directory over KServe v2 gRPC and HTTP through
+paved.kserve: its weights are that directory (a Triton `config.json` whose `name` is the
+package's model_id, and the model file), and it has no tokenizer.
 """
 
 from __future__ import annotations
@@ -106,17 +109,24 @@ class ModelPackage(BaseModel):
     schema_version: Literal[1] = SCHEMA_VERSION
     model_id: str = Field(pattern=_NAME)
     version: str = Field(pattern=_NAME)
-    mode: Literal["embedded", "standalone"] = "embedded"
+    mode: Literal["embedded", "standalone", "kserve"] = "embedded"
     # Passed to the engine verbatim (vLLM engine arguments: max_model_len, dtype, ...).
     engine_args: dict[str, Any] = Field(default_factory=dict)
     weights: Artifact
-    tokenizer: Artifact
+    tokenizer: Artifact | None = None  # required, except for mode "kserve"
     plugins: tuple[PluginWheel, ...] = ()
 
     @model_validator(mode="after")
     def _layout(self) -> ModelPackage:
+        if self.mode == "kserve":
+            if self.tokenizer is not None:
+                raise ValueError("a kserve package has no tokenizer")
+            if self.plugins:
+                raise ValueError("a kserve package takes no plugins (they extend vLLM)")
+        elif self.tokenizer is None:
+            raise ValueError(f"a {self.mode} package needs a tokenizer")
         seen: dict[str, str] = {}
-        for role, artifact in (("weights", self.weights), ("tokenizer", self.tokenizer)):
+        for role, artifact in self._artifacts():
             for f in artifact.files:
                 key = f.path.lower()
                 if key in seen:
@@ -141,8 +151,14 @@ class ModelPackage(BaseModel):
             raise ValueError(override)
         return self
 
+    def _artifacts(self) -> list[tuple[str, Artifact]]:
+        out = [("weights", self.weights)]
+        if self.tokenizer is not None:
+            out.append(("tokenizer", self.tokenizer))
+        return out
+
     def model_files(self) -> list[tuple[Artifact, FileEntry]]:
-        return [(a, f) for a in (self.weights, self.tokenizer) for f in a.files]
+        return [(a, f) for _, a in self._artifacts() for f in a.files]
 
     def total_bytes(self) -> int:
         return sum(f.size for _, f in self.model_files()) + sum(w.size for w in self.plugins)

@@ -245,3 +245,40 @@ def test_fingerprint_diff():
     assert fingerprint_diff(a, a | {"max_model_len": 1024, "kind": "embed"}) == ["kind", "max_model_len"]
     assert fingerprint_diff(None, a) == ["kind", "tokenizer_sha256", "max_model_len"]
     assert fingerprint_diff(a, a | {"zz_extra": 1}) == ["zz_extra"]
+
+
+def xgb_tarball() -> str:
+    try:
+        return runfile("services/launcher/xgb_package.tar")
+    except FileNotFoundError:
+        built = Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/xgb_package.tar"
+        if not built.exists():
+            pytest.skip("build //services/launcher:xgb_package first (or run under Bazel)")
+        return str(built)
+
+
+def test_a_kserve_package_fingerprints_its_triton_config(tmp_path: Path) -> None:
+    fp = fingerprint_package(xgb_tarball())
+    assert fp["kind"] == "kserve"
+    assert fp["tokenizer_sha256"] is None and fp["chat_template_sha256"] is None
+    assert fp["max_model_len"] is None
+    out = tmp_path / "xgb"
+    with tarfile.open(xgb_tarball()) as tar:
+        tar.extractall(out, filter="data")
+    config = hashlib.sha256((out / "weights" / "config.json").read_bytes()).hexdigest()
+    assert fp["kserve"] == {"config_json_sha256": config}
+    assert fingerprint_package(str(out)) == fp
+    # A retrained booster keeps the interface; a changed config.json may not.
+    retrained = manifest(out)
+    for f in retrained["weights"]["files"]:
+        if f["path"] == "model.ubj":
+            f["sha256"] = "0" * 64
+    write_manifest(out, retrained)
+    assert fingerprint_diff(fp, fingerprint_package(str(out))) == []
+    for f in retrained["weights"]["files"]:
+        if f["path"] == "config.json":
+            f["sha256"] = "1" * 64
+    write_manifest(out, retrained)
+    assert fingerprint_diff(fp, fingerprint_package(str(out))) == ["kserve"]
+    # The LLM and the classic model never pass for one another.
+    assert "kind" in fingerprint_diff(fp, fingerprint_package(tiny_tarball()))

@@ -21,6 +21,7 @@ from aiohttp import web
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.types import Replica
+from paved.runfiles import runfile
 
 
 def replica(url: str, admin_url: str | None = None, kserve_grpc: str | None = None) -> Replica:
@@ -215,5 +216,54 @@ def test_real_sim_frontend_with_kserve(sim_frontend: tuple[str, str]) -> None:
         closed = replica(url, kserve_grpc="127.0.0.1:1")
         ok, reason = await probe_ready(closed, model_id="tiny", timeout_s=3)
         assert not ok and "KServe" in reason, reason
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def kserve_xgb() -> Iterator[tuple[str, str]]:
+    """paved.kserve serving the XGBoost fixture alone (what a kserve-mode package runs)."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    model_dir = os.path.dirname(runfile("models/xgb/config.json"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paved.kserve.main", "--model-dir", model_dir,
+         "--http-port", str(ports[0]), "--grpc-port", str(ports[1])],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{ports[0]}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+            try:
+                with urllib.request.urlopen(url + "/health/ready", timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the KServe server did not become ready"
+                time.sleep(0.1)
+        yield url, f"127.0.0.1:{ports[1]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_classic_kserve_model_is_ready_after_a_smoke_inference(kserve_xgb: tuple[str, str]) -> None:
+    url, grpc_target = kserve_xgb
+
+    async def go() -> None:
+        r = replica(url, kserve_grpc=grpc_target)
+        # Launcher stand-in: the admin URL is the server itself (it answers /health/ready).
+        assert await probe_ready(r, model_id="xgb_scorer", kind="kserve") == (True, "ready")
+        ok, reason = await probe_ready(r, model_id="nope", kind="kserve")
+        assert not ok and "ModelReady" in reason, reason
+        # A kserve replica without its gRPC address cannot be probed: a caller's bug.
+        with pytest.raises(BadRequest):
+            await probe_ready(replica(url), model_id="xgb_scorer", kind="kserve")
 
     asyncio.run(go())

@@ -535,6 +535,10 @@ def test_server_ready_only_when_every_model_is_loaded(loop):
         assert states[XGB] == "LOADING"
         r = httpx.get(f"http://127.0.0.1:{server.http_port}/v2/health/ready")
         assert r.status_code == 400 and "error" in r.json()
+        # paved's own probe paths (the gateway's and the launcher's): 503 while loading.
+        r = httpx.get(f"http://127.0.0.1:{server.http_port}/health/ready")
+        assert r.status_code == 503 and "error" in r.json()
+        assert httpx.get(f"http://127.0.0.1:{server.http_port}/health/live").status_code == 200
         error = grpc_error(lambda: client.infer(XGB, [tensor(grpcclient, "input__0", rows(1), "FP32")]))
         assert error.status() == "StatusCode.UNAVAILABLE"
 
@@ -543,6 +547,7 @@ def test_server_ready_only_when_every_model_is_loaded(loop):
         assert not client.is_server_ready()  # the engine is still loading
         engine.set_ready(True)
         assert client.is_server_ready() and client.is_model_ready(LLM)
+        assert httpx.get(f"http://127.0.0.1:{server.http_port}/health/ready").status_code == 200
     finally:
         client.close()
         loop.run(server.stop(grace_s=1))
