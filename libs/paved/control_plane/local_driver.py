@@ -3,7 +3,10 @@
 Each replica is one launcher in its own session (`start_new_session=True`): a control plane
 that crashes leaves its replicas serving, and the next one adopts them from their
 `driver_ref` = {"pid", "start_time" (/proc/<pid>/stat field 22, so a reused pid is never taken
-for the replica), "ports", "marker", "log"}.
+for the replica), "ports", "marker", "log"}. "ports" names each port the replica holds: "http",
+"admin", "grpc" (KServe only) and "metrics" (the launcher's --metrics-port, the replica's
+`metrics_url`; a ref written before it existed has none, and its replica keeps the metrics_url
+it was created with).
 
 The launcher puts its engine in a session of its own too, so the launcher's process group does
 not hold the engine. Every process of a replica instead inherits the environment variable
@@ -172,8 +175,14 @@ class LocalDriver:
                 )
         return await asyncio.to_thread(self._create, req)
 
+    @staticmethod
+    def _port_names(req: ReplicaRequest) -> tuple[str, ...]:
+        """What each allocated port is for, in allocation order (metrics last: ports[2] stays
+        gRPC's place)."""
+        return ("http", "admin", *(("grpc",) if req.kserve else ()), "metrics")
+
     def _create(self, req: ReplicaRequest) -> Replica:
-        ports = self._allocate(req.replica_id, 3 if req.kserve else 2)
+        ports = self._allocate(req.replica_id, len(self._port_names(req)))
         try:
             return self._spawn(req, ports)
         except BaseException:
@@ -204,19 +213,21 @@ class LocalDriver:
             self._reserved.pop(replica_id, None)
 
     def _argv(self, req: ReplicaRequest, ports: tuple[int, ...], rdir: Path) -> list[str]:
+        named = dict(zip(self._port_names(req), ports, strict=True))
         argv = [
             self.python, "-m", "paved.launcher.main", req.package_uri,
-            "--host", _HOST, "--port", str(ports[0]),
-            "--admin-host", _HOST, "--admin-port", str(ports[1]),
+            "--host", _HOST, "--port", str(named["http"]),
+            "--admin-host", _HOST, "--admin-port", str(named["admin"]),
             "--cache-dir", str(self.cache_dir),
             "--metrics-dir", str(rdir / "metrics"),
+            "--metrics-host", _HOST, "--metrics-port", str(named["metrics"]),
             "--drain-timeout", str(self.drain_timeout_s),
             "--progress", "log",
         ]  # fmt: skip
         if self.s3_endpoint_url:
             argv += ["--s3-endpoint-url", self.s3_endpoint_url]
         if req.kserve:
-            argv += ["--grpc-port", str(ports[2])]
+            argv += ["--grpc-port", str(named["grpc"])]
 
         # The launcher expands {placeholders} in --child-cmd: literal braces are doubled.
         def lit(s: str) -> str:
@@ -267,15 +278,15 @@ class LocalDriver:
             proc.wait()
             start = -1
         self._procs[proc.pid] = proc
-        names = ("http", "admin", "grpc")
+        named = dict(zip(self._port_names(req), ports, strict=True))
         ref = {
             "pid": proc.pid,
             "start_time": start,
-            "ports": {names[i]: p for i, p in enumerate(ports)},
+            "ports": named,
             "marker": marker,
             "log": str(log_path),
         }
-        url = f"http://{_HOST}:{ports[0]}"
+        url = f"http://{_HOST}:{named['http']}"
         log.info(
             "replica %s (%s@%s): launcher pid %d on %s",
             req.replica_id,
@@ -290,9 +301,12 @@ class LocalDriver:
             region=self.region,
             state="starting",
             url=url,
-            admin_url=f"http://{_HOST}:{ports[1]}",
-            kserve_grpc=f"{_HOST}:{ports[2]}" if req.kserve else None,
-            metrics_url=url + "/metrics",
+            admin_url=f"http://{_HOST}:{named['admin']}",
+            kserve_grpc=f"{_HOST}:{named['grpc']}" if req.kserve else None,
+            # The launcher's metrics proxy, not the frontend's /metrics through the gate: it also
+            # answers while the replica starts or drains, and merges the engine's multiprocess
+            # files (vLLM's own processes) with the frontend's families.
+            metrics_url=f"http://{_HOST}:{named['metrics']}/metrics",
             driver_ref=ref,
         )
 

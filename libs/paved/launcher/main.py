@@ -16,6 +16,11 @@ Phases (reported on the admin port's /status and in the log):
    drains in-flight requests (the frontend's --drain-timeout); the launcher exits 0 once it
    has, or kills the child's process group and exits 1 after drain + grace seconds.
 
+Metrics (`--metrics-port`, paved.launcher.metrics_port): a metrics proxy serves /metrics from
+right after step 1 until the launcher exits, ungated: the engine's PROMETHEUS_MULTIPROC_DIR
+files merged with the child's own /metrics (upstream `frontend`, reported down until the child
+answers). Its address is in /status "ports" and the ready line.
+
 Exit codes: 0 clean stop, 1 failed start / drain deadline exceeded / child died, 2 bad usage.
 """
 
@@ -53,6 +58,7 @@ from paved.launcher.gate import (
     http_get,
 )
 from paved.launcher.materialize import Materialized, Materializer
+from paved.launcher.metrics_port import MetricsPort
 from paved.launcher.storage import Downloader, MiB, TransferConfig, make_s3_client
 
 log = logging.getLogger("paved.launcher")
@@ -167,6 +173,13 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
         help="PROMETHEUS_MULTIPROC_DIR for the engine (default: the environment's); cleaned at start",
     )
+    e.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve a metrics proxy here for the launcher's whole run: the --metrics-dir files plus "
+        "the child's /metrics (0: any free port; default: none)",
+    )
+    e.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -273,12 +286,16 @@ class Launcher:
         self._stop_signal: str | None = None
         # fd of the metrics dir lock, held (open) for the launcher's life.
         self._metrics_lock: int | None = None
+        self.metrics: MetricsPort | None = None
 
     # -- control plane ---------------------------------------------------------------------
     def ready(self) -> bool:
         return self.phase == "ready"
 
     def status(self) -> dict:
+        ports = {k: list(v) for k, v in self.gate.bound.items()} if self.gate else {}
+        if self.metrics is not None:
+            ports["metrics"] = list(self.metrics.address)
         return {
             "phase": self.phase,
             "reason": self.reason,
@@ -286,7 +303,7 @@ class Launcher:
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
             "package": self.materialized.summary() if self.materialized else None,
             "entry_points": self.entry_points,
-            "ports": {k: list(v) for k, v in self.gate.bound.items()} if self.gate else {},
+            "ports": ports,
             "child_pid": self.child.pid if self.child else None,
             "connections": {
                 "open": self.gate.open_connections,
@@ -370,6 +387,8 @@ class Launcher:
                 await self.gate.abort()
             if admin is not None:
                 admin.close()
+            if self.metrics is not None:
+                await asyncio.to_thread(self.metrics.close)
             shutil.rmtree(state_dir, ignore_errors=True)
 
     async def _run(self, state_dir: str) -> int:
@@ -384,6 +403,13 @@ class Launcher:
             except (metrics_dir.MetricsDirError, OSError) as e:
                 raise LaunchError(str(e)) from None
             log.info("PROMETHEUS_MULTIPROC_DIR=%s cleaned", metrics_path)
+        if args.metrics_port is not None:
+            # Only now: before the cleaning it would serve the previous run's counters.
+            try:
+                self.metrics = MetricsPort(metrics_path, args.metrics_host, args.metrics_port)
+            except OSError as e:
+                raise LaunchError(f"cannot bind the metrics port: {e}") from None
+            log.info("metrics proxy on %s", self.metrics.url)
 
         self._set_phase("materializing")
         m = await self._until_stopped(self._materialize)
@@ -409,6 +435,8 @@ class Launcher:
 
         self._set_phase("starting")
         spec = child_spec(args, m, state_dir)
+        if self.metrics is not None:
+            self.metrics.set_frontend(spec.ports["http"])
         child = await self._start_child(spec, env)
         if not await self._wait_ready(spec):
             return self._stopped_before_ready()
@@ -430,7 +458,10 @@ class Launcher:
         except OSError as e:
             raise LaunchError(f"cannot bind the public port: {e}") from None
         self._set_phase("ready")
-        ports = ", ".join(f"{k} {h}:{p}" for k, (h, p) in self.gate.bound.items())
+        bound = dict(self.gate.bound)
+        if self.metrics is not None:
+            bound["metrics"] = self.metrics.address
+        ports = ", ".join(f"{k} {h}:{p}" for k, (h, p) in bound.items())
         # Scripts and tests read this line.
         print(f"paved launcher: ready: {m.package.model_id}:{m.package.version} on {ports}", flush=True)
 
@@ -637,6 +668,8 @@ def _bad_bounds(args: argparse.Namespace) -> str | None:
         return f"--idle-timeout must be >= 0 seconds (0: never), got {args.idle_timeout}"
     if not math.isfinite(args.lock_timeout) or args.lock_timeout <= 0:
         return f"--lock-timeout must be > 0 seconds, got {args.lock_timeout}"
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        return f"--metrics-port must be 0..65535 (0: any free port), got {args.metrics_port}"
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from paved.control_plane.autoscaler import scrape
 from paved.control_plane.driver import PortsExhausted, ReplicaRequest
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.local_driver import LocalDriver, marked_pids, proc_start_time
@@ -113,16 +115,22 @@ def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> N
         cleanup.append(r)
         assert r.state == "starting"
         ports = r.driver_ref["ports"]
-        assert set(ports) == {"http", "admin", "grpc"}
-        assert all(lo <= p <= hi for p in ports.values()) and len(set(ports.values())) == 3
+        assert set(ports) == {"http", "admin", "grpc", "metrics"}
+        assert all(lo <= p <= hi for p in ports.values()) and len(set(ports.values())) == 4
         assert r.url == f"http://127.0.0.1:{ports['http']}"
         assert r.kserve_grpc == f"127.0.0.1:{ports['grpc']}"
         assert r.driver_ref["start_time"] == proc_start_time(r.driver_ref["pid"])
         await wait_ready(r, driver)  # admin ready + KServe ServerReady/ModelReady + JSON smoke
         assert await probe_live(r, driver) == (True, "live")
-        assert r.metrics_url is not None
+        # The launcher's metrics proxy on a port of its own, merging the frontend's /metrics.
+        assert r.metrics_url == f"http://127.0.0.1:{ports['metrics']}/metrics"
+        assert f"--metrics-port {ports['metrics']}" in await read_log(r)
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(r.metrics_url, timeout=5).read())
         assert b"vllm:num_requests_waiting" in body
+        assert b'paved_metrics_proxy_up{source="frontend"} 1.0' in body
+        # What the autoscaler reads of it: the sim engine's gauges under the replica's model.
+        m = await scrape(r.metrics_url, model_id="tiny")
+        assert m.waiting == 0 and m.running == 0
         assert "paved launcher: ready: tiny:1" in await read_log(r)
         # The sim engine runs under the launcher with the replica's marker.
         assert len(marked_pids(r.driver_ref["marker"])) >= 2
@@ -142,7 +150,7 @@ def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> N
 
 
 def test_adopt_after_restart(tmp_path: Path, cleanup: list[Replica]) -> None:
-    lo, hi = free_range(4)
+    lo, hi = free_range(6)
 
     async def go() -> None:
         first = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
@@ -170,21 +178,33 @@ def test_adopt_after_restart(tmp_path: Path, cleanup: list[Replica]) -> None:
             id="r-junk", deployment_id="dep_1", region="local", state="ready", url="", admin_url=""
         )
 
+        # A ref written before replicas had a metrics port ({"http", "admin"} only) is adopted too.
+        old_ref = {
+            **r.driver_ref,
+            "ports": {k: v for k, v in r.driver_ref["ports"].items() if k != "metrics"},
+        }
+        old = dataclasses.replace(r, driver_ref=old_ref, metrics_url=r.url + "/metrics")
+
         second = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
-        adopted, gone = await second.adopt([r, gone_pid, reused, junk])
+        adopted, gone = await second.adopt([old, gone_pid, reused, junk])
         assert [x.id for x in adopted] == ["r1"]
         assert [x.id for x in gone] == ["r-dead", "r-reused", "r-junk"]
-        assert await second.alive(r)
-        assert (await probe_ready(r, model_id="tiny", timeout_s=5))[0]
-        # The adopted replica's ports stay reserved: 4 ports, 2 held, room for exactly one more.
+        assert await second.alive(old)
+        assert (await probe_ready(old, model_id="tiny", timeout_s=5))[0]
+        # The metrics_url it was recorded with (the frontend's, through the gate) still answers.
+        assert b"vllm:num_requests_waiting" in await asyncio.to_thread(
+            lambda: urllib.request.urlopen(old.metrics_url, timeout=5).read()
+        )
+        # The adopted replica's ports stay reserved: 6 ports, 3 held (2 reserved, plus the metrics
+        # port its launcher has bound), room for exactly one more.
         r2 = await second.create(request("r2"))
         cleanup.append(r2)
         assert set(r2.driver_ref["ports"].values()).isdisjoint(r.driver_ref["ports"].values())
         with pytest.raises(PortsExhausted):
             await second.create(request("r3"))
         await second.delete(r2)
-        await second.delete(r)
-        assert not await second.alive(r)
+        await second.delete(old)
+        assert not await second.alive(old)
         assert marked_pids(r.driver_ref["marker"]) == []
         with pytest.raises(BadRequest):
             await second.adopt(
@@ -195,7 +215,7 @@ def test_adopt_after_restart(tmp_path: Path, cleanup: list[Replica]) -> None:
 
 
 def test_port_exhaustion_and_ports_in_use(tmp_path: Path, cleanup: list[Replica]) -> None:
-    lo, hi = free_range(3)
+    lo, hi = free_range(4)
 
     async def go() -> None:
         with socket.socket() as busy:
@@ -204,7 +224,7 @@ def test_port_exhaustion_and_ports_in_use(tmp_path: Path, cleanup: list[Replica]
             driver = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
             r = await driver.create(request("r1"))
             cleanup.append(r)
-            assert sorted(r.driver_ref["ports"].values()) == [lo + 1, lo + 2]
+            assert sorted(r.driver_ref["ports"].values()) == [lo + 1, lo + 2, lo + 3]
             with pytest.raises(PortsExhausted) as e:
                 await driver.create(request("r2"))
             assert e.value.status == 503 and e.value.code == "ports_exhausted"
