@@ -235,7 +235,9 @@ class LocalDriver:
 
         drain = f"--drain-timeout {self.drain_timeout_s}"
         grpc = " --kserve-grpc-port {grpc_port}" if req.kserve else ""
-        if req.engine.startswith("sim://"):
+        if req.kind == "kserve":
+            pass  # the launcher serves a kserve package through paved.kserve by itself
+        elif req.engine.startswith("sim://"):
             argv += [
                 "--child-cmd",
                 f"{{python}} -m paved.frontend.server --engine {lit(req.engine)} --model {lit(req.model_id)} "
@@ -303,6 +305,8 @@ class LocalDriver:
             url=url,
             admin_url=f"http://{_HOST}:{named['admin']}",
             kserve_grpc=f"{_HOST}:{named['grpc']}" if req.kserve else None,
+            # A classic model's HTTP port is KServe v2 HTTP (an LLM's is the OpenAI API).
+            kserve_http=url if req.kind == "kserve" else None,
             # The launcher's metrics proxy, not the frontend's /metrics through the gate: it also
             # answers while the replica starts or drains, and merges the engine's multiprocess
             # files (vLLM's own processes) with the frontend's families.

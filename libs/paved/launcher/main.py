@@ -8,7 +8,9 @@ Phases (reported on the admin port's /status and in the log):
    touches no network.
 3. Plugin wheels are installed (during 2) and their entry points checked in a child process.
 4. The child starts on private loopback ports: the paved frontend with the engine in-process
-   (embedded mode) or vLLM's OpenAI server alone (standalone), or any `--child-cmd`.
+   (embedded mode) or vLLM's OpenAI server alone (standalone), paved.kserve over the classic
+   model directory (a kserve package: KServe v2 HTTP on the HTTP port, gRPC with --grpc-port),
+   or any `--child-cmd`.
 5. Once the child's readiness endpoint answers 200, the public ports are bound and relayed
    (paved.launcher.gate); before that they are closed. If the child exits first, the launcher
    exits 1 with the child's last error line and the public ports were never opened.
@@ -198,7 +200,7 @@ def _frontend_config(m: Materialized, port: int, drain_timeout_s: float) -> dict
     from paved.engine.vllm_config import VllmModelConfig
 
     named = {f.name for f in dataclasses.fields(VllmModelConfig)} - {"name", "path", "engine_args"}
-    args = dict(m.package.engine_args)
+    args = _engine_args(m.package.engine_args)
     model: dict[str, Any] = {"name": m.package.model_id, "path": m.model_dir}
     model.update({k: args.pop(k) for k in list(args) if k in named})
     if args:
@@ -209,9 +211,16 @@ def _frontend_config(m: Materialized, port: int, drain_timeout_s: float) -> dict
     }
 
 
+def _engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """The package's engine args less what paved itself reads: `kserve` declares the model's
+    KServe v2 interface (the control plane's fingerprint; a KServe port for its replicas), and
+    vLLM rejects an argument it does not know."""
+    return {k: v for k, v in engine_args.items() if k != "kserve"}
+
+
 def _vllm_flags(engine_args: dict[str, Any]) -> list[str]:
     out = []
-    for key, value in engine_args.items():
+    for key, value in _engine_args(engine_args).items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             out.append(flag)
@@ -224,10 +233,21 @@ def _vllm_flags(engine_args: dict[str, Any]) -> list[str]:
 
 def child_spec(args: argparse.Namespace, m: Materialized, state_dir: str) -> ChildSpec:
     ports = {"http": free_port()}
+    kserve_mode = m.package.mode == "kserve"
+    if kserve_mode and args.mode:
+        raise LaunchError(f"--mode {args.mode}: {m.package.model_id} is a kserve package (a classic model)")
     if args.grpc_port is not None:
-        if not args.child_cmd or "{grpc_port}" not in args.child_cmd:
+        if not kserve_mode and (not args.child_cmd or "{grpc_port}" not in args.child_cmd):
             raise LaunchError("--grpc-port needs a --child-cmd that serves gRPC on {grpc_port}")
         ports["grpc"] = free_port()
+    if kserve_mode and not args.child_cmd:
+        # KServe v2 HTTP on the public HTTP port, gRPC on the public gRPC port when asked.
+        argv = [
+            sys.executable, "-m", "paved.kserve.main", "--model-dir", m.model_dir,
+            "--host", "127.0.0.1", "--http-port", str(ports["http"]),
+            "--grpc-port", str(ports.get("grpc", -1)),
+        ]  # fmt: skip
+        return ChildSpec(argv, args.ready_path or "/health/ready", ports)
     # The paved frontend's config file (also what `paved.kserve.main --llm-config` reads).
     config = os.path.join(state_dir, "frontend.json")
     with open(config, "w") as f:

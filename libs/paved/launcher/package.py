@@ -124,7 +124,7 @@ class ModelPackage(BaseModel):
             if self.plugins:
                 raise ValueError("a kserve package takes no plugins (they extend vLLM)")
         elif self.tokenizer is None:
-            raise ValueError(f"a {self.mode} package needs a tokenizer")
+            raise ValueError(f"mode {self.mode!r} needs a tokenizer (only a kserve package has none)")
         seen: dict[str, str] = {}
         for role, artifact in self._artifacts():
             for f in artifact.files:

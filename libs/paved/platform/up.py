@@ -1,4 +1,11 @@
-"""`up`: the control plane, a gateway following its routes and the tiny model, in one command.
+"""`up`: the control plane, a gateway following its routes, the tiny model and the XGBoost
+fixture, in one command.
+
+What runs: the control plane (its dashboard at /dashboard), a gateway following its routes
+(OpenAI API, KServe v2 HTTP on the same port, KServe v2 gRPC on PORT+1), the tiny LLM package
+(it declares its KServe interface, so each replica serves KServe gRPC too) and the XGBoost
+fixture as a kserve-mode package, both rolled out through the control plane's API; every
+replica is a launcher with a metrics proxy port of its own.
 
 Invariants:
   * Every process is an existing main started as a child (`python -m paved.control_plane.server`,
@@ -45,7 +52,7 @@ MODEL_ID = "tiny"
 VERSION = "v1"
 TENANT = "demo"
 SIM_ENGINE = "sim://tiny?tokens_per_s=200&max_num_seqs=64"
-PORTS_PER_REGION = 200  # launcher HTTP + admin per replica, with room for a red-black surge
+PORTS_PER_REGION = 200  # HTTP, admin, [KServe gRPC,] metrics per replica, room for a surge
 CP_PORT_OFFSET = 10  # --port 8080: gateway 8080, control plane 8090 (their own defaults)
 S3_BUCKET = "paved-models"
 S3_CREDENTIALS = {
@@ -54,10 +61,8 @@ S3_CREDENTIALS = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 HTTP_TIMEOUT_S = 10.0
-XGB_NOTE = (
-    "note: the XGBoost fixture is not deployed: the control plane deploys launcher packages (LLMs) "
-    "only, not KServe model directories; `tools/bazel run //services/kserve:serve` serves it alone"
-)
+XGB_MODEL_ID = "xgb_scorer"
+KSERVE_PORT_OFFSET = 1  # --port 8080: the gateway's KServe v2 gRPC on 8081
 
 
 class UsageError(Exception):
@@ -330,6 +335,9 @@ class Platform:
         self.s3_endpoint: str | None = None
         self.package_uri = ""
         self.replicas: list[dict[str, Any]] = []
+        self.xgb_replicas: list[dict[str, Any]] = []
+        self.xgb_package_uri = ""
+        self.kserve_grpc = ""
         self._stopped = False
 
     # -- start -------------------------------------------------------------------------------
@@ -353,17 +361,19 @@ class Platform:
         env["PAVED_ROUTES_TOKEN"] = self.admin_key  # the gateway's --routes-token default
         env.pop("PAVED_STATE_DIR", None)  # every path below is explicit
 
-        package = self._tiny_package()
+        package = self._package("tiny_kserve_package.tar")
+        xgb = self._package("xgb_package.tar")
         if cfg.s3:
             env.update(S3_CREDENTIALS)
-            self.package_uri = self._start_s3(env, package)
+            self.package_uri, self.xgb_package_uri = self._start_s3(env, [package, xgb])
             # The control plane reads the package too (its fingerprint), with a client that
             # finds the endpoint in the environment.
             env["AWS_ENDPOINT_URL_S3"] = self.s3_endpoint or ""
         else:
-            self.package_uri = package
+            self.package_uri, self.xgb_package_uri = package, xgb
 
         gw_port = cfg.port or _free_port()
+        kserve_port = cfg.port + KSERVE_PORT_OFFSET if cfg.port else 0
         cp_port = cfg.port + CP_PORT_OFFSET if cfg.port else _free_port()
         state = cfg.state or f"sqlite:///{work / 'control_plane.sqlite'}"
         regions = cfg.region_args()
@@ -391,6 +401,7 @@ class Platform:
             "--routes", f"{self.control_plane_url}/v1/routes",
             "--routes-cache", str(work / "routes_cache.json"),
             "--host", HOST, "--port", str(gw_port),
+            "--kserve-grpc-port", str(kserve_port),
             "--state", f"sqlite:///{work / 'gateway.sqlite'}",
             "--bootstrap-tenant", TENANT,
             "--bootstrap-key-file", str(work / f"{TENANT}.key"),
@@ -400,14 +411,21 @@ class Platform:
         self.say("starting the gateway (following the control plane's routes)")
         gw = self._spawn("gateway", gw_argv, env, "gateway.log")
         self.gateway_url = gw.wait_line(re.compile(r"serving gateway on (http://\S+)"), 120).group(1)
+        grpc = gw.wait_line(re.compile(r"gateway KServe v2 gRPC (\d+) on"), 30).group(1)
+        self.kserve_grpc = f"{HOST}:{grpc}"
         try:
             self.api_key = (work / f"{TENANT}.key").read_text().strip()
         except OSError as e:
             raise PlatformError(f"the gateway wrote no key for tenant {TENANT}: {e.strerror}") from None
 
-        self._deploy([name for name, _, _ in regions])
-        self.say(XGB_NOTE)
-        self._wait_replicas(cfg.replicas * len(regions))
+        names = [name for name, _, _ in regions]
+        self._deploy(
+            MODEL_ID, self.package_uri, names, cfg.replicas, SIM_ENGINE if cfg.engine == "sim" else "package"
+        )
+        # The classic model is cheap: one replica per region, whatever --replicas says.
+        self._deploy(XGB_MODEL_ID, self.xgb_package_uri, names, 1, "package")
+        self._wait_replicas(MODEL_ID, cfg.replicas * len(regions))
+        self.xgb_replicas = self._wait_replicas(XGB_MODEL_ID, len(regions))
         self._wait_served()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], log: str) -> _Child:
@@ -432,19 +450,20 @@ class Platform:
         return key
 
     @staticmethod
-    def _tiny_package() -> str:
+    def _package(name: str) -> str:
         try:
-            return runfile("services/launcher/tiny_package.tar")
+            return runfile(f"services/launcher/{name}")
         except FileNotFoundError:
             # A source checkout with the package built (direct pytest runs).
-            built = Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar"
+            built = Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher" / name
             if built.exists():
                 return str(built)
+            target = name.removesuffix(".tar")
             raise PlatformError(
-                "no tiny package: run through Bazel, or `tools/bazel build //services/launcher:tiny_package`"
+                f"no {name}: run through Bazel, or `tools/bazel build //services/launcher:{target}`"
             ) from None
 
-    def _start_s3(self, env: dict[str, str], package: str) -> str:
+    def _start_s3(self, env: dict[str, str], packages: list[str]) -> list[str]:
         port = _free_port()
         self.say(f"starting a loopback S3 (moto) on port {port}")
         s3 = self._spawn(
@@ -473,10 +492,13 @@ class Platform:
             region_name=S3_CREDENTIALS["AWS_DEFAULT_REGION"],
             config=BotoConfig(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=60),
         )
-        key = f"{MODEL_ID}/{VERSION}/tiny_package.tar"
         client.create_bucket(Bucket=S3_BUCKET)
-        client.upload_file(package, S3_BUCKET, key)
-        return f"s3://{S3_BUCKET}/{key}"
+        uris = []
+        for package in packages:
+            key = f"{VERSION}/{os.path.basename(package)}"
+            client.upload_file(package, S3_BUCKET, key)
+            uris.append(f"s3://{S3_BUCKET}/{key}")
+        return uris
 
     def api(self, method: str, path: str, body: Any = None) -> httpx.Response:
         try:
@@ -490,13 +512,11 @@ class Platform:
         except httpx.HTTPError as e:
             raise PlatformError(f"control plane {method} {path}: {type(e).__name__}: {e}") from None
 
-    def _deploy(self, regions: list[str]) -> None:
-        n = self.cfg.replicas
-        engine = SIM_ENGINE if self.cfg.engine == "sim" else "package"
+    def _deploy(self, model_id: str, package_uri: str, regions: list[str], n: int, engine: str) -> None:
         body = {
-            "model_id": MODEL_ID,
+            "model_id": model_id,
             "version": VERSION,
-            "package_uri": self.package_uri,
+            "package_uri": package_uri,
             "replicas": n,
             # --replicas is what runs: the autoscaler keeps it there.
             "min_replicas": n,
@@ -507,17 +527,17 @@ class Platform:
         r = self.api("POST", "/v1/deployments", body)
         if r.status_code == 409:
             self.say(
-                f"{MODEL_ID}@{VERSION} is already registered (a reused work dir): its replicas come back"
+                f"{model_id}@{VERSION} is already registered (a reused work dir): its replicas come back"
             )
         elif r.status_code not in (200, 201):
-            raise PlatformError(f"registering {MODEL_ID}@{VERSION}: {r.status_code} {_error(r)}")
+            raise PlatformError(f"registering {model_id}@{VERSION}: {r.status_code} {_error(r)}")
         else:
-            self.say(f"registered {MODEL_ID}@{VERSION} from {self.package_uri} (engine {engine})")
-        r = self.api("POST", "/v1/rollouts", {"model_id": MODEL_ID, "version": VERSION, "params": {}})
+            self.say(f"registered {model_id}@{VERSION} from {package_uri} (engine {engine})")
+        r = self.api("POST", "/v1/rollouts", {"model_id": model_id, "version": VERSION, "params": {}})
         if r.status_code == 409:
-            self.say(f"rollout of {MODEL_ID}@{VERSION}: {_error(r)}")
+            self.say(f"rollout of {model_id}@{VERSION}: {_error(r)}")
         elif r.status_code not in (200, 201):
-            raise PlatformError(f"rolling out {MODEL_ID}@{VERSION}: {r.status_code} {_error(r)}")
+            raise PlatformError(f"rolling out {model_id}@{VERSION}: {r.status_code} {_error(r)}")
         else:
             self.say(f"rollout {r.json()['id']}: {n} replica(s) in each of {', '.join(regions)}")
 
@@ -526,12 +546,12 @@ class Platform:
             if not child.alive():
                 raise PlatformError(f"{child.name} exited with {child.proc.returncode}; see {child.log}")
 
-    def _wait_replicas(self, want: int) -> None:
+    def _wait_replicas(self, model_id: str, want: int) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.cfg.boot_timeout_s
         states: dict[str, str] = {}
         while True:
             self._check_children()
-            r = self.api("GET", f"/v1/replicas?model_id={MODEL_ID}")
+            r = self.api("GET", f"/v1/replicas?model_id={model_id}")
             if r.status_code != 200:
                 raise PlatformError(f"control plane GET /v1/replicas: {r.status_code} {_error(r)}")
             replicas = r.json()["data"]
@@ -542,11 +562,14 @@ class Platform:
                     self.say(f"replica {rep['id']} [{rep['region']}] {rep['url']}: {rep['state']}{why}")
             ready = [rep for rep in replicas if rep["state"] == "ready"]
             if len(ready) >= want:
-                self.replicas = sorted(ready, key=lambda rep: (rep["region"], rep["id"]))
-                return
+                ready.sort(key=lambda rep: (rep["region"], rep["id"]))
+                if model_id == MODEL_ID:
+                    self.replicas = ready
+                return ready
             if time.monotonic() > deadline:
                 raise PlatformError(
-                    f"{len(ready)} of {want} replicas ready after {self.cfg.boot_timeout_s:.0f} s; "
+                    f"{len(ready)} of {want} {model_id} replicas ready after "
+                    f"{self.cfg.boot_timeout_s:.0f} s; "
                     f"see {self.cfg.work_dir / 'replicas'}"
                 )
             time.sleep(0.5)
@@ -580,13 +603,18 @@ class Platform:
     def summary(self) -> list[str]:
         lines = [
             f"paved platform is up (work dir {self.cfg.work_dir}, logs in {self.cfg.work_dir / 'logs'}):",
-            f"  gateway: {self.gateway_url}  (OpenAI API at {self.gateway_url}/v1)",
+            f"  gateway: {self.gateway_url}  (OpenAI API at {self.gateway_url}/v1, KServe v2 HTTP "
+            f"at {self.gateway_url}/v2)",
+            f"  gateway KServe v2 gRPC: {self.kserve_grpc}  (models {MODEL_ID}, {XGB_MODEL_ID})",
             f"  control plane: {self.control_plane_url}",
         ]
         if self.s3_endpoint:
             lines.append(f"  s3: {self.s3_endpoint}  (package {self.package_uri})")
-        for rep in self.replicas:
-            lines.append(f"  replica {rep['id']} [{rep['region']}] metrics: {rep['url']}/metrics")
+        for rep in [*self.replicas, *self.xgb_replicas]:
+            lines.append(
+                f"  replica {rep['id']} {rep['model_id']}@{rep['version']} [{rep['region']}]: {rep['url']}"
+                f"  metrics: {rep.get('metrics_url') or rep['url'] + '/metrics'}"
+            )
         lines += [
             f"  admin key: {self.admin_key}  (also in {self.cfg.work_dir / 'admin_key'})",
             f"  api key ({TENANT}): {self.api_key}",

@@ -13,11 +13,10 @@ vLLM, 1 replica) driven only through its public surfaces.
     schema (jsonschema), both versions served, only v2 after, v1 drained;
   * nothing marked with the platform's token is left once it stops.
 
-Not here: KServe v2 gRPC (tritonclient) through the gateway. The control plane gives a replica a
-KServe port only when its package declares `engine_args.kserve`, and the launcher passes every
-unnamed engine arg to vLLM, which rejects `kserve`; the XGBoost fixture is a KServe model
-directory, which the control plane does not deploy (//libs/tests/gateway:vllm_gateway_test covers
-KServe through the gateway without a control plane).
+  * KServe v2 through the gateway with the same key: `tritonclient` (gRPC and HTTP) scores the
+    XGBoost fixture (a kserve-mode package the control plane deployed) exactly as xgboost itself
+    does, and generates with the tiny LLM over gRPC (its package declares `engine_args.kserve`,
+    so its replica serves KServe gRPC beside the OpenAI API);
 
 One platform for the module (a vLLM boot costs minutes on a 2-core machine): the tests run in
 file order and the rollout comes last.
@@ -157,6 +156,47 @@ def test_the_replica_log_carries_the_request_and_trace_ids(platform: Platform) -
         30,
     )
     assert [x.get("trace_id") for x in lines] == [trace_id] * len(lines), lines
+
+
+def test_tritonclient_scores_xgboost_and_the_llm_through_the_gateway(platform: Platform) -> None:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    import xgboost
+    from tritonclient.utils import InferenceServerException
+
+    from paved.runfiles import runfile
+
+    p = platform
+    headers = {"authorization": f"Bearer {p.api_key}"}
+    x = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
+    expected = xgboost.Booster(model_file=runfile("models/xgb/model.ubj")).inplace_predict(x)
+    g = grpcclient.InferenceServerClient(p.kserve_grpc)
+    h = httpclient.InferenceServerClient(p.gateway_url.removeprefix("http://"), network_timeout=120)
+    try:
+        for module, c in ((grpcclient, g), (httpclient, h)):
+            t = module.InferInput("input__0", [3, 32], "FP32")
+            t.set_data_from_numpy(x)
+            # A copy: tritonclient.http adds its own headers to the dict it is given.
+            scores = c.infer("xgb_scorer", [t], headers=dict(headers)).as_numpy("output__0")
+            assert np.array_equal(scores, expected), (module.__name__, scores, expected)
+        prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([b"once upon"], dtype=object))
+        params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+        params.set_data_from_numpy(
+            np.array(
+                [json.dumps({"max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()], dtype=object
+            )
+        )
+        text = g.infer(MODEL, [prompt, params], headers=headers).as_numpy("text_output")
+        assert text is not None and len(text) == 1 and isinstance(text[0], bytes), text
+        t = grpcclient.InferInput("input__0", [3, 32], "FP32")
+        t.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException, match=r"(?i)unauthenticated"):
+            g.infer("xgb_scorer", [t], headers={"authorization": "Bearer pvd_aaaaaaaaaaaa_nope"})
+    finally:
+        g.close()
+        h.close()
 
 
 def vllm_gauges(url: str) -> set[str]:

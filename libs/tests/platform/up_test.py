@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -110,13 +111,31 @@ def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path)
     proc, token, read_until, output = up.proc, up.token, up.expect, up.output
     try:
         gateway = read_until(r"^  gateway: (http://\S+)", 300).group(1)
+        kserve = read_until(r"^  gateway KServe v2 gRPC: (\S+)", 30).group(1)
         key = read_until(r"^  api key \(demo\): (\S+)", 30).group(1)
         pids = [int(p) for p in read_until(r"^  pids: ([\d ]+)", 30).group(1).split()]
-        metrics = [line for line in output if re.match(r"^  replica \S+ \[r[12]\] metrics: http://", line)]
-        assert len(metrics) == 4, output
-        assert {"[r1]", "[r2]"} == {line.split()[2] for line in metrics}
-        # The package came from the loopback S3, which the launchers read it from.
-        assert any(line.startswith("registered tiny@v1 from s3://paved-models/") for line in output), output
+        listed = re.compile(r"^  replica \S+ (\S+)@v1 \[(r[12])\]: http://\S+  metrics: (http://\S+)")
+        replica_lines = [m.groups() for line in output if (m := listed.match(line))]
+        assert len(replica_lines) == 6, output
+        assert sorted((model, region) for model, region, _ in replica_lines) == sorted(
+            [
+                ("tiny", "r1"),
+                ("tiny", "r1"),
+                ("tiny", "r2"),
+                ("tiny", "r2"),
+                ("xgb_scorer", "r1"),
+                ("xgb_scorer", "r2"),
+            ]
+        )
+        # Each replica's metrics come through its launcher's metrics proxy.
+        for _, _, url in replica_lines:
+            text = httpx.get(url, timeout=10).text
+            assert re.search(r'^paved_metrics_proxy_up\{source="\w+"\} 1', text, re.M), (url, text[:500])
+        # The packages came from the loopback S3, which the launchers read them from.
+        for model in ("tiny", "xgb_scorer"):
+            assert any(
+                line.startswith(f"registered {model}@v1 from s3://paved-models/") for line in output
+            ), output
         work = tmp_path / "work"
         assert (work / "admin_key").stat().st_mode & 0o777 == 0o600
 
@@ -129,8 +148,9 @@ def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path)
             "paved.gateway.server",
         ]
         mains = [cmd.split(" -m ", 1)[-1].split()[0] for cmd in running.values()]
-        assert mains.count("paved.launcher.main") == 4, running
+        assert mains.count("paved.launcher.main") == 6, running
         assert mains.count("paved.frontend.server") == 4, running
+        assert mains.count("paved.kserve.main") == 2, running
 
         client = openai.OpenAI(base_url=gateway + "/v1", api_key=key, max_retries=0, timeout=60)
         raw = client.chat.completions.with_raw_response.create(
@@ -141,6 +161,7 @@ def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path)
         assert "tiny" in [m.id for m in client.models.list().data]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=gateway + "/v1", api_key="pvd_wrong", max_retries=0).models.list()
+        kserve_through_the_gateway(kserve, key)
 
         proc.send_signal(signal.SIGTERM)
         assert up.wait() == 0, up.text()
@@ -148,6 +169,31 @@ def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path)
         assert "up: stopped\n" in output
     finally:
         up.cleanup()
+
+
+def kserve_through_the_gateway(target: str, key: str) -> None:
+    """tritonclient (gRPC) with the tenant's key: the XGBoost fixture scores as xgboost does,
+    the (simulated) LLM generates."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import xgboost
+
+    from paved.runfiles import runfile
+
+    headers = {"authorization": f"Bearer {key}"}
+    x = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    expected = xgboost.Booster(model_file=runfile("models/xgb/model.ubj")).inplace_predict(x)
+    c = grpcclient.InferenceServerClient(target)
+    try:
+        t = grpcclient.InferInput("input__0", [4, 32], "FP32")
+        t.set_data_from_numpy(x)
+        assert np.array_equal(c.infer("xgb_scorer", [t], headers=headers).as_numpy("output__0"), expected)
+        prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([b"hello"], dtype=object))
+        text = c.infer("tiny", [prompt], headers=headers).as_numpy("text_output")
+        assert text is not None and len(text) == 1 and text[0], text
+    finally:
+        c.close()
 
 
 def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path) -> None:
@@ -220,3 +266,59 @@ def test_work_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], tmp_path: P
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0
     assert "exists and is not a directory" in err
+
+
+def test_up_on_postgresql_and_redis(tmp_path: Path) -> None:
+    """The control plane's state in PostgreSQL 15 (the machine's binaries), the gateway's limits
+    in Debian's redis-server: what a shared deployment of the platform uses."""
+    import psycopg
+    import redis
+
+    from paved.testing.postgres import create_database, postgres_server
+    from paved.testing.redis import redis_server
+
+    with postgres_server() as pg, redis_server() as redis_url:
+        state = create_database(pg, "paved_up")
+        up = Up(
+            tmp_path, "--port", "0", "--replica-ports", "44800", "--engine", "sim",
+            "--state", state, "--redis", redis_url, "--boot-timeout", "240",
+        )  # fmt: skip
+        try:
+            gateway = up.expect(r"^  gateway: (http://\S+)", 300).group(1)
+            key = up.expect(r"^  api key \(demo\): (\S+)", 30).group(1)
+            admin_key = (tmp_path / "work" / "admin_key").read_text().strip()
+            r = httpx.patch(
+                gateway + "/admin/v1/tenants/demo",
+                headers={"Authorization": f"Bearer {admin_key}"},
+                json={"limits": {"requests_per_min": 1000, "tokens_per_min": 100000}},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            client = openai.OpenAI(base_url=gateway + "/v1", api_key=key, max_retries=0, timeout=60)
+            # The new limits apply once the gateway's key cache (0.5 s) has let go of the old.
+            deadline = time.monotonic() + 30
+            while True:
+                raw = client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=2)
+                assert raw.parse().choices
+                if "x-ratelimit-remaining-requests" in raw.headers or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            for _ in range(2):
+                raw = client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=2)
+            # The limiter counted them, in Redis: what every gateway replica would see.
+            assert int(raw.headers["x-ratelimit-remaining-requests"]) <= 997, raw.headers
+            with psycopg.connect(
+                state.replace("postgresql+psycopg://", "postgresql://"), connect_timeout=10
+            ) as db:
+                rows = db.execute("SELECT model_id, version FROM cp_deployments ORDER BY model_id").fetchall()
+            assert rows == [("tiny", "v1"), ("xgb_scorer", "v1")], rows
+            r = redis.Redis.from_url(redis_url, socket_timeout=10)
+            try:
+                assert r.dbsize() > 0
+            finally:
+                r.close()
+            up.proc.send_signal(signal.SIGTERM)
+            assert up.wait() == 0, up.text()
+            assert marked(up.token) == {}, marked(up.token)
+        finally:
+            up.cleanup()
