@@ -41,6 +41,7 @@ from typing import Any
 from paved.control_plane.driver import PortsExhausted, ReplicaRequest
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.types import Replica
+from paved.procs import marked_processes, proc_start_time
 
 log = logging.getLogger(__name__)
 
@@ -49,42 +50,6 @@ _HOST = "127.0.0.1"
 # Bounds on the kill loop: a replica that keeps forking is still gone after this many rounds.
 _KILL_ROUNDS = 50
 _LOG_TAIL_BYTES = 64 * 1024
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None when the
-    process does not exist or is a zombie (it has exited, only its exit status is left)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces or ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(fields[19])
-    except ValueError:
-        return None
-
-
-def marked_pids(marker: str) -> list[int]:
-    """Live processes whose environment carries PAVED_REPLICA_MARKER=<marker>."""
-    needle = f"{MARKER_ENV}={marker}".encode()
-    found = []
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read()
-        except OSError:  # gone, or another user's process
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(name))
-    return found
 
 
 def _port_free(port: int) -> bool:
@@ -364,7 +329,7 @@ class LocalDriver:
         """SIGKILL the launcher's group and every process carrying the replica's marker, until
         none is left (bounded), then reap the launcher if it is our child."""
         for _ in range(_KILL_ROUNDS):
-            pids = marked_pids(ref.marker)
+            pids = list(marked_processes(MARKER_ENV, ref.marker))
             if self._alive(ref):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(ref.pid, signal.SIGKILL)  # its own session: pgid == pid

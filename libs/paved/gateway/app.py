@@ -169,6 +169,13 @@ def create_app(
         _orchestration_routes(app, gateway, orchestrator)
     for route in extra_routes or ():
         app.router.routes.append(route)
+    install_error_handlers(app)
+    return BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, 128 * 1024 * 1024))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style bodies for the gateway's own errors, invalid bodies (400) and Starlette's
+    HTTP errors (404, 405): what every router of the gateway relies on."""
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -186,8 +193,6 @@ def create_app(
             exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-
-    return BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, 128 * 1024 * 1024))
 
 
 def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestrator) -> None:

@@ -455,7 +455,9 @@ class Launcher:
 
         self._set_phase("starting")
         spec = child_spec(args, m, state_dir)
-        if self.metrics is not None:
+        # paved.kserve serving a kserve package alone has no /metrics of its own (a
+        # permanently down source would only be noise); the engine files still are.
+        if self.metrics is not None and (args.child_cmd or m.package.mode != "kserve"):
             self.metrics.set_frontend(spec.ports["http"])
         child = await self._start_child(spec, env)
         if not await self._wait_ready(spec):

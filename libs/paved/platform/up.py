@@ -44,6 +44,7 @@ from typing import IO, Any
 
 import httpx
 
+from paved import procs
 from paved.runfiles import runfile
 
 HOST = "127.0.0.1"
@@ -302,19 +303,8 @@ class _Child:
 
 
 def marked_processes(token: str) -> dict[int, str]:
-    """pid -> command line of every live (not zombie) process whose environment has
-    PAVED_PLATFORM=token."""
-    needle = f"{MARKER_ENV}={token}".encode()
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    return found
+    """pid -> command line of every live process carrying PAVED_PLATFORM=token."""
+    return procs.marked_processes(MARKER_ENV, token)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import httpx
 import openai
 from gateway_proc import GatewayProcess
 
+from paved.procs import marked_processes
 from paved.runfiles import runfile
 
 
@@ -152,17 +153,7 @@ def fleet_processes(work_dir: Path) -> dict[int, str]:
     """pid -> command line of every live process the fleet under `work_dir` started (the
     control plane, launchers, and the engines they run in their own sessions): all carry its
     token in their environment."""
-    needle = f"{FLEET_ENV}={fleet_token(work_dir)}".encode()
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    return found
+    return marked_processes(FLEET_ENV, fleet_token(work_dir))
 
 
 def reap_replicas(work_dir: Path) -> None:

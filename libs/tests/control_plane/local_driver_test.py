@@ -22,10 +22,16 @@ import pytest
 from paved.control_plane.autoscaler import scrape
 from paved.control_plane.driver import PortsExhausted, ReplicaRequest
 from paved.control_plane.errors import BadRequest
-from paved.control_plane.local_driver import LocalDriver, marked_pids, proc_start_time
+from paved.control_plane.local_driver import MARKER_ENV, LocalDriver
 from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.types import Replica
+from paved.procs import marked_processes, proc_start_time
 from paved.runfiles import runfile
+
+
+def marked(marker: str) -> dict[int, str]:
+    return marked_processes(MARKER_ENV, marker)
+
 
 SIM = "sim://tiny?tokens_per_s=0"
 
@@ -103,7 +109,7 @@ def cleanup():
 
     asyncio.run(reap())
     for r in started:
-        assert marked_pids(r.driver_ref["marker"]) == [], f"processes of {r.id} left behind"
+        assert marked(r.driver_ref["marker"]) == {}, f"processes of {r.id} left behind"
 
 
 def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> None:
@@ -133,11 +139,11 @@ def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> N
         assert m.waiting == 0 and m.running == 0
         assert "paved launcher: ready: tiny:1" in await read_log(r)
         # The sim engine runs under the launcher with the replica's marker.
-        assert len(marked_pids(r.driver_ref["marker"])) >= 2
+        assert len(marked(r.driver_ref["marker"])) >= 2
 
         await driver.drain(r, timeout_s=30)
         assert not await driver.alive(r)
-        assert marked_pids(r.driver_ref["marker"]) == []
+        assert marked(r.driver_ref["marker"]) == {}
         ok, reason = await probe_live(r, driver)
         assert not ok and "gone" in reason
         ok, reason = await probe_ready(r, model_id="tiny", timeout_s=2)
@@ -205,7 +211,7 @@ def test_adopt_after_restart(tmp_path: Path, cleanup: list[Replica]) -> None:
         await second.delete(r2)
         await second.delete(old)
         assert not await second.alive(old)
-        assert marked_pids(r.driver_ref["marker"]) == []
+        assert marked(r.driver_ref["marker"]) == {}
         with pytest.raises(BadRequest):
             await second.adopt(
                 [Replica(id="x", deployment_id="d", region="eu", state="ready", url="", admin_url="")]

