@@ -19,7 +19,13 @@ Invariants:
   * a connect failure (the channel does not become ready) happens before any request byte is
     written, so the call is retried once on another backend; any other upstream error passes
     through with its code and details;
-  * the `authorization` metadata is never forwarded, tensors and keys are never logged.
+  * the `authorization` metadata is never forwarded, tensors and keys are never logged;
+  * each call's ids follow paved.http.tracing: the validated `x-request-id` (else a new one)
+    and the client's trace continued with the gateway's span go upstream, never the client's
+    raw values; the client gets `x-request-id` back in the initial metadata;
+  * one JSON line per call on `paved.gateway.access` (the OpenAI side's logger and key
+    names; `status` is the gRPC code name; a stream's line is written when the stream ends);
+    the gateway's own probes (ServerLive, ServerReady, ServerMetadata) log at DEBUG.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ import asyncio
 import collections
 import json
 import logging
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -42,8 +48,16 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError, grpc_code_n
 from paved.gateway.limits import Limiter
 from paved.gateway.router import Pick, Router
 from paved.gateway.types import Principal
+from paved.http.tracing import (
+    REQUEST_ID_HEADER,
+    TRACEPARENT_HEADER,
+    TraceContext,
+    access_json,
+    metadata_context,
+)
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("paved.gateway.access")
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "paved-gateway"
@@ -57,7 +71,20 @@ _CONNECT_RETRIES = 1
 _ERROR_CODE_PARAMETER = "paved_error_code"
 _FINAL_PARAMETER = "triton_final_response"
 # Metadata gRPC owns or that must not cross the gateway.
-_DROP_METADATA = frozenset({"authorization", "user-agent", "content-type", "te", "host", "grpc-timeout"})
+_DROP_METADATA = frozenset(
+    {
+        "authorization",
+        "user-agent",
+        "content-type",
+        "te",
+        "host",
+        "grpc-timeout",
+        # Replaced by the hop's own (validated, continued) values.
+        REQUEST_ID_HEADER,
+        TRACEPARENT_HEADER,
+    }
+)
+_PROBES = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
 
 _FIELD = service_pb2.ModelInferRequest.DESCRIPTOR.fields_by_name
 _F_NAME = _FIELD["model_name"].number
@@ -297,6 +324,48 @@ class _ConnectFailed(Exception):
     pass
 
 
+@dataclass
+class CallLog:
+    """One client call: its ids and what its access line says beyond them."""
+
+    trace: TraceContext
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def principal(self, principal: Principal) -> None:
+        self.fields["tenant"] = principal.tenant.name
+
+
+def _status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """The gRPC code the client sees: the aborted code, CANCELLED, or UNKNOWN for an error
+    gRPC turns into one."""
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "OK" if error is None else "UNKNOWN"
+
+
+def write_access(
+    method: str, call: CallLog, status: str | int, started: float, protocol: str = "kserve-grpc"
+) -> None:
+    """The call's line on `paved.gateway.access` (probes at DEBUG); the HTTP side's too."""
+    level = logging.DEBUG if method in _PROBES else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    line = {
+        # The trace id joins this line to the instance's access line for the same call.
+        "request_id": call.trace.request_id,
+        "trace_id": call.trace.trace_id,
+        "protocol": protocol,
+        "method": method,
+        **call.fields,
+        "status": status,
+        "total_ms": round((time.perf_counter() - started) * 1000, 3),
+    }
+    access_log.log(level, access_json(line))
+
+
 _EOF = object()
 
 
@@ -424,10 +493,58 @@ class KServeForwarder:
             "ModelInfer": self._forward_unary("ModelInfer"),
         }
         handlers: dict[str, grpc.RpcMethodHandler] = {
-            name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in unary.items()
+            name: grpc.unary_unary_rpc_method_handler(self._logged_unary(name, fn))
+            for name, fn in unary.items()
         }
-        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self._stream_infer)
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self._logged_stream(self._stream_infer)
+        )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    @staticmethod
+    def _logged_unary(
+        method: str, fn: Callable[[bytes, grpc.aio.ServicerContext, CallLog], Awaitable[bytes]]
+    ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+        """`fn` with the call's ids assigned, x-request-id sent back and the access line written."""
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            started = time.perf_counter()
+            call = CallLog(metadata_context(context.invocation_metadata()))
+            error: BaseException | None = None
+            try:
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, call.trace.request_id),))
+                return await fn(request, context, call)
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                write_access(method, call, _status_name(context, error), started)
+
+        return unary
+
+    @staticmethod
+    def _logged_stream(
+        fn: Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext, CallLog], AsyncIterator[bytes]],
+    ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[bytes]]:
+        """ModelStreamInfer as `_logged_unary` does it: one line when the stream ends."""
+
+        async def stream(
+            request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[bytes]:
+            started = time.perf_counter()
+            call = CallLog(metadata_context(context.invocation_metadata()))
+            error: BaseException | None = None
+            try:
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, call.trace.request_id),))
+                async for response in fn(request_iterator, context, call):
+                    yield response
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                write_access("ModelStreamInfer", call, _status_name(context, error), started)
+
+        return stream
 
     async def close(self) -> None:
         await self._channels.close()
@@ -448,21 +565,26 @@ class KServeForwarder:
         )
 
     # ---- gateway-answered methods -------------------------------------------------------------
-    async def _server_live(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _server_live(self, request: bytes, context: grpc.aio.ServicerContext, call: CallLog) -> bytes:
         return service_pb2.ServerLiveResponse(live=True).SerializeToString()
 
-    async def _server_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _server_ready(self, request: bytes, context: grpc.aio.ServicerContext, call: CallLog) -> bytes:
         ready = any_kserve_ready(self.router, "kserve_grpc")
         return service_pb2.ServerReadyResponse(ready=ready).SerializeToString()
 
-    async def _server_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _server_metadata(
+        self, request: bytes, context: grpc.aio.ServicerContext, call: CallLog
+    ) -> bytes:
         return service_pb2.ServerMetadataResponse(
             name=SERVER_NAME, version=paved.__version__, extensions=EXTENSIONS
         ).SerializeToString()
 
-    async def _repository_index(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _repository_index(
+        self, request: bytes, context: grpc.aio.ServicerContext, call: CallLog
+    ) -> bytes:
         try:
             principal = await self._authenticate(context)
+            call.principal(principal)
             try:
                 message = service_pb2.RepositoryIndexRequest.FromString(request)
             except Exception as e:
@@ -482,11 +604,11 @@ class KServeForwarder:
             )
         return response.SerializeToString()
 
-    async def _model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _model_ready(self, request: bytes, context: grpc.aio.ServicerContext, call: CallLog) -> bytes:
         # Triton answers "not ready" for an unknown model; so does the gateway for unknown,
         # not allowed and unroutable models alike (no probing which models exist).
         try:
-            return await self._unary("ModelReady", request, context)
+            return await self._unary("ModelReady", request, context, call)
         except GatewayError as e:
             if e.status in (404, 503):
                 return service_pb2.ModelReadyResponse(ready=False).SerializeToString()
@@ -495,20 +617,24 @@ class KServeForwarder:
 
     # ---- forwarding ---------------------------------------------------------------------------
     def _forward_unary(self, method: str):
-        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def forward(request: bytes, context: grpc.aio.ServicerContext, call: CallLog) -> bytes:
             try:
-                return await self._unary(method, request, context)
+                return await self._unary(method, request, context, call)
             except GatewayError as e:
                 await self._abort(context, e)
             raise AssertionError("unreachable")  # abort raises
 
         return forward
 
-    async def _unary(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _unary(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext, call: CallLog
+    ) -> bytes:
         """Authenticate, check, limit, then forward; GatewayError for the gateway's own refusals,
         an upstream error is passed to the client here (abort)."""
         principal = await self._authenticate(context)
+        call.principal(principal)
         head = read_head(request, infer=method == "ModelInfer")
+        call.fields["model"] = head.name
         if not head.name:
             if method == "ModelStatistics":
                 raise GatewayError(
@@ -523,15 +649,16 @@ class KServeForwarder:
             exclude: list[str] = []
             for _ in range(_CONNECT_RETRIES + 1):
                 pick, channel = self._pick(model, principal, exclude)
+                call.fields["backend"] = pick.backend.id
                 ok = True
                 self.router.begin(pick.backend.id)
                 try:
                     await self._connect(channel, context)
-                    call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
-                    response = await call(
+                    upstream = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+                    response = await upstream(
                         self._upstream_bytes(request, head, pick),
                         timeout=self._timeout(context),
-                        metadata=self._metadata(context),
+                        metadata=self._metadata(context, call.trace),
                     )
                     used = head.max_tokens
                     return response
@@ -552,10 +679,11 @@ class KServeForwarder:
             await self.limiter.finish(reservation, used)
 
     async def _stream_infer(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext, call: CallLog
     ) -> AsyncIterator[bytes]:
         try:
             principal = await self._authenticate(context)
+            call.principal(principal)
         except GatewayError as e:
             await self._abort(context, e)
         first = await _next(request_iterator)
@@ -563,6 +691,7 @@ class KServeForwarder:
             return  # the client half-closed without a request
         try:
             head = read_head(first, infer=True)
+            call.fields["model"] = head.name
             if not head.name:
                 raise GatewayError(400, "the request names no model")
             model = self._check_model(principal, head)
@@ -574,6 +703,7 @@ class KServeForwarder:
             exclude: list[str] = []
             for _ in range(_CONNECT_RETRIES + 1):
                 pick, channel = self._pick(model, principal, exclude)
+                call.fields["backend"] = pick.backend.id
                 ok = True
                 self.router.begin(pick.backend.id)
                 try:
@@ -584,7 +714,7 @@ class KServeForwarder:
                     continue
                 try:
                     async for response in self._relay(
-                        channel, principal, head, first, request_iterator, pick, context
+                        channel, principal, head, first, request_iterator, pick, context, call.trace
                     ):
                         yield response
                     used = head.max_tokens
@@ -611,6 +741,7 @@ class KServeForwarder:
         request_iterator: AsyncIterator[bytes],
         pick: Pick,
         context: grpc.aio.ServicerContext,
+        trace: TraceContext,
     ) -> AsyncIterator[bytes]:
         """One upstream ModelStreamInfer call carrying the client's messages. At most
         `stream_max_in_flight` requests are upstream without a final response (then the client
@@ -620,7 +751,7 @@ class KServeForwarder:
             f"/{SERVICE}/ModelStreamInfer", request_serializer=None, response_deserializer=None
         )
         upstream = call(
-            timeout=self._timeout(context, self.stream_deadline_s), metadata=self._metadata(context)
+            timeout=self._timeout(context, self.stream_deadline_s), metadata=self._metadata(context, trace)
         )
         slots = asyncio.Semaphore(self.stream_max_in_flight)
         # Responses (and in-band refusals) waiting for the client: a slow client stops the
@@ -744,17 +875,18 @@ class KServeForwarder:
         remaining = context.time_remaining()
         return limit if remaining is None else max(0.0, min(remaining, limit))
 
-    def _metadata(self, context: grpc.aio.ServicerContext) -> tuple[tuple[str, Any], ...]:
+    def _metadata(
+        self, context: grpc.aio.ServicerContext, trace: TraceContext
+    ) -> tuple[tuple[str, Any], ...]:
+        """The client's metadata minus what must not cross, plus this hop's ids."""
         out = []
-        has_id = False
         for key, value in context.invocation_metadata() or ():
             key = key.lower()
             if key in _DROP_METADATA or key.startswith((":", "grpc-")):
                 continue
-            has_id = has_id or key == "x-request-id"
             out.append((key, value))
-        if not has_id:
-            out.append(("x-request-id", uuid.uuid4().hex))
+        out.append((REQUEST_ID_HEADER, trace.request_id))
+        out.append((TRACEPARENT_HEADER, trace.traceparent))
         return tuple(out)
 
     @staticmethod

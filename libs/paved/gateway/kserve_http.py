@@ -23,7 +23,11 @@ Invariants:
   * every upstream request has a timeout (`deadline_s`, streams `stream_deadline_s`); a
     connect failure is retried once on another backend (the body was never sent);
   * `generate_stream` is relayed chunk by chunk, unbuffered; a client disconnect closes the
-    upstream connection (which aborts the request there).
+    upstream connection (which aborts the request there);
+  * ids as on the gRPC side (paved.http.tracing): the validated `x-request-id` and the
+    continued `traceparent` go upstream (never the client's raw values), every response carries
+    `x-request-id`, and each call writes one JSON line on `paved.gateway.access` (protocol
+    "kserve-http", `status` the HTTP status; a stream's line once the stream has ended).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -48,12 +52,15 @@ from paved.gateway.kserve_grpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EXTENSIONS,
     SERVER_NAME,
+    CallLog,
     any_kserve_ready,
     kserve_models,
     sampling_max_tokens,
+    write_access,
 )
 from paved.gateway.limits import Limiter, Reservation
 from paved.gateway.router import Router
+from paved.http.tracing import REQUEST_ID_HEADER, TRACEPARENT_HEADER, trace_context
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +77,23 @@ _HOP_BY_HOP = frozenset(
     }
 )
 # Never forwarded upstream: the caller's key, and what aiohttp sets itself.
-_DROP_REQUEST = _HOP_BY_HOP | {"authorization", "host", "content-length"}
+# The ids are replaced by this hop's own (validated, continued) values.
+_DROP_REQUEST = _HOP_BY_HOP | {
+    "authorization",
+    "host",
+    "content-length",
+    REQUEST_ID_HEADER,
+    TRACEPARENT_HEADER,
+}
+# The gRPC method each model endpoint matches, named so in the access line.
+_METHODS = {
+    "": "ModelMetadata",
+    "/ready": "ModelReady",
+    "/config": "ModelConfig",
+    "/infer": "ModelInfer",
+    "/generate": "ModelGenerate",
+    "/generate_stream": "ModelGenerateStream",
+}
 _HEADER_LENGTH = "inference-header-content-length"
 _MAX_PICKS = 8
 _CONNECT_RETRIES = 1
@@ -193,6 +216,39 @@ def _stream_cleanup(
     return cleanup
 
 
+def _logged(
+    method: str, endpoint: Callable[[Request, CallLog], Awaitable[Response]]
+) -> Callable[[Request], Any]:
+    """`endpoint` with the call's ids assigned, x-request-id on the response and the access line
+    written (a relayed stream's once it has ended, however it ends)."""
+
+    async def logged(request: Request) -> Response:
+        started = time.perf_counter()
+        call = CallLog(trace_context(request.headers))
+        try:
+            response = await endpoint(request, call)
+        except BaseException:
+            # Starlette answers 500 for what escapes a route.
+            write_access(method, call, 500, started, "kserve-http")
+            raise
+        response.headers[REQUEST_ID_HEADER] = call.trace.request_id
+        if isinstance(response, _Relay):
+            cleanup = response._cleanup
+
+            async def cleanup_and_log(complete: bool) -> None:
+                try:
+                    await cleanup(complete)
+                finally:
+                    write_access(method, call, response.status_code, started, "kserve-http")
+
+            response._cleanup = cleanup_and_log
+        else:
+            write_access(method, call, response.status_code, started, "kserve-http")
+        return response
+
+    return logged
+
+
 def _response_headers(upstream: aiohttp.ClientResponse, session: aiohttp.ClientSession) -> dict[str, str]:
     drop = set(_HOP_BY_HOP) | {"content-length"}
     if session.auto_decompress:
@@ -217,22 +273,23 @@ def kserve_http_routes(
     if max_body_bytes < 1024:
         raise ValueError("max_body_bytes must be >= 1024")
 
-    async def live(request: Request) -> Response:
+    async def live(request: Request, call: CallLog) -> Response:
         return Response(status_code=200)
 
-    async def ready(request: Request) -> Response:
+    async def ready(request: Request, call: CallLog) -> Response:
         if any_kserve_ready(router, "kserve_http"):
             return Response(status_code=200)
         return _error(400, "the gateway has no ready KServe HTTP backend")
 
-    async def server_metadata(request: Request) -> Response:
+    async def server_metadata(request: Request, call: CallLog) -> Response:
         return JSONResponse(
             {"name": SERVER_NAME, "version": paved.__version__, "extensions": list(EXTENSIONS)}
         )
 
-    async def repository_index(request: Request) -> Response:
+    async def repository_index(request: Request, call: CallLog) -> Response:
         try:
             principal = await authenticator.authenticate(request.headers.get("authorization"))
+            call.principal(principal)
             body = await _read_body(request, 64 * 1024)
             try:
                 doc = json.loads(body) if body.strip() else {}
@@ -253,20 +310,22 @@ def kserve_http_routes(
         )
 
     def model_endpoint(suffix: str, method: str) -> Callable[[Request], Any]:
-        async def endpoint(request: Request) -> Response:
+        async def endpoint(request: Request, call: CallLog) -> Response:
             try:
-                return await forward(request, suffix, method)
+                return await forward(request, suffix, method, call)
             except GatewayError as e:
                 if suffix == "/ready" and e.status in (404, 503):
                     return _error(400, e.message)
                 return _gateway_error(e)
 
-        return endpoint
+        return _logged(_METHODS[suffix], endpoint)
 
-    async def forward(request: Request, suffix: str, method: str) -> Response:
+    async def forward(request: Request, suffix: str, method: str, call: CallLog) -> Response:
         name = request.path_params["name"]
         version = request.path_params.get("version", "")
+        call.fields["model"] = name
         principal = await authenticator.authenticate(request.headers.get("authorization"))
+        call.principal(principal)
         if not principal.allows(name):
             raise ModelNotAllowedError(name)
         model = f"{name}@{version}" if version else name
@@ -281,8 +340,8 @@ def kserve_http_routes(
                 tokens = body_max_tokens(suffix[1:], body, header_length)
         stream = suffix == "/generate_stream"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-        if "x-request-id" not in request.headers:
-            headers["x-request-id"] = uuid.uuid4().hex
+        headers[REQUEST_ID_HEADER] = call.trace.request_id
+        headers[TRACEPARENT_HEADER] = call.trace.traceparent
         timeout = aiohttp.ClientTimeout(
             total=stream_deadline_s if stream else deadline_s, connect=connect_timeout_s
         )
@@ -304,6 +363,7 @@ def kserve_http_routes(
                         503, f"no backend of model '{model}' serves KServe HTTP", headers={"Retry-After": "2"}
                     )
                 backend = pick.backend
+                call.fields["backend"] = backend.id
                 url = f"{backend.kserve_http}/v2/models/{backend.upstream_model or name}{suffix}"
                 if request.url.query:
                     url += "?" + request.url.query
@@ -359,10 +419,10 @@ def kserve_http_routes(
                 await limiter.finish(reservation, None)
 
     routes = [
-        Route("/v2/health/live", live, methods=["GET"]),
-        Route("/v2/health/ready", ready, methods=["GET"]),
-        Route("/v2", server_metadata, methods=["GET"]),
-        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        Route("/v2/health/live", _logged("ServerLive", live), methods=["GET"]),
+        Route("/v2/health/ready", _logged("ServerReady", ready), methods=["GET"]),
+        Route("/v2", _logged("ServerMetadata", server_metadata), methods=["GET"]),
+        Route("/v2/repository/index", _logged("RepositoryIndex", repository_index), methods=["POST"]),
     ]
     endpoints = (
         ("/ready", "GET"),

@@ -6,17 +6,21 @@ Invariants:
 - Each hop continues a well-formed incoming `traceparent` (version 00, non-zero trace id) with
   a new span id of its own, keeping the trace id and flags; anything else starts a new trace
   (flags 01). The incoming span id becomes the hop's parent span id.
-- Knows no framework: it reads a mapping of (case-insensitive) header names to values.
+- Knows no framework: it reads a mapping of (case-insensitive) header names to values, or
+  gRPC invocation metadata (`metadata_context`).
+- Every paved access line (a JSON object per request) opens with `access_fields`: request_id
+  and trace_id first, so one grep finds a request on every hop.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 REQUEST_ID_HEADER = "x-request-id"
 TRACEPARENT_HEADER = "traceparent"
@@ -72,3 +76,29 @@ def request_ids(request: _HasHeaders) -> tuple[str, str]:
     trace)."""
     context = trace_context(request.headers)
     return context.request_id, context.traceparent
+
+
+def metadata_context(metadata: Iterable[tuple[str, Any]] | None) -> TraceContext:
+    """`trace_context` of a gRPC call's invocation metadata. Keys are matched lowercase and the
+    first text value of a key counts; binary (`-bin`) values never name a request."""
+    headers: dict[str, str] = {}
+    for key, value in metadata or ():
+        key = key.lower()
+        if key in (REQUEST_ID_HEADER, TRACEPARENT_HEADER) and isinstance(value, str):
+            headers.setdefault(key, value)
+    return trace_context(headers)
+
+
+def access_fields(context: TraceContext) -> dict[str, Any]:
+    """The id fields an access line opens with, in this order."""
+    return {
+        "request_id": context.request_id,
+        "trace_id": context.trace_id,
+        "span_id": context.span_id,
+        "parent_span_id": context.parent_span_id,
+    }
+
+
+def access_json(fields: Mapping[str, Any]) -> str:
+    """One access line: compact JSON, keys in the caller's order."""
+    return json.dumps(fields, separators=(",", ":"))

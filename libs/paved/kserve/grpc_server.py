@@ -15,12 +15,21 @@ Behaviour follows Triton's gRPC frontend where a client can tell the difference:
 In-band stream errors also carry a `paved_error_code` response parameter (the status code
 name): Triton's stream protocol has no code there, and the remote engine needs one to tell a
 client mistake (HTTP 400) from an outage (503).
+
+Access log (both transports, `write_access`): one JSON line per call on `paved.kserve.access`
+at INFO once the call has ended (a stream when it closes), opening with paved.http.tracing's
+ids (the gateway's validated `x-request-id`, else a new one; its `traceparent` continued),
+then protocol, method (the gRPC method name), model, status (gRPC code name, or HTTP status)
+and duration_ms. Never tensors, parameters or any other metadata. Probes (ServerLive,
+ServerReady, ServerMetadata, /health/*) log at DEBUG. Every call answers `x-request-id`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -28,6 +37,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import paved
 from paved.engine.streams import aclose
+from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, access_json, metadata_context
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.repository import (
     MODEL_VERSION,
@@ -41,6 +51,7 @@ from paved.kserve.tensors import from_contents, from_raw, to_raw
 from paved.kserve.wire import ERROR_CODE_PARAMETER
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("paved.kserve.access")
 
 SERVER_NAME = "paved"
 EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
@@ -49,6 +60,121 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # and responses waiting to be sent.
 DEFAULT_STREAM_MAX_IN_FLIGHT = 1024
 DEFAULT_STREAM_QUEUE_SIZE = 256
+PROBES = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
+
+
+def write_access(
+    context: TraceContext,
+    protocol: str,
+    method: str,
+    model: str | None,
+    status: str | int,
+    started: float,
+    *,
+    probe: bool = False,
+) -> None:
+    """One call's line on `paved.kserve.access` (see the module docstring)."""
+    level = logging.DEBUG if probe else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    line = {
+        **access_fields(context),
+        "protocol": protocol,
+        "method": method,
+        "model": model or None,
+        "status": status,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+    }
+    access_log.log(level, access_json(line))
+
+
+def _model_of(request: Any) -> str | None:
+    """The model a request names (ModelInfer: model_name; the other model requests: name)."""
+    for attr in ("model_name", "name"):
+        value = getattr(request, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "OK" if error is None else "UNKNOWN"
+
+
+class AccessLogInterceptor(grpc.aio.ServerInterceptor):
+    """Assigns each call's ids, answers x-request-id and writes its access line."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        probe = method in PROBES
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter()
+                trace = metadata_context(context.invocation_metadata())
+                error: BaseException | None = None
+                try:
+                    await context.send_initial_metadata(((REQUEST_ID_HEADER, trace.request_id),))
+                    return await inner(request, context)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    status = _status_name(context, error)
+                    write_access(
+                        trace, "kserve-grpc", method, _model_of(request), status, started, probe=probe
+                    )
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            inner_stream = handler.stream_stream
+
+            async def stream(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext):
+                started = time.perf_counter()
+                trace = metadata_context(context.invocation_metadata())
+                model: list[str | None] = [None]
+
+                async def requests() -> AsyncIterator[Any]:
+                    async for request in request_iterator:
+                        if model[0] is None:
+                            model[0] = _model_of(request)
+                        yield request
+
+                error: BaseException | None = None
+                try:
+                    await context.send_initial_metadata(((REQUEST_ID_HEADER, trace.request_id),))
+                    async for response in inner_stream(requests(), context):
+                        yield response
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    status = _status_name(context, error)
+                    write_access(trace, "kserve-grpc", method, model[0], status, started, probe=probe)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # the service has no other kinds of method
 
 
 def parameter_value(p: service_pb2.InferParameter) -> Any:
@@ -352,12 +478,13 @@ def create_grpc_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the servicer, bound (port 0: any free port); not yet started."""
     server = grpc.aio.server(
+        interceptors=[AccessLogInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # gRPC turns SO_REUSEPORT on by default: a second server would silently share the port.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     servicer = KServeServicer(
         repository, stream_max_in_flight=stream_max_in_flight, stream_queue_size=stream_queue_size

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,12 +26,15 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import json_format
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import paved
 from paved.engine.streams import aclose
+from paved.http.tracing import REQUEST_ID_HEADER, trace_context
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
-from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME
+from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
 from paved.kserve.repository import (
     MODEL_VERSION,
     InferRequest,
@@ -330,6 +334,76 @@ class _EventStream(StreamingResponse):
             await aclose(self._responses)
 
 
+# The gRPC method each model endpoint matches, so both transports' lines name calls alike.
+_MODEL_METHODS = {
+    "": "ModelMetadata",
+    "/ready": "ModelReady",
+    "/config": "ModelConfig",
+    "/infer": "ModelInfer",
+    "/generate": "ModelGenerate",
+    "/generate_stream": "ModelGenerateStream",
+    "/stats": "ModelStatistics",
+}
+_SERVER_METHODS = {
+    "/v2": "ServerMetadata",
+    "/v2/health/live": "ServerLive",
+    "/v2/health/ready": "ServerReady",
+    "/v2/repository/index": "RepositoryIndex",
+}
+_PROBE_METHODS = frozenset({"ServerMetadata", "ServerLive", "ServerReady"})
+
+
+def _method(scope: Scope) -> tuple[str, str | None]:
+    """(the call's method name, its model) from the routed path; the path itself for others."""
+    path: str = scope["path"]
+    params = scope.get("path_params") or {}
+    name = params.get("name")
+    if isinstance(name, str) and path.startswith("/v2/models/"):
+        prefix = f"/v2/models/{name}"
+        if "version" in params:
+            prefix += f"/versions/{params['version']}"
+        suffix = path[len(prefix) :] if path.startswith(prefix) else None
+        if suffix in _MODEL_METHODS:
+            return _MODEL_METHODS[suffix], name
+        return path, name
+    return _SERVER_METHODS.get(path, path), None
+
+
+class AccessLogMiddleware:
+    """Assigns each request's ids, answers x-request-id and writes its access line once the
+    response has ended (streams included)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        trace = trace_context(Headers(scope=scope))
+        status: int | None = None
+        started = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = trace.request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as e:
+            if status is None:
+                # The catch-all handler answers it outside this middleware, with this status.
+                status = from_exception(e).http_status
+            raise
+        finally:
+            method, model = _method(scope)
+            probe = method in _PROBE_METHODS or scope["path"].startswith("/health/")
+            write_access(trace, "kserve-http", method, model, status or 500, started, probe=probe)
+
+
 def create_http_app(
     repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> FastAPI:
@@ -479,6 +553,7 @@ def create_http_app(
             index.append({"name": model.name, "version": MODEL_VERSION, "state": state, "reason": reason})
         return index
 
+    app.add_middleware(AccessLogMiddleware)
     return app
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import socket
@@ -26,7 +27,7 @@ import tritonclient.http as httpclient
 import uvicorn
 from servers import ServerProcess
 from starlette.applications import Starlette
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import llm_inputs, wait_for, xgb_model_dir
@@ -518,3 +519,129 @@ def test_body_max_tokens_forms():
     ).encode()
     assert body_max_tokens("infer", header + b"\x01\x00\x00\x00a" + binary, str(len(header))) == 11
     assert body_max_tokens("infer", b"not json", None) == 0
+
+
+# ---- request ids, trace context and access lines --------------------------------------------
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+
+
+def gateway_line(caplog, request_id: str) -> dict:
+    def lines() -> list[dict]:
+        return [json.loads(r.getMessage()) for r in caplog.records if r.name == "paved.gateway.access"]
+
+    # Written once the call has ended on the gateway's side, maybe just after the client returns.
+    assert wait_for(lambda: any(e["request_id"] == request_id for e in lines()), timeout=30), lines()
+    (line,) = [e for e in lines() if e["request_id"] == request_id]
+    return line
+
+
+def instance_line(frontend, request_id: str) -> dict:
+    def lines() -> list[dict]:
+        marker = "paved.kserve.access: "
+        return [json.loads(x.split(marker, 1)[1]) for x in frontend.tail(2000).splitlines() if marker in x]
+
+    assert wait_for(lambda: any(e["request_id"] == request_id for e in lines()), timeout=30), frontend.tail()
+    (line,) = [e for e in lines() if e["request_id"] == request_id]
+    return line
+
+
+def test_grpc_request_id_and_trace_cross_the_gateway(gw, frontend, caplog):
+    caplog.set_level(logging.INFO, logger="paved.gateway.access")
+    request = service_pb2.ModelInferRequest(model_name=XGB)
+    request.inputs.add(name="input__0", datatype="FP32", shape=[2, 32])
+    request.raw_input_contents.append(np.zeros((2, 32), np.float32).tobytes())
+    metadata = (("authorization", f"Bearer {gw.key}"), ("x-request-id", "kg-1"), ("traceparent", TRACEPARENT))
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        _, call = stub.ModelInfer.with_call(request, metadata=metadata, timeout=60)
+        assert dict(call.initial_metadata())["x-request-id"] == "kg-1"
+    line = gateway_line(caplog, "kg-1")
+    assert line["trace_id"] == TRACE_ID
+    assert (line["protocol"], line["method"], line["model"], line["status"]) == (
+        "kserve-grpc",
+        "ModelInfer",
+        XGB,
+        "OK",
+    )
+    assert line["tenant"] == "all" and line["backend"] == "f1" and line["total_ms"] >= 0
+    # Neither the key nor the tensors are in the line.
+    assert gw.key not in json.dumps(line) and "raw_input_contents" not in json.dumps(line)
+
+    # The instance logs the same request id and trace, under the gateway's span (not the client's).
+    upstream = instance_line(frontend, "kg-1")
+    assert upstream["trace_id"] == TRACE_ID and upstream["parent_span_id"] not in (None, CLIENT_SPAN)
+    assert (upstream["method"], upstream["model"], upstream["status"]) == ("ModelInfer", XGB, "OK")
+
+    # A refusal is logged with its gRPC code.
+    with pytest.raises(InferenceServerException):
+        grpcclient.InferenceServerClient(f"127.0.0.1:{gw.grpc_port}").get_model_metadata(
+            "nope", headers={**gw.headers(), "x-request-id": "kg-2"}
+        )
+    assert gateway_line(caplog, "kg-2")["status"] == "NOT_FOUND"
+
+
+def test_grpc_forwards_only_validated_ids(gw, gc, caplog):
+    caplog.set_level(logging.INFO, logger="paved.gateway.access")
+    request = service_pb2.ModelInferRequest(model_name="recorded", id="q2")
+    metadata = (
+        ("authorization", f"Bearer {gw.key}"),
+        ("x-request-id", "bad id!"),
+        ("traceparent", TRACEPARENT),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        _, call = stub.ModelInfer.with_call(request, metadata=metadata, timeout=30)
+        returned = dict(call.initial_metadata())["x-request-id"]
+    forwarded = gw.recorder.metadata[-1]
+    assert returned != "bad id!" and forwarded["x-request-id"] == returned
+    version, trace, span, flags = forwarded["traceparent"].split("-")
+    assert (version, trace, flags) == ("00", TRACE_ID, "01") and span != CLIENT_SPAN
+    line = gateway_line(caplog, returned)
+    assert line["trace_id"] == TRACE_ID and line["backend"] == "rec"
+
+    # A stream's one line is written when it ends.
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(
+        callback=lambda result, error: results.put((result, error)),
+        headers={**gw.headers(), "x-request-id": "ks-1"},
+    )
+    try:
+        gc.async_stream_infer(LLM, llm_inputs(grpcclient, "Once", params=LLM_PARAMS, stream=True))
+        while True:
+            result, error = results.get(timeout=60)
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        gc.stop_stream()
+    line = gateway_line(caplog, "ks-1")
+    assert (line["method"], line["model"], line["status"]) == ("ModelStreamInfer", LLM, "OK")
+
+
+def test_http_request_id_and_trace_cross_the_gateway(gw, hc, frontend, caplog):
+    import httpx
+
+    caplog.set_level(logging.INFO, logger="paved.gateway.access")
+    ids = {"x-request-id": "kh-1", "traceparent": TRACEPARENT}
+    hc.infer(XGB, [xgb_input(httpclient)], headers={**gw.headers(), **ids})
+    line = gateway_line(caplog, "kh-1")
+    assert (line["trace_id"], line["protocol"], line["method"], line["model"], line["status"]) == (
+        TRACE_ID,
+        "kserve-http",
+        "ModelInfer",
+        XGB,
+        200,
+    )
+    assert line["tenant"] == "all" and line["backend"] == "f1"
+    upstream = instance_line(frontend, "kh-1")
+    assert upstream["trace_id"] == TRACE_ID and upstream["parent_span_id"] not in (None, CLIENT_SPAN)
+    assert upstream["protocol"] == "kserve-http" and upstream["status"] == 200
+
+    # The response names the request id; a malformed one is replaced, an error is logged too.
+    url = f"http://127.0.0.1:{gw.http_port}/v2/models/nope/config"
+    r = httpx.get(url, headers={**gw.headers(), "x-request-id": "bad id!"}, timeout=30)
+    returned = r.headers["x-request-id"]
+    assert r.status_code == 404 and returned != "bad id!"
+    assert gateway_line(caplog, returned)["status"] == 404

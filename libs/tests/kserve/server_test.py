@@ -6,6 +6,7 @@ XGBoost fixture, on free ports, with a 1 MiB message limit so the size errors ar
 
 import asyncio
 import json
+import logging
 import queue
 
 import grpc
@@ -631,3 +632,102 @@ def test_http_json_text_with_a_lone_surrogate_is_400(server):
     r = httpx.post(f"http://127.0.0.1:{server.http_port}/v2/models/{LLM}/infer", content=body)
     assert r.status_code == 400, r.text
     assert "surrogate" in r.json()["error"]
+
+
+# ---- request ids and the access log ---------------------------------------------------------
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
+
+
+def access_lines(caplog) -> list[dict]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "paved.kserve.access"]
+
+
+def access_line(caplog, request_id: str) -> dict:
+    # The line is written once the call has ended on the server's side, which may be just
+    # after the client has its answer.
+    assert wait_for(lambda: any(e["request_id"] == request_id for e in access_lines(caplog)), timeout=10), (
+        access_lines(caplog)
+    )
+    (line,) = [e for e in access_lines(caplog) if e["request_id"] == request_id]
+    return line
+
+
+def test_access_lines_carry_the_callers_request_id_and_trace(server, gc, hc, caplog):
+    caplog.set_level(logging.INFO, logger="paved.kserve.access")
+    ids = {"traceparent": TRACEPARENT}
+    gc.infer(XGB, [tensor(grpcclient, "input__0", rows(2), "FP32")], headers={**ids, "x-request-id": "g-1"})
+    line = access_line(caplog, "g-1")
+    assert line["trace_id"] == TRACE_ID and line["parent_span_id"] == CALLER_SPAN
+    assert line["span_id"] != CALLER_SPAN and len(line["span_id"]) == 16
+    assert (line["protocol"], line["method"], line["model"], line["status"]) == (
+        "kserve-grpc",
+        "ModelInfer",
+        XGB,
+        "OK",
+    )
+    assert line["duration_ms"] >= 0
+    # Nothing of the request's tensors reaches the line.
+    assert set(line) == {
+        "request_id",
+        "trace_id",
+        "span_id",
+        "parent_span_id",
+        "protocol",
+        "method",
+        "model",
+        "status",
+        "duration_ms",
+    }
+
+    hc.infer(XGB, [tensor(httpclient, "input__0", rows(2), "FP32")], headers={**ids, "x-request-id": "h-1"})
+    line = access_line(caplog, "h-1")
+    assert (line["trace_id"], line["protocol"], line["method"], line["model"], line["status"]) == (
+        TRACE_ID,
+        "kserve-http",
+        "ModelInfer",
+        XGB,
+        200,
+    )
+
+    # An error is logged with its code; the HTTP side answers the request id.
+    r = httpx.get(
+        f"http://127.0.0.1:{server.http_port}/v2/models/nope/config", headers={"x-request-id": "h-2"}
+    )
+    assert r.status_code == 404 and r.headers["x-request-id"] == "h-2"
+    assert access_line(caplog, "h-2")["status"] == 404
+    error = grpc_error(lambda: gc.get_model_metadata("nope", headers={"x-request-id": "g-2"}))
+    assert "NOT_FOUND" in str(error.status())
+    line = access_line(caplog, "g-2")
+    assert (line["method"], line["model"], line["status"]) == ("ModelMetadata", "nope", "NOT_FOUND")
+
+    # A stream's line is written when it ends, naming its model.
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(callback=lambda result, error: results.put((result, error)), headers={"x-request-id": "s-1"})
+    try:
+        gc.async_stream_infer(LLM, llm_inputs(grpcclient, "a b", stream=True, params={"max_tokens": 2}))
+        while True:
+            result, e = results.get(timeout=10)
+            assert e is None, e
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        gc.stop_stream()
+    line = access_line(caplog, "s-1")
+    assert (line["method"], line["model"], line["status"]) == ("ModelStreamInfer", LLM, "OK")
+
+
+def test_malformed_request_id_is_replaced_and_sent_back(server, caplog):
+    caplog.set_level(logging.INFO, logger="paved.kserve.access")
+    request = service_pb2.ModelReadyRequest(name=XGB)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        _, call = stub.ModelReady.with_call(request, metadata=(("x-request-id", "kept-1"),), timeout=10)
+        assert dict(call.initial_metadata())["x-request-id"] == "kept-1"
+        _, call = stub.ModelReady.with_call(request, metadata=(("x-request-id", "bad id!"),), timeout=10)
+        new_id = dict(call.initial_metadata())["x-request-id"]
+    assert new_id != "bad id!" and len(new_id) == 32
+    line = access_line(caplog, new_id)
+    assert line["method"] == "ModelReady" and line["parent_span_id"] is None
+    assert not any(e["request_id"] == "bad id!" for e in access_lines(caplog))
