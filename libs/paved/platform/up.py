@@ -549,7 +549,10 @@ class Platform:
                 if states.get(rep["id"]) != rep["state"]:
                     states[rep["id"]] = rep["state"]
                     why = f" ({rep['reason']})" if rep.get("reason") else ""
-                    self.say(f"replica {rep['id']} [{rep['region']}] {rep['url']}: {rep['state']}{why}")
+                    self.say(
+                        f"replica {rep['id']} {rep['model_id']}@{rep['version']} [{rep['region']}] "
+                        f"{rep['url']}: {rep['state']}{why}"
+                    )
             ready = [rep for rep in replicas if rep["state"] == "ready"]
             if len(ready) >= want:
                 ready.sort(key=lambda rep: (rep["region"], rep["id"]))

@@ -17,7 +17,8 @@ vLLM, 1 replica) driven only through its public surfaces.
   * KServe v2 through the gateway with the same key: `tritonclient` (gRPC and HTTP) scores the
     XGBoost fixture (a kserve-mode package the control plane deployed) exactly as xgboost itself
     does, and generates with the tiny LLM over gRPC (its package declares `engine_args.kserve`,
-    so its replica serves KServe gRPC beside the OpenAI API);
+    so its replica serves KServe gRPC beside the OpenAI API), its x-request-id and trace id in
+    the gateway's and the replica's access lines;
 
 One platform for the module (a vLLM boot costs minutes on a 2-core machine): the tests run in
 file order and the rollout comes last.
@@ -189,8 +190,36 @@ def test_tritonclient_scores_xgboost_and_the_llm_through_the_gateway(platform: P
                 [json.dumps({"max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()], dtype=object
             )
         )
-        text = g.infer(MODEL, [prompt, params], headers=headers).as_numpy("text_output")
+        request_id, trace_id = "e2e-kserve-" + secrets.token_hex(6), secrets.token_hex(16)
+        traced = {
+            **headers,
+            "x-request-id": request_id,
+            "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01",
+        }
+        text = g.infer(MODEL, [prompt, params], headers=traced).as_numpy("text_output")
         assert text is not None and len(text) == 1 and isinstance(text[0], bytes), text
+        # The ids reach both hops' access logs: the gateway's, and the replica's KServe server's.
+        gateway_log = p.cfg.work_dir / "logs" / "gateway.log"
+        lines = wait_for(
+            "the KServe call in the gateway's access log",
+            lambda: [
+                x for x in json_lines_with(gateway_log, request_id) if x.get("request_id") == request_id
+            ],
+            30,
+        )
+        assert [(x.get("trace_id"), x.get("protocol"), x.get("status")) for x in lines] == [
+            (trace_id, "kserve-grpc", "OK")
+        ], lines
+        (replica,) = ready_replicas(p)
+        replica_log = p.cfg.work_dir / "replicas" / replica["region"] / replica["id"] / "log"
+        lines = wait_for(
+            "the KServe call in the replica's access log",
+            lambda: [
+                x for x in json_lines_with(replica_log, request_id) if x.get("request_id") == request_id
+            ],
+            30,
+        )
+        assert {x.get("trace_id") for x in lines} == {trace_id}, lines
         t = grpcclient.InferInput("input__0", [3, 32], "FP32")
         t.set_data_from_numpy(x)
         with pytest.raises(InferenceServerException, match=r"(?i)unauthenticated"):

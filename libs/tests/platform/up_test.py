@@ -190,7 +190,7 @@ def kserve_through_the_gateway(target: str, key: str) -> None:
 def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path) -> None:
     up = Up(tmp_path, "--port", "0", "--replica-ports", "44400", "--engine", "sim", "--replicas", "3")
     try:
-        up.expect(r"^replica \S+ \[local\] \S+: starting", 120)
+        up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
         assert marked(up.token)
         up.proc.send_signal(signal.SIGTERM)
         assert up.wait() == 0, up.text()
