@@ -196,45 +196,29 @@ class OpenAIProxy:
             client_wants_usage = bool(options and options.get("include_usage"))
             body["stream_options"] = {**(options or {}), "include_usage": True}
 
-        plan = None
+        call = _Call(
+            request, principal, endpoint, path, model, alias, body, stream, client_wants_usage,
+            request_id, traceparent, started, log,
+        )  # fmt: skip
         if self.orchestrator is not None:
-            plan = await self.orchestrator.prepare(
+            call.plan = await self.orchestrator.prepare(
                 principal, endpoint, body, model, route, request.headers, request_id
             )
-            model = plan.model
+            call.model = call.plan.model
         try:
-            return await self._admit(
-                request, principal, route, plan, model, alias, endpoint, path, body, stream,
-                client_wants_usage, request_id, traceparent, started, log,
-            )  # fmt: skip
+            return await self._admit(call, route)
         except GatewayError as e:
-            if plan is not None and self.orchestrator is not None:
-                await self.orchestrator.complete(plan, e.status, None, time.perf_counter() - started)
+            if call.plan is not None and self.orchestrator is not None:
+                await self.orchestrator.complete(call.plan, e.status, None, time.perf_counter() - started)
             raise
 
-    async def _admit(
-        self,
-        request: Request,
-        principal: Principal,
-        route: Any,
-        plan: Plan | None,
-        model: str,
-        alias: str,
-        endpoint: str,
-        path: str,
-        body: dict[str, Any],
-        stream: bool,
-        client_wants_usage: bool,
-        request_id: str,
-        traceparent: str,
-        started: float,
-        log: dict[str, Any],
-    ) -> Response:
+    async def _admit(self, call: _Call, route: Any) -> Response:
+        endpoint, body, log, plan = call.endpoint, call.body, call.log, call.plan
         count = await self.tokens.count(route.tokenizer, endpoint, body, route.affinity_prefix_tokens)
         reserve = count.tokens + _completion_budget(endpoint, body, self.config.default_max_tokens)
         log["prompt_tokens_est"] = count.tokens
         t_count = time.perf_counter()
-        reservation = await self.limiter.acquire(principal, reserve)
+        reservation = await self.limiter.acquire(call.principal, reserve)
         t_limits = time.perf_counter()
         log["limits_ms"] = _ms(t_count, t_limits)
         self.metrics.stage.labels("limits").observe(t_limits - t_count)
@@ -242,46 +226,24 @@ class OpenAIProxy:
             if plan is not None and self.orchestrator is not None:
                 hit = await self.orchestrator.lookup(plan)
                 if hit is not None:
-                    return await self._serve_hit(
-                        hit, plan, reservation, endpoint, stream, client_wants_usage, request_id, started, log
-                    )
-            return await self._attempts(
-                request, principal, reservation, model, alias, endpoint, path, body, count.affinity,
-                stream, client_wants_usage, request_id, traceparent, started, log, plan,
-            )  # fmt: skip
+                    return await self._serve_hit(call, plan, hit, reservation)
+            return await self._attempts(call, reservation, count.affinity)
         except BaseException:
             # Nothing reached the client and nothing was generated: refund everything.
             with anyio.CancelScope(shield=True):
                 await self._settle(reservation, None)
             raise
 
-    async def _attempts(
-        self,
-        request: Request,
-        principal: Principal,
-        reservation: Reservation,
-        model: str,
-        alias: str,
-        endpoint: str,
-        path: str,
-        body: dict[str, Any],
-        affinity: bytes | None,
-        stream: bool,
-        client_wants_usage: bool,
-        request_id: str,
-        traceparent: str,
-        started: float,
-        log: dict[str, Any],
-        plan: Plan | None = None,
-    ) -> Response:
+    async def _attempts(self, call: _Call, reservation: Reservation, affinity: bytes | None) -> Response:
+        body, log, principal, model = call.body, call.log, call.principal, call.model
         sticky = body.get("user") if isinstance(body.get("user"), str) else principal.key_id
         excluded: set[str] = set()
         dropped: set[str] = set()
         last_error: GatewayError | None = None
         headers = {
             "content-type": "application/json",
-            "x-request-id": request_id,
-            "traceparent": traceparent,
+            "x-request-id": call.request_id,
+            "traceparent": call.traceparent,
         }
         t_route = time.perf_counter()
         for attempt in range(self.config.max_attempts):
@@ -309,11 +271,11 @@ class OpenAIProxy:
             in_flight.inc()
             sent = time.perf_counter()
             try:
-                upstream = await self._send(request, backend.url + path, payload, headers)
+                upstream = await self._send(call.request, backend.url + call.path, payload, headers)
             except _Disconnected:
                 self.router.end(backend.id, ok=True)
                 in_flight.dec()
-                self.metrics.disconnects.labels(alias).inc()
+                self.metrics.disconnects.labels(call.alias).inc()
                 log["status"] = 499
                 raise GatewayError(499, "client closed the request", code="client_closed_request") from None
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -354,22 +316,9 @@ class OpenAIProxy:
                     code="upstream_unavailable",
                 )
                 continue
-            if stream and upstream.status == 200:
-                return self._stream(
-                    upstream,
-                    pick,
-                    reservation,
-                    alias,
-                    client_wants_usage,
-                    request_id,
-                    started,
-                    log,
-                    in_flight,
-                    plan,
-                )
-            return await self._whole(
-                upstream, pick, reservation, alias, request, request_id, log, in_flight, plan, started
-            )
+            if call.stream and upstream.status == 200:
+                return self._stream(call, upstream, pick, reservation, in_flight)
+            return await self._whole(call, upstream, pick, reservation, in_flight)
         raise last_error or GatewayError(502, "no backend answered", code="upstream_error")
 
     async def _send(
@@ -398,22 +347,18 @@ class OpenAIProxy:
 
     async def _whole(
         self,
+        call: _Call,
         upstream: aiohttp.ClientResponse,
         pick: Pick,
         reservation: Reservation,
-        alias: str,
-        request: Request,
-        request_id: str,
-        log: dict[str, Any],
         in_flight: Any,
-        plan: Plan | None = None,
-        started: float = 0.0,
     ) -> Response:
+        alias, request_id, log, plan = call.alias, call.request_id, call.log, call.plan
         backend = pick.backend
         ok = upstream.status < 500 or upstream.status == 503
         try:
             read = asyncio.ensure_future(_read_whole(upstream, self.config.upstream_timeout_s))
-            gone = asyncio.ensure_future(_disconnected(request.receive))
+            gone = asyncio.ensure_future(_disconnected(call.request.receive))
             done, _ = await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
             if read not in done:
                 read.cancel()
@@ -446,22 +391,20 @@ class OpenAIProxy:
         headers = _response_headers(upstream, reservation, request_id, backend.id)
         if plan is not None and self.orchestrator is not None:
             headers.update(plan.headers)
-            await self.orchestrator.complete(plan, upstream.status, data, time.perf_counter() - started)
+            await self.orchestrator.complete(plan, upstream.status, data, time.perf_counter() - call.started)
         return Response(data, status_code=upstream.status, headers=headers)
 
     def _stream(
         self,
+        call: _Call,
         upstream: aiohttp.ClientResponse,
         pick: Pick,
         reservation: Reservation,
-        alias: str,
-        client_wants_usage: bool,
-        request_id: str,
-        started: float,
-        log: dict[str, Any],
         in_flight: Any,
-        plan: Plan | None = None,
     ) -> Response:
+        alias, client_wants_usage, started, log, plan = (
+            call.alias, call.client_wants_usage, call.started, call.log, call.plan
+        )  # fmt: skip
         backend = pick.backend
         log["streaming"] = True
         orchestrator = self.orchestrator if plan is not None and plan.capture else None
@@ -536,41 +479,31 @@ class OpenAIProxy:
             self._count(log, status)
             self._finish_log(log, started)
 
-        headers = _response_headers(upstream, reservation, request_id, backend.id)
+        headers = _response_headers(upstream, reservation, call.request_id, backend.id)
         if plan is not None:
             headers.update(plan.headers)
         headers["cache-control"] = "no-cache"
         headers["x-accel-buffering"] = "no"
         return _GuardedStream(events(), cleanup, headers=headers, media_type="text/event-stream")
 
-    async def _serve_hit(
-        self,
-        hit: Hit,
-        plan: Plan,
-        reservation: Reservation,
-        endpoint: str,
-        stream: bool,
-        client_wants_usage: bool,
-        request_id: str,
-        started: float,
-        log: dict[str, Any],
-    ) -> Response:
+    async def _serve_hit(self, call: _Call, plan: Plan, hit: Hit, reservation: Reservation) -> Response:
         """Answer from the cache: no engine ran, so no tokens are charged (the request still
         counts against requests/min); the conversation and the experiment still see it."""
+        log = call.log
         await self._settle(reservation, 0)
         plan.store = False
         if self.orchestrator is not None:
-            await self.orchestrator.complete(plan, 200, hit.answer.body, time.perf_counter() - started)
+            await self.orchestrator.complete(plan, 200, hit.answer.body, time.perf_counter() - call.started)
         headers = dict(reservation.headers)
         headers.update(plan.headers)
         headers.update(
-            {"x-request-id": request_id, "x-paved-cache": hit.header, "x-paved-cache-entry": hit.entry}
+            {"x-request-id": call.request_id, "x-paved-cache": hit.header, "x-paved-cache-entry": hit.entry}
         )
         log.update(status=200, backend="cache", cache=hit.header)
         self._count(log, 200)
-        if stream:
+        if call.stream:
             headers["cache-control"] = "no-cache"
-            events = replay_sse(endpoint, hit.answer, include_usage=client_wants_usage)
+            events = replay_sse(call.endpoint, hit.answer, include_usage=call.client_wants_usage)
             return StreamingResponse(_replay(events), headers=headers, media_type="text/event-stream")
         return Response(hit.answer.body, status_code=200, headers=headers, media_type="application/json")
 
@@ -616,6 +549,28 @@ class OpenAIProxy:
 
 class _Disconnected(Exception):
     pass
+
+
+@dataclass
+class _Call:
+    """One client request once it is authenticated and its body parsed: what every later stage
+    (limits, cache, attempts, streaming) reads. `model` may be re-pinned by the orchestration
+    plan; `body` is what is sent upstream (its `model` rewritten per backend)."""
+
+    request: Request
+    principal: Principal
+    endpoint: str
+    path: str
+    model: str
+    alias: str
+    body: dict[str, Any]
+    stream: bool
+    client_wants_usage: bool
+    request_id: str
+    traceparent: str
+    started: float
+    log: dict[str, Any]
+    plan: Plan | None = None
 
 
 async def _replay(events: list[bytes]) -> AsyncIterator[bytes]:
