@@ -48,6 +48,7 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError, grpc_code_n
 from paved.gateway.limits import Limiter
 from paved.gateway.router import Pick, Router
 from paved.gateway.types import Principal
+from paved.http.kserve_names import grpc_status_name
 from paved.http.tracing import (
     REQUEST_ID_HEADER,
     TRACEPARENT_HEADER,
@@ -335,17 +336,6 @@ class CallLog:
         self.fields["tenant"] = principal.tenant.name
 
 
-def _status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    """The gRPC code the client sees: the aborted code, CANCELLED, or UNKNOWN for an error
-    gRPC turns into one."""
-    if isinstance(error, asyncio.CancelledError):
-        return "CANCELLED"
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    return "OK" if error is None else "UNKNOWN"
-
-
 def write_access(
     method: str, call: CallLog, status: str | int, started: float, protocol: str = "kserve-grpc"
 ) -> None:
@@ -518,7 +508,7 @@ class KServeForwarder:
                 error = e
                 raise
             finally:
-                write_access(method, call, _status_name(context, error), started)
+                write_access(method, call, grpc_status_name(context, error), started)
 
         return unary
 
@@ -542,7 +532,7 @@ class KServeForwarder:
                 error = e
                 raise
             finally:
-                write_access("ModelStreamInfer", call, _status_name(context, error), started)
+                write_access("ModelStreamInfer", call, grpc_status_name(context, error), started)
 
         return stream
 

@@ -60,6 +60,7 @@ from paved.gateway.kserve_grpc import (
 )
 from paved.gateway.limits import Limiter, Reservation
 from paved.gateway.router import Router
+from paved.http.kserve_names import HTTP_MODEL_METHODS
 from paved.http.tracing import REQUEST_ID_HEADER, TRACEPARENT_HEADER, trace_context
 
 logger = logging.getLogger(__name__)
@@ -84,15 +85,6 @@ _DROP_REQUEST = _HOP_BY_HOP | {
     "content-length",
     REQUEST_ID_HEADER,
     TRACEPARENT_HEADER,
-}
-# The gRPC method each model endpoint matches, named so in the access line.
-_METHODS = {
-    "": "ModelMetadata",
-    "/ready": "ModelReady",
-    "/config": "ModelConfig",
-    "/infer": "ModelInfer",
-    "/generate": "ModelGenerate",
-    "/generate_stream": "ModelGenerateStream",
 }
 _HEADER_LENGTH = "inference-header-content-length"
 _MAX_PICKS = 8
@@ -318,7 +310,7 @@ def kserve_http_routes(
                     return _error(400, e.message)
                 return _gateway_error(e)
 
-        return _logged(_METHODS[suffix], endpoint)
+        return _logged(HTTP_MODEL_METHODS[suffix], endpoint)
 
     async def forward(request: Request, suffix: str, method: str, call: CallLog) -> Response:
         name = request.path_params["name"]

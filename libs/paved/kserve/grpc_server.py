@@ -37,6 +37,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import paved
 from paved.engine.streams import aclose
+from paved.http.kserve_names import grpc_status_name
 from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, access_json, metadata_context
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.repository import (
@@ -97,15 +98,6 @@ def _model_of(request: Any) -> str | None:
     return None
 
 
-def _status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    if isinstance(error, asyncio.CancelledError):
-        return "CANCELLED"
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    return "OK" if error is None else "UNKNOWN"
-
-
 class AccessLogInterceptor(grpc.aio.ServerInterceptor):
     """Assigns each call's ids, answers x-request-id and writes its access line."""
 
@@ -133,7 +125,7 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
                     error = e
                     raise
                 finally:
-                    status = _status_name(context, error)
+                    status = grpc_status_name(context, error)
                     write_access(
                         trace, "kserve-grpc", method, _model_of(request), status, started, probe=probe
                     )
@@ -166,7 +158,7 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
                     error = e
                     raise
                 finally:
-                    status = _status_name(context, error)
+                    status = grpc_status_name(context, error)
                     write_access(trace, "kserve-grpc", method, model[0], status, started, probe=probe)
 
             return grpc.stream_stream_rpc_method_handler(

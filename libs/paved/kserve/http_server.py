@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import paved
 from paved.engine.streams import aclose
+from paved.http.kserve_names import HTTP_MODEL_METHODS
 from paved.http.tracing import REQUEST_ID_HEADER, trace_context
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
@@ -334,16 +335,6 @@ class _EventStream(StreamingResponse):
             await aclose(self._responses)
 
 
-# The gRPC method each model endpoint matches, so both transports' lines name calls alike.
-_MODEL_METHODS = {
-    "": "ModelMetadata",
-    "/ready": "ModelReady",
-    "/config": "ModelConfig",
-    "/infer": "ModelInfer",
-    "/generate": "ModelGenerate",
-    "/generate_stream": "ModelGenerateStream",
-    "/stats": "ModelStatistics",
-}
 _SERVER_METHODS = {
     "/v2": "ServerMetadata",
     "/v2/health/live": "ServerLive",
@@ -363,8 +354,8 @@ def _method(scope: Scope) -> tuple[str, str | None]:
         if "version" in params:
             prefix += f"/versions/{params['version']}"
         suffix = path[len(prefix) :] if path.startswith(prefix) else None
-        if suffix in _MODEL_METHODS:
-            return _MODEL_METHODS[suffix], name
+        if suffix in HTTP_MODEL_METHODS:
+            return HTTP_MODEL_METHODS[suffix], name
         return path, name
     return _SERVER_METHODS.get(path, path), None
 

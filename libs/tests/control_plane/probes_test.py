@@ -171,17 +171,17 @@ def test_invalid_arguments() -> None:
     asyncio.run(go())
 
 
-@pytest.fixture
-def sim_frontend() -> Iterator[tuple[str, str]]:
-    """The paved frontend over the sim engine with a KServe gRPC port (its own process group)."""
+def _serve(argv: list[str]) -> Iterator[tuple[str, str]]:
+    """`python -m ARGV...` with {http} and {grpc} replaced by two free ports, in its own process
+    group; yields (http URL, gRPC target) once /health/ready answers, then kills the group."""
     ports = []
     for _ in range(2):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
+    argv = [a.format(http=ports[0], grpc=ports[1]) for a in argv]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paved.frontend.server", "--engine", "sim://tiny?tokens_per_s=0",
-         "--port", str(ports[0]), "--kserve-grpc-port", str(ports[1])],
+        [sys.executable, "-m", *argv],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
     )  # fmt: skip
@@ -194,13 +194,22 @@ def sim_frontend() -> Iterator[tuple[str, str]]:
                 with urllib.request.urlopen(url + "/health/ready", timeout=1):
                     break
             except OSError:
-                assert time.monotonic() < deadline, "the sim frontend did not become ready"
+                assert time.monotonic() < deadline, f"{argv[0]} did not become ready"
                 time.sleep(0.1)
         yield url, f"127.0.0.1:{ports[1]}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.fixture
+def sim_frontend() -> Iterator[tuple[str, str]]:
+    """The paved frontend over the sim engine with a KServe gRPC port."""
+    yield from _serve(
+        ["paved.frontend.server", "--engine", "sim://tiny?tokens_per_s=0", "--port", "{http}",
+         "--kserve-grpc-port", "{grpc}"]
+    )  # fmt: skip
 
 
 def test_real_sim_frontend_with_kserve(sim_frontend: tuple[str, str]) -> None:
@@ -223,34 +232,10 @@ def test_real_sim_frontend_with_kserve(sim_frontend: tuple[str, str]) -> None:
 @pytest.fixture
 def kserve_xgb() -> Iterator[tuple[str, str]]:
     """paved.kserve serving the XGBoost fixture alone (what a kserve-mode package runs)."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
     model_dir = os.path.dirname(runfile("models/xgb/config.json"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paved.kserve.main", "--model-dir", model_dir,
-         "--http-port", str(ports[0]), "--grpc-port", str(ports[1])],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{ports[0]}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-            try:
-                with urllib.request.urlopen(url + "/health/ready", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the KServe server did not become ready"
-                time.sleep(0.1)
-        yield url, f"127.0.0.1:{ports[1]}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    yield from _serve(
+        ["paved.kserve.main", "--model-dir", model_dir, "--http-port", "{http}", "--grpc-port", "{grpc}"]
+    )
 
 
 def test_a_classic_kserve_model_is_ready_after_a_smoke_inference(kserve_xgb: tuple[str, str]) -> None:
