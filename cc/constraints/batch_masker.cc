@@ -6,6 +6,10 @@
 #include <memory>
 #include <string>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "cc/constraints/limits.h"
 #include "cc/constraints/token_bitmask.h"
 
@@ -24,19 +28,25 @@ ThreadPool::~ThreadPool() {
   for (std::thread& w : workers_) w.join();
 }
 
-void ThreadPool::RunErased(int64_t n, Task task, const void* ctx, bool wake_now) {
+void ThreadPool::RunErased(int64_t n, Task task, const void* ctx, ChunkEnd chunk_end, const void* end_ctx,
+                           const RunOptions& options) {
   std::lock_guard<std::mutex> run_lock(run_mu_);
   // No worker has joined (the previous call closed and waited), so these need no lock; a
   // worker reads them only after joining under mu_, which happens after open_ is set below.
   error_ = nullptr;
   task_ = task;
   ctx_ = ctx;
+  chunk_end_ = chunk_end;
+  end_ctx_ = end_ctx;
   count_ = n;
   chunk_ = std::max<int64_t>(1, n / (4 * int64_t{num_threads()}));
   next_.store(0, std::memory_order_relaxed);
   woke_ = false;
+  run_wake_after_ = options.wake_after.count() < 0
+                        ? wake_after_
+                        : std::chrono::duration_cast<Clock::duration>(options.wake_after);
   start_ = Clock::now();
-  if (wake_now && n > chunk_) MaybeWakeWorkers(true);  // one chunk: nothing to share
+  if (options.wake_now && n > chunk_) MaybeWakeWorkers(true);  // one chunk: nothing to share
   Drain(0);
   if (woke_) {
     // Close the call and wait only for the workers that joined it (they are running). A
@@ -60,13 +70,14 @@ void ThreadPool::Drain(int thread_index) {
         if (!error_) error_ = std::current_exception();
       }
     }
+    if (chunk_end_ != nullptr) chunk_end_(end_ctx_, thread_index);
     if (thread_index == 0) MaybeWakeWorkers(false);
   }
 }
 
 void ThreadPool::MaybeWakeWorkers(bool now) {
   if (woke_ || workers_.empty() || next_.load(std::memory_order_relaxed) >= count_) return;
-  if (!now && Clock::now() - start_ < wake_after_) return;
+  if (!now && Clock::now() - start_ < run_wake_after_) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     open_ = true;
@@ -123,9 +134,20 @@ int FillTuner::Best(int size_class) const {
   return BestLocked(classes_[size_class]);
 }
 
-int FillTuner::Pick(int64_t bytes, int* size_class) {
+int FillTuner::SizeClassOf(int64_t bytes) {
   int k = 0;
   while (k + 1 < kClasses && bytes >= (kMinBytes << (k + 1))) ++k;
+  return k;
+}
+
+double FillTuner::ExpectedNsPerByte(int size_class, int plan) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Plan& p = classes_[size_class].plans[plan];
+  return p.n == 0 ? -1 : Median(p);
+}
+
+int FillTuner::Pick(int64_t bytes, int* size_class) {
+  const int k = SizeClassOf(bytes);
   *size_class = k;
   std::lock_guard<std::mutex> lock(mu_);
   SizeClass& c = classes_[k];
@@ -154,6 +176,30 @@ void FillTuner::Record(int size_class, int plan, int64_t bytes, double seconds) 
 }
 
 namespace {
+
+#if defined(__x86_64__)
+// CopyMaskRowStreaming's stores without its per-row fence: the caller fences once per chunk
+// of rows (ThreadPool::RunChunked). On the AMD EPYC VM, 64 rows x 16 KiB after a 32 MiB
+// write, one thread: 64 µs with a fence per row, 57 without (memset of the same bytes 44,
+// memcpy 96; docs/benchmarks.md). Callers check HaveStreamingStores() (AVX2) first.
+__attribute__((target("avx2"))) void StreamRowUnfenced(uint32_t* dst, const uint32_t* src, int64_t words) {
+  int64_t k = 0;
+  for (; k < words && (reinterpret_cast<uintptr_t>(dst + k) & 31) != 0; ++k) dst[k] = src[k];
+  for (; k + 8 <= words; k += 8)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+  for (; k < words; ++k) dst[k] = src[k];
+}
+
+// Streaming stores are weakly ordered: without it a reader woken after the chunk (the caller
+// after a worker's chunk, Python after the call) could see stale words.
+void FenceStreamingStores() { _mm_sfence(); }
+#else
+void StreamRowUnfenced(uint32_t* dst, const uint32_t* src, int64_t words) {
+  std::memcpy(dst, src, static_cast<size_t>(words) * 4);
+}
+void FenceStreamingStores() {}
+#endif
 
 int PlanFromEnvironment() {
   const char* v = std::getenv("PAVED_CONSTRAINTS_FILL_PLAN");
@@ -186,6 +232,7 @@ int CheckedNumThreads(int num_threads) {
 
 BatchMasker::BatchMasker(int32_t vocab_size, int num_threads, std::chrono::microseconds wake_after)
     : vocab_size_(CheckedVocabSize(vocab_size)),
+      wake_after_(wake_after),
       pool_(CheckedNumThreads(num_threads), wake_after),
       tuner_(pool_.num_threads() > 1, HaveStreamingStores()),
       forced_plan_(PlanFromEnvironment()) {
@@ -213,23 +260,48 @@ void BatchMasker::FillBitmask(const State* const* states, int64_t rows, int32_t*
   const int64_t words = num_words();
   const int64_t bytes = rows * words * 4;
   int plan = forced_plan_.load(std::memory_order_relaxed);
-  int size_class = -1;
-  if (plan < 0 && bytes >= FillTuner::kMinBytes) plan = tuner_.Pick(bytes, &size_class);
+  const int size_class = bytes >= FillTuner::kMinBytes ? FillTuner::SizeClassOf(bytes) : -1;
+  if (plan < 0 && size_class >= 0) {
+    int picked_class;
+    plan = tuner_.Pick(bytes, &picked_class);
+  }
   if (plan < 0) plan = bytes >= kWakeNowBytes ? FillTuner::kWakeNow : 0;  // the default, untuned
-  const bool stream = (plan & FillTuner::kStream) != 0;
+  // The tuner never picks streaming without AVX2; a plan pinned by hand copies with memcpy there.
+  const bool stream = (plan & FillTuner::kStream) != 0 && HaveStreamingStores();
+  ThreadPool::RunOptions options;
+  options.wake_now = (plan & FillTuner::kWakeNow) != 0;
+  if (!options.wake_now && size_class >= 0) {
+    // A plan that does not wake the workers at once does not wake them for a copy of cached
+    // masks either: on the AMD EPYC VM a woken worker checks in 55 µs (median; 13-108) after
+    // the wake, as long as the whole 1 MiB copy, and two threads woken by a condition
+    // variable took 80-124 µs against 57-96 alone (docs/benchmarks.md). They are woken once
+    // the call overruns its plan's median by kOverrun, i.e. when rows miss the mask cache and
+    // walk the vocabulary (hundreds of µs a row at 128k).
+    const double ns_per_byte = tuner_.ExpectedNsPerByte(size_class, plan);
+    if (ns_per_byte > 0) {
+      const auto overrun =
+          std::chrono::nanoseconds(static_cast<int64_t>(kOverrun * ns_per_byte * static_cast<double>(bytes)));
+      options.wake_after = std::max<std::chrono::nanoseconds>(wake_after_, overrun);
+    }
+  }
   const auto start = std::chrono::steady_clock::now();
-  pool_.Run(rows, [&](int64_t i, int) {
+  auto row_fn = [&](int64_t i, int) {
     auto* row = reinterpret_cast<uint32_t*>(bitmask + i * words);
     const uint32_t* mask = all_allowed_.data();
     std::shared_ptr<const CachedMask> hold;
     if (states[i] != nullptr) mask = states[i]->Mask(row, &hold);
     if (mask == row) return;  // built in place (finished state, budget-restricted miss)
     if (stream) {
-      CopyMaskRowStreaming(row, mask, words);
+      StreamRowUnfenced(row, mask, words);
     } else {
       std::memcpy(row, mask, static_cast<size_t>(words) * 4);
     }
-  }, (plan & FillTuner::kWakeNow) != 0);
+  };
+  if (stream) {
+    pool_.RunChunked(rows, row_fn, [](int) { FenceStreamingStores(); }, options);
+  } else {
+    pool_.Run(rows, row_fn, options);
+  }
   if (size_class >= 0)
     tuner_.Record(size_class, plan, bytes,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

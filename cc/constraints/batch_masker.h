@@ -40,19 +40,46 @@ class ThreadPool {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
+  struct RunOptions {
+    // The caller knows the work is heavy (e.g. logits rows): wake the workers at once.
+    bool wake_now = false;
+    // Otherwise wake them once the call has run this long with work left; negative: the
+    // pool's wake_after.
+    std::chrono::nanoseconds wake_after{-1};
+  };
+
   // Calls fn(i, thread_index) for every i in [0, n), thread_index in [0, num_threads()).
-  // Rethrows the first exception a call threw, after all calls returned. `wake_now`: the
-  // caller knows the work is heavy (e.g. logits rows); wake the workers at once.
+  // Rethrows the first exception a call threw, after all calls returned. `wake_now`: see
+  // RunOptions.
   template <typename Fn>
   void Run(int64_t n, const Fn& fn, bool wake_now = false) {
-    RunErased(
-        n, [](const void* ctx, int64_t i, int t) { (*static_cast<const Fn*>(ctx))(i, t); }, &fn, wake_now);
+    RunOptions options;
+    options.wake_now = wake_now;
+    Run(n, fn, options);
+  }
+  template <typename Fn>
+  void Run(int64_t n, const Fn& fn, const RunOptions& options) {
+    RunErased(n, &CallIndex<Fn>, &fn, nullptr, nullptr, options);
+  }
+  // As Run, and chunk_end(thread_index) after each chunk of indices a thread ran, before the
+  // thread takes another chunk or the call returns (e.g. one store fence per chunk of rows
+  // written with streaming stores rather than one per row). chunk_end must not throw.
+  template <typename Fn, typename End>
+  void RunChunked(int64_t n, const Fn& fn, const End& chunk_end, const RunOptions& options) {
+    RunErased(n, &CallIndex<Fn>, &fn, [](const void* ctx, int t) { (*static_cast<const End*>(ctx))(t); },
+              &chunk_end, options);
   }
 
  private:
   using Clock = std::chrono::steady_clock;
   using Task = void (*)(const void* ctx, int64_t i, int thread_index);
-  void RunErased(int64_t n, Task task, const void* ctx, bool wake_now);
+  using ChunkEnd = void (*)(const void* ctx, int thread_index);
+  template <typename Fn>
+  static void CallIndex(const void* ctx, int64_t i, int t) {
+    (*static_cast<const Fn*>(ctx))(i, t);
+  }
+  void RunErased(int64_t n, Task task, const void* ctx, ChunkEnd chunk_end, const void* end_ctx,
+                 const RunOptions& options);
   void WorkerLoop(int thread_index);
   void Drain(int thread_index);
   void MaybeWakeWorkers(bool now);
@@ -71,10 +98,13 @@ class ThreadPool {
   // Set by the caller before workers are woken (under mu_), read-only while they run.
   Task task_ = nullptr;
   const void* ctx_ = nullptr;
+  ChunkEnd chunk_end_ = nullptr;
+  const void* end_ctx_ = nullptr;
   int64_t count_ = 0;
   int64_t chunk_ = 1;
   // The caller's own state for the current Run().
   Clock::time_point start_;
+  Clock::duration run_wake_after_{};
   bool woke_ = false;
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;
@@ -82,18 +112,20 @@ class ThreadPool {
 };
 
 // How a large FillBitmask call writes its rows: bit 0 wakes the pool's workers at once (else
-// the caller starts alone and wakes them after wake_after), bit 1 copies cached masks with
-// streaming stores (CopyMaskRowStreaming) instead of memcpy.
+// the caller copies alone, and wakes them only if the call overruns its plan's median, i.e.
+// rows walk the vocabulary), bit 1 copies cached masks with streaming stores (one fence per
+// chunk of rows) instead of memcpy.
 //
 // Which is fastest depends on the CPU and on the load, and the differences are large: at B=64,
 // V=128k (1 MiB), after a 32 MiB write, the 2-core Intel Xeon VM took 79 µs with two threads
-// against 122 µs alone, streaming stores were 35% slower there; the 2-vCPU AMD EPYC VM under
-// load ~3 took 82-88 µs alone, 108-121 µs with the worker woken (a wake can deschedule the
-// caller: up to 1.3 ms at load 8), and streaming stores cut the copy of cold rows by ~30%
-// (docs/benchmarks.md, "AMD EPYC"). So the masker measures: per size class, each allowed plan
-// runs a few calls, then the plan with the lowest median time per byte over its last kWindow
-// calls is used, and every kExploreEvery-th call re-measures another plan, so a change of load
-// moves the choice. Only the timing differs between plans, never the bits written.
+// against 122 µs alone, streaming stores were 35% slower there; on the 2-vCPU AMD EPYC VM a
+// woken worker checks in ~55 µs after the wake, so two threads took 80-124 µs against 57-96
+// alone, and streaming stores cut the copy of cold rows from 96 to 57 µs (a memset of the
+// same bytes: 44) but made warm ones slower (40 against 28) (docs/benchmarks.md, "AMD EPYC").
+// So the masker measures: per size class, each allowed plan runs a few calls, then the plan
+// with the lowest median time per byte over its last kWindow calls is used, and every
+// kExploreEvery-th call re-measures another plan, so a change of load moves the choice. Only
+// the timing differs between plans, never the bits written.
 class FillTuner {
  public:
   static constexpr int kPlans = 4;
@@ -107,6 +139,10 @@ class FillTuner {
   static constexpr int kExploreEvery = 8;
 
   FillTuner(bool can_wake, bool can_stream);
+  // The size class of a call writing `bytes` (>= kMinBytes).
+  static int SizeClassOf(int64_t bytes);
+  // The median ns per byte of the plan's last kWindow calls in the class, -1 before its first.
+  double ExpectedNsPerByte(int size_class, int plan) const;
   // The plan for a call writing `bytes`, and its size class (pass both to Record).
   int Pick(int64_t bytes, int* size_class);
   void Record(int size_class, int plan, int64_t bytes, double seconds);
@@ -169,7 +205,12 @@ class BatchMasker {
   void Apply(const State* const* states, int64_t rows, float* logits);
 
  private:
+  // A call of a plan that does not wake the workers at once wakes them once it has run this
+  // many times its plan's median (FillBitmask).
+  static constexpr double kOverrun = 2.0;
+
   int32_t vocab_size_;
+  std::chrono::microseconds wake_after_;
   ThreadPool pool_;
   FillTuner tuner_;
   std::atomic<int> forced_plan_{-1};

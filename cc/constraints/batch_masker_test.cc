@@ -182,6 +182,23 @@ TEST(FillTuner, WarmsEveryAllowedPlanThenPicksTheFastest) {
   EXPECT_EQ(tuner.Best(3), -1);
 }
 
+// What a plan that copies alone waits for before waking the workers (FillBitmask).
+TEST(FillTuner, ExpectedNsPerByteIsTheMedianOfThePlansWindow) {
+  FillTuner tuner(/*can_wake=*/true, /*can_stream=*/true);
+  const int64_t bytes = FillTuner::kMinBytes;
+  const int k = FillTuner::SizeClassOf(bytes);
+  EXPECT_EQ(FillTuner::SizeClassOf(2 * bytes - 1), k);
+  EXPECT_EQ(FillTuner::SizeClassOf(2 * bytes), k + 1);
+  EXPECT_EQ(tuner.ExpectedNsPerByte(k, 2), -1);
+  // 1, 9, 3 ns per byte: the median is 3; a fourth and fifth value push the first two out.
+  for (double ns : {1.0, 9.0, 3.0}) tuner.Record(k, 2, bytes, ns * 1e-9 * static_cast<double>(bytes));
+  EXPECT_DOUBLE_EQ(tuner.ExpectedNsPerByte(k, 2), 3.0);
+  for (double ns : {5.0, 7.0, 8.0}) tuner.Record(k, 2, bytes, ns * 1e-9 * static_cast<double>(bytes));
+  static_assert(FillTuner::kWindow == 4, "the window below holds the last four values");
+  EXPECT_DOUBLE_EQ(tuner.ExpectedNsPerByte(k, 2), 7.0);  // of 3, 5, 7, 8: the upper median
+  EXPECT_EQ(tuner.ExpectedNsPerByte(k, 0), -1);           // other plans keep their own
+}
+
 TEST(BatchMasker, ApplyMasksExactlyTheDisallowedLogits) {
   const auto& vocab = SharedVocab();
   const Batch b = MakeBatch();
@@ -258,6 +275,53 @@ bool WorkerTakesPart(std::chrono::milliseconds first, RunFn run) {
     }
   });
   return worker_ran && !timed_out;
+}
+
+TEST(ThreadPool, PerCallWakeAfterOverridesThePools) {
+  ThreadPool late(2, std::chrono::hours(1));
+  ThreadPool::RunOptions soon;
+  soon.wake_after = std::chrono::milliseconds(1);
+  EXPECT_TRUE(WorkerTakesPart(std::chrono::milliseconds(5), [&](const auto& fn) { late.Run(8, fn, soon); }));
+
+  ThreadPool eager(3, std::chrono::microseconds(0));
+  ThreadPool::RunOptions never;
+  never.wake_after = std::chrono::hours(1);
+  std::atomic<int> off_caller{0};
+  for (int round = 0; round < 20; ++round)
+    eager.Run(64, [&](int64_t, int thread_index) { off_caller += thread_index != 0; }, never);
+  EXPECT_EQ(off_caller.load(), 0);
+}
+
+// chunk_end runs on the thread that ran the chunk, after its indices and before the call
+// returns: every thread's last event is a chunk_end, and every index ran once.
+TEST(ThreadPool, RunChunkedEndsEveryChunkOnItsThread) {
+  for (int threads : {1, 3}) {
+    ThreadPool pool(threads, std::chrono::microseconds(0));
+    ThreadPool::RunOptions now;
+    now.wake_now = true;
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100}}) {
+      std::vector<std::vector<int64_t>> events(static_cast<size_t>(threads));  // -1: chunk_end
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      pool.RunChunked(
+          n,
+          [&](int64_t i, int t) {
+            hits[static_cast<size_t>(i)]++;
+            events[static_cast<size_t>(t)].push_back(i);
+          },
+          [&](int t) { events[static_cast<size_t>(t)].push_back(-1); }, now);
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(hits[static_cast<size_t>(i)].load(), 1) << "n " << n << " i " << i;
+      int64_t ends = 0;
+      for (const auto& e : events) {
+        if (!e.empty()) EXPECT_EQ(e.back(), -1) << "threads " << threads << " n " << n;
+        ends += std::count(e.begin(), e.end(), int64_t{-1});
+        // No chunk_end without indices before it, and none twice in a row.
+        for (size_t j = 0; j < e.size(); ++j)
+          if (e[j] == -1) EXPECT_TRUE(j > 0 && e[j - 1] != -1);
+      }
+      EXPECT_GE(ends, 1);
+      EXPECT_LE(ends, n);
+    }
+  }
 }
 
 TEST(ThreadPool, WakeNowWakesWorkersAtOnce) {
