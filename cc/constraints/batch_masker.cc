@@ -6,10 +6,6 @@
 #include <memory>
 #include <string>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "cc/constraints/limits.h"
 #include "cc/constraints/token_bitmask.h"
 
@@ -177,30 +173,6 @@ void FillTuner::Record(int size_class, int plan, int64_t bytes, double seconds) 
 
 namespace {
 
-#if defined(__x86_64__)
-// CopyMaskRowStreaming's stores without its per-row fence: the caller fences once per chunk
-// of rows (ThreadPool::RunChunked). On the AMD EPYC VM, 64 rows x 16 KiB after a 32 MiB
-// write, one thread: 64 µs with a fence per row, 57 without (memset of the same bytes 44,
-// memcpy 96; docs/benchmarks.md). Callers check HaveStreamingStores() (AVX2) first.
-__attribute__((target("avx2"))) void StreamRowUnfenced(uint32_t* dst, const uint32_t* src, int64_t words) {
-  int64_t k = 0;
-  for (; k < words && (reinterpret_cast<uintptr_t>(dst + k) & 31) != 0; ++k) dst[k] = src[k];
-  for (; k + 8 <= words; k += 8)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
-  for (; k < words; ++k) dst[k] = src[k];
-}
-
-// Streaming stores are weakly ordered: without it a reader woken after the chunk (the caller
-// after a worker's chunk, Python after the call) could see stale words.
-void FenceStreamingStores() { _mm_sfence(); }
-#else
-void StreamRowUnfenced(uint32_t* dst, const uint32_t* src, int64_t words) {
-  std::memcpy(dst, src, static_cast<size_t>(words) * 4);
-}
-void FenceStreamingStores() {}
-#endif
-
 int PlanFromEnvironment() {
   const char* v = std::getenv("PAVED_CONSTRAINTS_FILL_PLAN");
   if (v == nullptr || v[0] < '0' || v[0] > '3' || v[1] != '\0') return -1;
@@ -292,7 +264,7 @@ void BatchMasker::FillBitmask(const State* const* states, int64_t rows, int32_t*
     if (states[i] != nullptr) mask = states[i]->Mask(row, &hold);
     if (mask == row) return;  // built in place (finished state, budget-restricted miss)
     if (stream) {
-      StreamRowUnfenced(row, mask, words);
+      CopyMaskRowStreaming(row, mask, words);
     } else {
       std::memcpy(row, mask, static_cast<size_t>(words) * 4);
     }

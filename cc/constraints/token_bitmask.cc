@@ -89,9 +89,6 @@ __attribute__((target("avx2"))) void StreamCopyAvx2(uint32_t* dst, const uint32_
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
   for (; k < words; ++k) dst[k] = src[k];
-  // Streaming stores are weakly ordered: without the fence a reader woken after this row
-  // (the caller after a worker's chunk, Python after the call) could see stale words.
-  _mm_sfence();
 }
 
 }  // namespace
@@ -108,12 +105,18 @@ void CopyMaskRowStreaming(uint32_t* dst, const uint32_t* src, int64_t words) {
   }
   std::memcpy(dst, src, static_cast<size_t>(words) * 4);
 }
+
+// Without the fence a reader woken after the chunk (the caller after a worker's chunk, Python
+// after the call) could see stale words.
+void FenceStreamingStores() { _mm_sfence(); }
 #else
 bool HaveStreamingStores() { return false; }
 
 void CopyMaskRowStreaming(uint32_t* dst, const uint32_t* src, int64_t words) {
   std::memcpy(dst, src, static_cast<size_t>(words) * 4);
 }
+
+void FenceStreamingStores() {}
 #endif
 
 void ApplyMaskRow(float* row, const uint32_t* mask, int64_t vocab_size) {

@@ -38,11 +38,13 @@ class TokenBitmask {
 // Whether CopyMaskRowStreaming uses non-temporal stores on this CPU (x86-64 with AVX2).
 bool HaveStreamingStores();
 
-// Copies `words` mask words to `dst` with non-temporal stores that bypass the caches, then a
-// store fence (the stores are visible to other threads once it returns); memcpy where the CPU
-// has no such stores. Which of the two is faster depends on the CPU and on what is cached:
-// BatchMasker measures both (batch_masker.h).
+// Copies `words` mask words to `dst` with non-temporal stores that bypass the caches; memcpy
+// where the CPU has no such stores. The stores are weakly ordered: they are visible to other
+// threads only after FenceStreamingStores() on the writing thread (one fence per chunk of rows
+// is cheaper than one per row: docs/benchmarks.md). Which of copy or streaming is faster
+// depends on the CPU and on what is cached: BatchMasker measures both (batch_masker.h).
 void CopyMaskRowStreaming(uint32_t* dst, const uint32_t* src, int64_t words);
+void FenceStreamingStores();
 
 // Writes -inf into every logit of `row` (float32 [vocab_size]) whose bit is clear in `mask`
 // (BitmaskWords(vocab_size) words).
