@@ -35,6 +35,9 @@ KServe v2 beside the OpenAI API, over the same engines, is on when a port is set
     kserve_grpc_port = 8001       # 0: any free port
     kserve_http_port = 8002
     kserve_model_dirs = ["xgb"]   # classic (XGBoost) model directories, KServe only
+    kserve_max_message_bytes = 67108864   # larger gRPC messages / HTTP bodies: refused
+    kserve_stream_max_in_flight = 1024    # requests one ModelStreamInfer call runs at once
+    kserve_stream_queue_size = 256        # responses held for a slow stream client
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ _SERVER_KEYS = {
     "kserve_grpc_port",
     "kserve_http_port",
     "kserve_model_dirs",
+    "kserve_max_message_bytes",
+    "kserve_stream_max_in_flight",
+    "kserve_stream_queue_size",
+}
+# Bounds of the KServe listener's limits (paved.kserve's defaults apply when unset): below
+# them nothing useful fits; above, one client could hold unbounded memory.
+_KSERVE_LIMITS = {
+    "kserve_max_message_bytes": (1024, 2**31 - 1),
+    "kserve_stream_max_in_flight": (1, 1 << 20),
+    "kserve_stream_queue_size": (1, 1 << 20),
 }
 
 
@@ -130,6 +143,10 @@ class ServerConfig:
     kserve_grpc_port: int | None = None
     kserve_http_port: int | None = None
     kserve_model_dirs: list[str] = field(default_factory=list)
+    # None: paved.kserve's defaults (64 MiB, 1024, 256).
+    kserve_max_message_bytes: int | None = None
+    kserve_stream_max_in_flight: int | None = None
+    kserve_stream_queue_size: int | None = None
 
     @property
     def kserve(self) -> bool:
@@ -153,6 +170,14 @@ class ServerConfig:
             raise ValueError(f"the OpenAI and KServe ports must differ, got {fixed}")
         if self.kserve_model_dirs and not self.kserve:
             raise ValueError("kserve_model_dirs needs kserve_grpc_port or kserve_http_port")
+        for key, (low, high) in _KSERVE_LIMITS.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{key} must be an integer in [{low}, {high}], got {value!r}")
+            if not self.kserve:
+                raise ValueError(f"{key} needs kserve_grpc_port or kserve_http_port")
         for d in self.kserve_model_dirs:
             if not os.path.isfile(os.path.join(d, "config.json")):
                 raise ValueError(f"{d} is not a KServe model directory (no config.json)")

@@ -86,6 +86,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="an XGBoost model directory served on KServe only (repeatable)",
     )
+    k.add_argument(
+        "--kserve-max-message-bytes",
+        type=int,
+        help="larger KServe gRPC messages / HTTP bodies are refused (default 64 MiB)",
+    )
+    k.add_argument(
+        "--kserve-stream-max-in-flight",
+        type=int,
+        help="requests one ModelStreamInfer call runs at once; more get an in-band "
+        "RESOURCE_EXHAUSTED (default 1024)",
+    )
+    k.add_argument(
+        "--kserve-stream-queue-size",
+        type=int,
+        help="responses one ModelStreamInfer call holds for a slow client, then its requests "
+        "pause (default 256)",
+    )
     s.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     return p
 
@@ -155,6 +172,9 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         ("drain_timeout", "drain_timeout_s"),
         ("kserve_grpc_port", "kserve_grpc_port"),
         ("kserve_http_port", "kserve_http_port"),
+        ("kserve_max_message_bytes", "kserve_max_message_bytes"),
+        ("kserve_stream_max_in_flight", "kserve_stream_max_in_flight"),
+        ("kserve_stream_queue_size", "kserve_stream_queue_size"),
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -172,6 +192,15 @@ def _kserve(config: ServerConfig, models: ModelRegistry):
     from paved.kserve.server import KServeServer
     from paved.kserve.xgboost_model import XGBoostModel
 
+    limits = {
+        name: value
+        for name, value in (
+            ("max_message_bytes", config.kserve_max_message_bytes),
+            ("stream_max_in_flight", config.kserve_stream_max_in_flight),
+            ("stream_queue_size", config.kserve_stream_queue_size),
+        )
+        if value is not None
+    }
     return KServeServer(
         models.engines,
         [XGBoostModel.from_directory(d) for d in config.kserve_model_dirs],
@@ -180,6 +209,7 @@ def _kserve(config: ServerConfig, models: ModelRegistry):
         http_port=config.kserve_http_port,
         admission=lambda model, n: models.admit(models.get(model), n),
         draining=lambda: models.draining,
+        **limits,
     )
 
 

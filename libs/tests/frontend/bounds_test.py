@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -156,3 +157,57 @@ def test_merge_closed_while_its_pumps_wait_for_room():
         await asyncio.wait_for(merged.aclose(), 10)
 
     asyncio.run(run())
+
+
+# ---- the KServe listener's limits, set on the frontend ----------------------------------------
+def test_kserve_limits_are_the_frontends_to_set(tmp_path):
+    """`--kserve-max-message-bytes` bounds the frontend's own KServe listener: a request under it
+    is scored, one over it is RESOURCE_EXHAUSTED (and the server carries on)."""
+    import os
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from servers import ServerProcess
+    from tritonclient.utils import InferenceServerException
+
+    from paved.runfiles import runfile
+
+    xgb = os.path.dirname(runfile("models/xgb/config.json"))
+    server = ServerProcess(
+        "--engine", "sim://tiny", "--kserve-grpc-port", "0", "--kserve-model-dir", xgb,
+        "--kserve-max-message-bytes", "4096", ready_timeout_s=120,
+    )  # fmt: skip
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.kserve_grpc_port}")
+    try:
+        deadline = time.monotonic() + 60
+        while not client.is_model_ready("xgb_scorer"):  # classic models load in the background
+            assert time.monotonic() < deadline, server.tail()
+            time.sleep(0.1)
+
+        def score(rows: int):
+            t = grpcclient.InferInput("input__0", [rows, 32], "FP32")
+            t.set_data_from_numpy(np.zeros((rows, 32), np.float32))
+            return client.infer("xgb_scorer", [t])
+
+        assert score(4).as_numpy("output__0").shape == (4, 3)  # 512 bytes of tensor
+        with pytest.raises(InferenceServerException) as e:
+            score(64)  # 8 KiB of tensor
+        assert "RESOURCE_EXHAUSTED" in str(e.value.status()), e.value
+        assert score(4).as_numpy("output__0").shape == (4, 3)
+    finally:
+        client.close()
+        server.terminate()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--kserve-grpc-port", "0", "--kserve-max-message-bytes", "100"], "kserve_max_message_bytes"),
+        (["--kserve-grpc-port", "0", "--kserve-stream-queue-size", "0"], "kserve_stream_queue_size"),
+        (["--kserve-http-port", "0", "--kserve-stream-max-in-flight", "-1"], "kserve_stream_max_in_flight"),
+        (["--kserve-stream-queue-size", "8"], "needs kserve_grpc_port or kserve_http_port"),
+    ],
+)
+def test_kserve_limits_out_of_range_exit_2(argv, needle, capsys):
+    assert main(["--engine", "sim://tiny", *argv]) == 2
+    assert needle in capsys.readouterr().err
