@@ -10,8 +10,10 @@ listeners close first (new connections are refused) while established ones carry
 in-flight requests to the end.
 
 Bounds: at most `max_connections` relayed connections at once (default 1024); one more is
-answered `503` with an OpenAI-style error body naming the limit on the HTTP route (closed at
-once on others, e.g. gRPC, which its client reports as UNAVAILABLE). A relayed connection with
+answered `503` with an OpenAI-style error body naming the limit on the HTTP route, and on the
+gRPC route with gRPC status UNAVAILABLE (14) naming it (a minimal HTTP/2 exchange: the server's
+SETTINGS, a trailers-only answer on the client's first stream, GOAWAY), so a gRPC client reads
+why rather than a bare reset. A relayed connection with
 no bytes in either direction for `idle_timeout_s` (default 600 s; 0: never) is closed: a
 vanished client cannot pin a slot and two file descriptors for ever. Long generations that
 send nothing for that long need a larger value (streams send tokens; gRPC clients keepalives).
@@ -139,6 +141,9 @@ class Gate:
             if route.name == "http":
                 writer.write(_busy_response(self.max_connections))
                 await writer.drain()
+            elif route.name == "grpc":
+                with contextlib.suppress(TimeoutError, asyncio.IncompleteReadError, ValueError):
+                    await asyncio.wait_for(_grpc_unavailable(reader, writer, self.max_connections), 5.0)
             if writer.can_write_eof():
                 writer.write_eof()
             # Closing with unread request bytes would reset the connection, and the client
@@ -234,6 +239,58 @@ def _busy_response(limit: int) -> bytes:
         b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
         b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_HEADERS, _H2_SETTINGS, _H2_GOAWAY = 0x1, 0x4, 0x7
+_H2_END_STREAM, _H2_END_HEADERS = 0x1, 0x4
+# Frames read before the client's first HEADERS, at most (a client sends SETTINGS, maybe a
+# WINDOW_UPDATE, then HEADERS): a peer that sends more is not a gRPC client.
+_H2_MAX_FRAMES = 16
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header field as "literal without indexing, new name" (RFC 7541 6.2.2), no Huffman;
+    lengths < 127 fit the 7-bit prefix (the caller's fields are short)."""
+    if len(name) >= 127 or len(value) >= 127:
+        raise ValueError("header field too long for a one-byte length")
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+async def _grpc_unavailable(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int) -> None:
+    """Answer the client's first gRPC call with UNAVAILABLE naming the connection limit."""
+    if await reader.readexactly(len(_H2_PREFACE)) != _H2_PREFACE:
+        raise ValueError("not HTTP/2")
+    writer.write(_h2_frame(_H2_SETTINGS, 0, 0, b""))
+    stream = 0
+    for _ in range(_H2_MAX_FRAMES):
+        head = await reader.readexactly(9)
+        length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+        if length > 1 << 14:
+            raise ValueError("frame larger than the default maximum")
+        await reader.readexactly(length)
+        if kind == _H2_SETTINGS and not flags & 0x1:
+            writer.write(_h2_frame(_H2_SETTINGS, 0x1, 0, b""))  # ACK the client's settings
+        if kind == _H2_HEADERS:
+            stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+            break
+    if not stream:
+        raise ValueError("no request")
+    # Printable ASCII but '%' needs no percent-encoding in grpc-message.
+    message = f"{limit} connections open, the server's limit (--max-connections); retry shortly"
+    block = (
+        b"\x88"  # :status 200 (static table index 8)
+        + _hpack_literal(b"content-type", b"application/grpc")
+        + _hpack_literal(b"grpc-status", b"14")
+        + _hpack_literal(b"grpc-message", message.encode())
+    )
+    writer.write(_h2_frame(_H2_HEADERS, _H2_END_STREAM | _H2_END_HEADERS, stream, block))
+    writer.write(_h2_frame(_H2_GOAWAY, 0, 0, stream.to_bytes(4, "big") + (0).to_bytes(4, "big")))
+    await writer.drain()
 
 
 def _raise_fd_limit(wanted: int) -> None:

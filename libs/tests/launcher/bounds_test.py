@@ -76,7 +76,33 @@ def test_gate_connection_cap_refuses_the_next_while_held(route_name):
         assert error["code"] == "overloaded" and "--max-connections" in error["message"]
         assert "2 connections" in error["message"]
     else:
-        assert refused == b""  # not HTTP: closed, which a gRPC client reports as UNAVAILABLE
+        assert refused == b""  # not HTTP/2: closed
+
+
+def test_a_grpc_client_over_the_cap_reads_unavailable_naming_the_limit():
+    import grpc
+
+    async def run():
+        upstream, up_port = await _echo_server()
+        gate = Gate([Route("grpc", "127.0.0.1", 0, up_port)], max_connections=1, idle_timeout_s=0)
+        await gate.open()
+        port = gate.bound["grpc"][1]
+        try:
+            held = await _connect_and_echo(port)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"", timeout=10)
+            assert gate.refused >= 1 and gate.open_connections == 1
+            held[1].close()
+            return e.value
+        finally:
+            await gate.abort()
+            upstream.close()
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert "1 connections open" in error.details() and "--max-connections" in error.details(), error
 
 
 def test_gate_closes_idle_connections_and_keeps_busy_ones():
