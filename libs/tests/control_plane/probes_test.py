@@ -172,8 +172,9 @@ def test_invalid_arguments() -> None:
 
 
 def _serve(argv: list[str]) -> Iterator[tuple[str, str]]:
-    """`python -m ARGV...` with {http} and {grpc} replaced by two free ports, in its own process
-    group; yields (http URL, gRPC target) once /health/ready answers, then kills the group."""
+    """`python ARGV...` (ARGV starts with -m MODULE) with {http} and {grpc} replaced by two free
+    ports, in its own process group; yields (http URL, gRPC target) once /health/ready answers,
+    then kills the group."""
     ports = []
     for _ in range(2):
         with socket.socket() as s:
@@ -181,7 +182,7 @@ def _serve(argv: list[str]) -> Iterator[tuple[str, str]]:
             ports.append(s.getsockname()[1])
     argv = [a.format(http=ports[0], grpc=ports[1]) for a in argv]
     proc = subprocess.Popen(
-        [sys.executable, "-m", *argv],
+        [sys.executable, *argv],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
     )  # fmt: skip
@@ -194,7 +195,7 @@ def _serve(argv: list[str]) -> Iterator[tuple[str, str]]:
                 with urllib.request.urlopen(url + "/health/ready", timeout=1):
                     break
             except OSError:
-                assert time.monotonic() < deadline, f"{argv[0]} did not become ready"
+                assert time.monotonic() < deadline, f"{argv[1]} did not become ready"
                 time.sleep(0.1)
         yield url, f"127.0.0.1:{ports[1]}"
     finally:
@@ -207,7 +208,7 @@ def _serve(argv: list[str]) -> Iterator[tuple[str, str]]:
 def sim_frontend() -> Iterator[tuple[str, str]]:
     """The paved frontend over the sim engine with a KServe gRPC port."""
     yield from _serve(
-        ["paved.frontend.server", "--engine", "sim://tiny?tokens_per_s=0", "--port", "{http}",
+        ["-m", "paved.frontend.server", "--engine", "sim://tiny?tokens_per_s=0", "--port", "{http}",
          "--kserve-grpc-port", "{grpc}"]
     )  # fmt: skip
 
@@ -234,7 +235,16 @@ def kserve_xgb() -> Iterator[tuple[str, str]]:
     """paved.kserve serving the XGBoost fixture alone (what a kserve-mode package runs)."""
     model_dir = os.path.dirname(runfile("models/xgb/config.json"))
     yield from _serve(
-        ["paved.kserve.main", "--model-dir", model_dir, "--http-port", "{http}", "--grpc-port", "{grpc}"]
+        [
+            "-m",
+            "paved.kserve.main",
+            "--model-dir",
+            model_dir,
+            "--http-port",
+            "{http}",
+            "--grpc-port",
+            "{grpc}",
+        ]
     )
 
 
