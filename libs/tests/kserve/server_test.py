@@ -704,7 +704,9 @@ def test_access_lines_carry_the_callers_request_id_and_trace(server, gc, hc, cap
 
     # A stream's line is written when it ends, naming its model.
     results: queue.Queue = queue.Queue()
-    gc.start_stream(callback=lambda result, error: results.put((result, error)), headers={"x-request-id": "s-1"})
+    gc.start_stream(
+        callback=lambda result, error: results.put((result, error)), headers={"x-request-id": "s-1"}
+    )
     try:
         gc.async_stream_infer(LLM, llm_inputs(grpcclient, "a b", stream=True, params={"max_tokens": 2}))
         while True:
