@@ -1,7 +1,7 @@
 """`paved deploy|rollout|audit|gc ...`: the control plane's API over HTTP.
 
   paved deploy create MODEL VERSION PACKAGE_URI [--strategy red_black|versioned] [--replicas N]
-        [--min N --max N] [--region R ...] [--engine sim://...] [--no-gc]
+        [--min N --max N] [--region R ...] [--engine sim://...] [--no-gc] [--route JSON]
   paved deploy list [--model M] [--json]        paved deploy scale MODEL VERSION N
   paved deploy current MODEL VERSION            paved deploy delete MODEL VERSION
   paved rollout start MODEL VERSION [--phases 25,50,100] [--interval 30] [--force] [--param k=v ...]
@@ -23,6 +23,16 @@ from typing import Any
 from paved.cli.common import AdminClient, CliError, duration_s, gateway_url, non_negative_int
 
 DEFAULT_CONTROL_PLANE = "http://127.0.0.1:8090"
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _options() -> argparse.ArgumentParser:
@@ -102,6 +112,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     create.add_argument("--region", action="append", dest="regions", help="repeatable (default: local)")
     create.add_argument("--engine", default="package", help="'package' or a sim:// URI (simulated engine)")
     create.add_argument("--no-gc", action="store_true", help="never garbage-collect this version")
+    create.add_argument(
+        "--route",
+        type=_json_object,
+        default={},
+        help='gateway route options for the alias, e.g. \'{"cache": {"exact": true}}\' (cache, template, '
+        "max_model_len, summarizer, summarizer_temperature, tokenizer)",
+    )
 
     def run_create(args: argparse.Namespace) -> int:
         body = {
@@ -115,6 +132,7 @@ def register(commands: argparse._SubParsersAction) -> None:
             "regions": args.regions or ["local"],
             "engine": args.engine,
             "no_gc": args.no_gc,
+            "route": args.route,
         }
         d = _client(args, create).request("POST", "/deployments", json=body)
         hint = f"paved rollout start {d['model_id']} {d['version']}"

@@ -72,6 +72,8 @@ class DeploymentBody(_Model):
     engine: str = Field("package", max_length=1024)
     autoscale: AutoscaleBody = Field(default_factory=lambda: AutoscaleBody.model_validate({}))
     no_gc: bool = False
+    # Gateway route options for the alias (store.ROUTE_OPTIONS), e.g. {"cache": {"exact": true}}.
+    route: dict[str, Any] = Field(default_factory=dict)
 
 
 class DeploymentPatch(_Model):
@@ -80,6 +82,7 @@ class DeploymentPatch(_Model):
     max_replicas: int | None = Field(None, ge=1, le=256)
     autoscale: AutoscaleBody | None = None
     no_gc: bool | None = None
+    route: dict[str, Any] | None = None  # replaces the route options whole ({}: none)
 
 
 class CurrentBody(_Model):
@@ -114,6 +117,7 @@ def deployment_view(d: Deployment, desired: dict[str, int] | None = None) -> dic
         "engine": spec.engine,
         "autoscale": vars(spec.autoscale),
         "no_gc": spec.no_gc,
+        "route": spec.route,
         "state": d.state,
         "current": d.current,
         "fingerprint": d.fingerprint,
@@ -196,6 +200,7 @@ def create_app(
             engine=body.engine,
             autoscale=AutoscalePolicy(**body.autoscale.model_dump()),
             no_gc=body.no_gc,
+            route=body.route,
         )
         d = await store.create_deployment(spec, fingerprint)
         # Registered, not running: a rollout (or the first deploy) starts it.
@@ -238,6 +243,7 @@ def create_app(
             max_replicas=body.max_replicas,
             autoscale=autoscale,
             no_gc=body.no_gc,
+            route=body.route,
         )
         if body.replicas is not None and d.state == "active":
             for region in d.spec.regions:

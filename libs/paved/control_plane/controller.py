@@ -379,6 +379,14 @@ class Controller:
             shared = {b["version"] for b in m["backends"] if b["weight"] > 0}
             if len(shared) > 1 and "current" not in m:
                 m["strategy"] = "weighted"
+        # Route options (cache, template, ...) are one alias-wide policy: the current version's
+        # for a versioned model, else the active deployment's (during a red-black rollout the
+        # old version's until the new one is activated), else the newest deployment's.
+        for model_id, m in models.items():
+            mine = [d for d in deployments if d.spec.model_id == model_id]
+            chosen = [d for d in mine if d.current] or [d for d in mine if d.state == "active"] or mine
+            options = max(chosen, key=lambda d: d.created_at).spec.route if chosen else {}
+            m.update({k: v for k, v in options.items() if k not in m})
         # A model whose every replica is gone keeps an entry only if it has backends (the
         # gateway answers an unknown model 404, and a routed one without health 503).
         table = {"models": [m for m in models.values() if m["backends"]]}

@@ -54,6 +54,7 @@ from paved.control_plane.types import (
     RolloutStatus,
     Strategy,
 )
+from paved.gateway.routes import RoutesError, parse_routes
 from paved.sql import engine_for, utc, utc_now
 
 # The model package's own name rule (paved.launcher.package), so every stored model id and
@@ -295,6 +296,37 @@ def validate_autoscale(policy: object) -> AutoscalePolicy:
     return policy
 
 
+# Route options a deployment may set for its alias (the gateway's routes keys that are policy,
+# not topology: backends, weights, strategy and current stay the control plane's).
+ROUTE_OPTIONS = frozenset(
+    {"cache", "template", "max_model_len", "summarizer", "summarizer_temperature", "tokenizer"}
+)
+_MAX_ROUTE_OPTIONS_BYTES = 16 * 1024
+
+
+def validate_route_options(model_id: str, options: object) -> dict[str, Any]:
+    """`options` if the gateway would accept a route of them, else BadRequest naming the key
+    (checked with the gateway's own routes parser, so a published table never fails there)."""
+    if not isinstance(options, dict):
+        raise BadRequest("route must be a JSON object of route options")
+    unknown = sorted(set(options) - ROUTE_OPTIONS)
+    if unknown:
+        raise BadRequest(f"unknown route option(s) {unknown}; known: {sorted(ROUTE_OPTIONS)}")
+    try:
+        size = len(json.dumps(options))
+    except (TypeError, ValueError):
+        raise BadRequest("route options must be JSON values") from None
+    if size > _MAX_ROUTE_OPTIONS_BYTES:
+        raise BadRequest(f"route options are {size} bytes of JSON, more than {_MAX_ROUTE_OPTIONS_BYTES}")
+    try:
+        # A stand-in backend: the parser wants one, and options never depend on it.
+        backend = {"url": "http://127.0.0.1:1", "version": "v"}
+        parse_routes({"models": [{"alias": model_id, **options, "backends": [backend]}]})
+    except RoutesError as e:
+        raise BadRequest(f"route options rejected: {e}") from None
+    return options
+
+
 def validate_spec(spec: object) -> DeploymentSpec:
     """The spec if every field is sane, else BadRequest naming the field."""
     if not isinstance(spec, DeploymentSpec):
@@ -322,6 +354,7 @@ def validate_spec(spec: object) -> DeploymentSpec:
     validate_autoscale(spec.autoscale)
     if not isinstance(spec.no_gc, bool):
         raise BadRequest("no_gc must be a boolean")
+    validate_route_options(spec.model_id, spec.route)
     return spec
 
 
@@ -650,6 +683,7 @@ class ControlStore:
         min_replicas: int | None = None,
         max_replicas: int | None = None,
         autoscale: AutoscalePolicy | None = None,
+        route: dict[str, Any] | None = None,
     ) -> Deployment:
         """Change the given fields (None leaves one as it is); the resulting spec must be valid
         (replicas within [min_replicas, max_replicas]). A deleted deployment is Conflict."""
@@ -669,6 +703,7 @@ class ControlStore:
                 "min_replicas": min_replicas,
                 "max_replicas": max_replicas,
                 "autoscale": autoscale,
+                "route": route,
             }.items()
             if v is not None
         }

@@ -49,6 +49,9 @@ class DeploymentSpec:
     engine: str = "package"  # "package" (the package's own engine) or a sim:// URI (simulated)
     autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
     no_gc: bool = False  # pinned: never garbage-collected
+    # The gateway route options this version's alias is published with (ROUTE_OPTIONS in
+    # paved.control_plane.store: cache, template, context budget, summarizer, tokenizer).
+    route: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

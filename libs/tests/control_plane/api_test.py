@@ -17,13 +17,15 @@ from paved.control_plane.controller import Controller
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
+from paved.control_plane.types import Replica
 from paved.gateway.auth import AdminAuth
 
 KEY = "admin-key-for-tests-0123456789"
 
 
 @pytest.fixture
-def client(tmp_path: Path):
+def plane(tmp_path: Path):
+    """(API client, store, controller) over one SQLite file; the controller's loop is not run."""
     store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
     driver = LocalDriver("local", port_range=(31500, 31520), work_dir=tmp_path / "work")
     feed = RoutesFeed(store)
@@ -32,7 +34,12 @@ def client(tmp_path: Path):
     asyncio.run(store.start())
     with TestClient(app) as c:
         c.headers["Authorization"] = f"Bearer {KEY}"
-        yield c
+        yield c, store, controller
+
+
+@pytest.fixture
+def client(plane):
+    return plane[0]
 
 
 def _error(r, status: int) -> dict:
@@ -114,3 +121,47 @@ def test_server_flags_out_of_range_exit_2_naming_the_flag(flags, capsys):
 
     assert main([*flags, "--port", "0"]) == 2
     assert flags[0] in capsys.readouterr().err
+
+
+def test_route_options_are_validated_and_published_with_the_alias(plane):
+    client, store, controller = plane
+    base = {"model_id": "tiny", "package_uri": tiny_package(), "engine": "sim://tiny"}
+    for route, needle in (
+        ({"backends": []}, "unknown route option(s) ['backends']"),
+        ({"cache": {"exact": "yes"}}, "route options rejected"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ("cache", "route"),
+    ):
+        error = _error(client.post("/v1/deployments", json={**base, "version": "v1", "route": route}), 400)
+        assert needle in error["message"] or error["param"] == needle, (route, error)
+    cached = {"cache": {"exact": True, "ttl_s": 60}, "max_model_len": 512}
+    r = client.post("/v1/deployments", json={**base, "version": "v1", "route": cached})
+    assert r.status_code == 201, r.text
+    assert r.json()["route"] == cached
+    assert client.post("/v1/deployments", json={**base, "version": "v2"}).status_code == 201
+
+    async def publish() -> dict:
+        v1 = await store.get_deployment("tiny", "v1")
+        v2 = await store.get_deployment("tiny", "v2")
+        assert v1 is not None and v2 is not None
+        await controller.activate(v1.id)
+        for d, port in ((v1, 1), (v2, 2)):
+            await store.add_replica(
+                Replica(
+                    id=f"rep_{d.spec.version}", deployment_id=d.id, region="local", state="ready",
+                    url=f"http://127.0.0.1:{port}", admin_url=f"http://127.0.0.1:{port}",
+                )
+            )  # fmt: skip
+        await controller.publish_routes()
+        return await controller.routes_table()
+
+    (route,) = asyncio.run(publish())["models"]
+    # The active version's options for the whole alias (v2, inactive, has none of its own).
+    assert route["cache"] == {"exact": True, "ttl_s": 60.0} and route["max_model_len"] == 512, route
+    assert {b["version"] for b in route["backends"]} == {"v1", "v2"}
+    # PATCH replaces them whole; {} clears them.
+    r = client.patch("/v1/deployments/tiny/v1", json={"route": {}})
+    assert r.status_code == 200 and r.json()["route"] == {}, r.text
+    (route,) = asyncio.run(controller.routes_table())["models"]
+    assert "cache" not in route and "max_model_len" not in route
+    _error(client.patch("/v1/deployments/tiny/v1", json={"route": {"strategy": "weighted"}}), 400)

@@ -342,13 +342,15 @@ def test_the_paved_cli_drives_the_control_plane(fleet, capsys, monkeypatch):
     cp, _gw, _key = fleet()
     monkeypatch.setenv("PAVED_CONTROL_PLANE_URL", cp.url)
     monkeypatch.setenv("PAVED_ADMIN_KEY", cp.admin_key)
-    assert main(["deploy", "create", "tiny", "v1", tiny_package(), "--engine", SIM]) == 0
+    route = '{"cache": {"exact": true}}'
+    assert main(["deploy", "create", "tiny", "v1", tiny_package(), "--engine", SIM, "--route", route]) == 0
     assert "paved rollout start tiny v1" in capsys.readouterr().out
     assert main(["rollout", "start", "tiny", "v1", "--phases", "100", "--interval", "1s"]) == 0
     rollout_id = capsys.readouterr().out.split()[1].rstrip(":")
     assert cp.wait_rollout(rollout_id)["status"] == "succeeded"
     assert main(["deploy", "list", "--json"]) == 0
-    assert '"state": "active"' in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert '"state": "active"' in listed and '"exact": true' in listed, listed
     assert main(["audit", "--model", "tiny"]) == 0
     assert "passed its health gate" in capsys.readouterr().out
     assert main(["rollout", "status", rollout_id]) == 0
@@ -357,6 +359,8 @@ def test_the_paved_cli_drives_the_control_plane(fleet, capsys, monkeypatch):
     assert main(["rollout", "start", "tiny", "v9"]) == 1
     assert "no deployment tiny@v9" in capsys.readouterr().err
     assert main(["rollout", "start", "tiny", "v1", "--phases", "50,20"]) == 2
+    assert main(["deploy", "create", "tiny", "v2", tiny_package(), "--route", "[1]"]) == 2
+    assert "--route: must be a JSON object" in capsys.readouterr().err
 
 
 def test_red_black_is_refused_when_the_io_fingerprint_changes(fleet, tmp_path):

@@ -261,7 +261,8 @@ def test_work_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 def test_up_on_postgresql_and_redis(tmp_path: Path) -> None:
     """The control plane's state in PostgreSQL 15 (the machine's binaries), the gateway's limits
-    in Debian's redis-server: what a shared deployment of the platform uses."""
+    in Debian's redis-server: what a shared deployment of the platform uses. And a route option
+    set on the deployment (the exact cache) reaching the gateway through the routes feed."""
     import psycopg
     import redis
 
@@ -276,6 +277,7 @@ def test_up_on_postgresql_and_redis(tmp_path: Path) -> None:
         )  # fmt: skip
         try:
             gateway = up.expect(r"^  gateway: (http://\S+)", 300).group(1)
+            control_plane = up.expect(r"^  control plane: (http://\S+)", 30).group(1)
             key = up.expect(r"^  api key \(demo\): (\S+)", 30).group(1)
             admin_key = (tmp_path / "work" / "admin_key").read_text().strip()
             r = httpx.patch(
@@ -308,6 +310,25 @@ def test_up_on_postgresql_and_redis(tmp_path: Path) -> None:
                 assert r.dbsize() > 0
             finally:
                 r.close()
+            # A route option set on the deployment reaches the gateway through the routes feed:
+            # the exact cache answers the second identical deterministic request.
+            r = httpx.patch(
+                control_plane + "/v1/deployments/tiny/v1",
+                headers={"Authorization": f"Bearer {admin_key}"},
+                json={"route": {"cache": {"exact": True, "ttl_s": 600}}},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "cache me"}],
+                    "max_tokens": 4, "temperature": 0}  # fmt: skip
+            deadline, seen = time.monotonic() + 60, []
+            while time.monotonic() < deadline:
+                raw = client.chat.completions.with_raw_response.create(**body)
+                seen.append(raw.headers.get("x-paved-cache"))
+                if seen[-1] == "exact":
+                    break
+                time.sleep(0.5)
+            assert seen[-1] == "exact", seen
             up.proc.send_signal(signal.SIGTERM)
             assert up.wait() == 0, up.text()
             assert marked(up.token) == {}, marked(up.token)
