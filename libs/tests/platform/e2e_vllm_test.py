@@ -64,7 +64,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     work = tmp_path_factory.mktemp("e2e") / "work"
     lines: list[str] = []
     cfg = Config(
-        work_dir=work, port=0, replica_port_base=45000, engine="vllm", replicas=1, boot_timeout_s=900
+        work_dir=work, port=0, replica_port_base=26000, engine="vllm", replicas=1, boot_timeout_s=900
     )
     p = Platform(cfg, say=lines.append)
     try:
@@ -315,6 +315,22 @@ class Load:
             self.sent.append(sent)
 
 
+def why_failed(p: Platform, rollout: dict[str, Any], audit: list[dict[str, Any]]) -> str:
+    """What a failed rollout's assertion prints: the audit, every replica's state and reason, and
+    the tail of each failed replica's log (the work dir is gone once the test ends)."""
+    lines = [f"rollout {rollout.get('status')}: {rollout.get('reason')}"]
+    lines += [e["message"] for e in audit]
+    for x in replicas(p):
+        lines.append(f"replica {x['id']} {x['version']} {x['state']}: {x.get('reason')}")
+        if x["state"] in ("failed", "unhealthy", "stopped"):
+            log = p.cfg.work_dir / "replicas" / x["region"] / x["id"] / "log"
+            try:
+                lines += ["  " + t for t in log.read_text(errors="replace").splitlines()[-40:]]
+            except OSError as e:
+                lines.append(f"  (no log: {e})")
+    return "\n".join(lines)
+
+
 def test_red_black_rollout_under_load_fails_no_request(platform: Platform) -> None:
     p = platform
     v1 = {x["url"] for x in ready_replicas(p)}
@@ -349,7 +365,7 @@ def test_red_black_rollout_under_load_fails_no_request(platform: Platform) -> No
     finally:
         sent = load.stop()
     audit = p.api("GET", f"/v1/audit?rollout_id={rollout_id}&limit=1000").json()["data"]
-    assert rollout["status"] == "succeeded", (rollout, [e["message"] for e in audit])
+    assert rollout["status"] == "succeeded", why_failed(p, rollout, audit)
     failed = [x for x in sent if not x.ok]
     print(f"{len(sent)} requests, {sum(x.structured for x in sent)} structured, {len(failed)} failed")
     assert failed == [], failed[:5]

@@ -96,7 +96,7 @@ class Up:
 
 def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path) -> None:
     up = Up(
-        tmp_path, "--port", "0", "--replica-ports", "44000",
+        tmp_path, "--port", "0", "--replica-ports", "27000",
         "--engine", "sim", "--replicas", "2", "--regions", "2", "--boot-timeout", "240", "--s3",
     )  # fmt: skip
     proc, token, read_until, output = up.proc, up.token, up.expect, up.output
@@ -188,7 +188,7 @@ def kserve_through_the_gateway(target: str, key: str) -> None:
 
 
 def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path) -> None:
-    up = Up(tmp_path, "--port", "0", "--replica-ports", "44400", "--engine", "sim", "--replicas", "3")
+    up = Up(tmp_path, "--port", "0", "--replica-ports", "27400", "--engine", "sim", "--replicas", "3")
     try:
         up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
         assert marked(up.token)
@@ -208,7 +208,7 @@ def test_a_failed_start_exits_1_and_stops_what_it_started(tmp_path: Path) -> Non
         port = busy.getsockname()[1]
         if port > 65535 - 10:
             pytest.skip("ephemeral port too high for PORT+10")
-        up = Up(tmp_path, "--port", str(port), "--replica-ports", "44600", "--engine", "sim")
+        up = Up(tmp_path, "--port", str(port), "--replica-ports", "27600", "--engine", "sim")
         try:
             up.expect(r"^starting the gateway", 120)
             assert up.wait() == 1, up.text()
@@ -272,7 +272,7 @@ def test_up_on_postgresql_and_redis(tmp_path: Path) -> None:
     with postgres_server() as pg, redis_server() as redis_url:
         state = create_database(pg, "paved_up")
         up = Up(
-            tmp_path, "--port", "0", "--replica-ports", "44800", "--engine", "sim",
+            tmp_path, "--port", "0", "--replica-ports", "27800", "--engine", "sim",
             "--state", state, "--redis", redis_url, "--boot-timeout", "240",
         )  # fmt: skip
         try:
