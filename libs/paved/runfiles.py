@@ -6,14 +6,18 @@ import os
 import sys
 
 WORKSPACE = "paved"
+# The checkout this module was imported from when it is not a runfiles tree (direct pytest or
+# python runs): Bazel-built outputs are found under its bazel-bin.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def runfile(path: str) -> str:
     """Absolute, symlink-resolved path of workspace-relative `path` in this process's runfiles.
 
     Looks where Bazel puts runfiles for `bazel run` / `bazel test` (RUNFILES_DIR, TEST_SRCDIR,
-    `<main>.runfiles`), then relative to the working directory (a source checkout with the
-    file built in place). The target must list the file in `data`.
+    `<main>.runfiles`), then relative to the working directory, then in the checkout's
+    `bazel-bin` (a source checkout with the target built). The target must list the file in
+    `data`.
     """
     roots = [os.environ.get("RUNFILES_DIR"), os.environ.get("TEST_SRCDIR")]
     main = getattr(sys.modules.get("__main__"), "__file__", None)
@@ -23,9 +27,13 @@ def runfile(path: str) -> str:
         candidate = os.path.join(root, WORKSPACE, path)
         if os.path.exists(candidate):
             return os.path.realpath(candidate)
-    if os.path.exists(path):
-        return os.path.realpath(path)
-    raise FileNotFoundError(f"{path} is not in this target's runfiles; add its label to `data`")
+    for candidate in (path, os.path.join(_CHECKOUT, "bazel-bin", path)):
+        if os.path.exists(candidate):
+            return os.path.realpath(candidate)
+    raise FileNotFoundError(
+        f"{path} is not in this target's runfiles (add its label to `data`) nor built in "
+        f"{_CHECKOUT}/bazel-bin"
+    )
 
 
 def tiny_model_dir() -> str:

@@ -414,7 +414,7 @@ class Platform:
         )
         # The classic model is cheap: one replica per region, whatever --replicas says.
         self._deploy(XGB_MODEL_ID, self.xgb_package_uri, names, 1, "package")
-        self._wait_replicas(MODEL_ID, cfg.replicas * len(regions))
+        self.replicas = self._wait_replicas(MODEL_ID, cfg.replicas * len(regions))
         self.xgb_replicas = self._wait_replicas(XGB_MODEL_ID, len(regions))
         self._wait_served()
 
@@ -444,10 +444,6 @@ class Platform:
         try:
             return runfile(f"services/launcher/{name}")
         except FileNotFoundError:
-            # A source checkout with the package built (direct pytest runs).
-            built = Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher" / name
-            if built.exists():
-                return str(built)
             target = name.removesuffix(".tar")
             raise PlatformError(
                 f"no {name}: run through Bazel, or `tools/bazel build //services/launcher:{target}`"
@@ -556,8 +552,6 @@ class Platform:
             ready = [rep for rep in replicas if rep["state"] == "ready"]
             if len(ready) >= want:
                 ready.sort(key=lambda rep: (rep["region"], rep["id"]))
-                if model_id == MODEL_ID:
-                    self.replicas = ready
                 return ready
             if time.monotonic() > deadline:
                 raise PlatformError(

@@ -272,10 +272,7 @@ FAST = {
 
 
 def tiny_package() -> str:
-    try:
-        return runfile("services/launcher/tiny_package.tar")
-    except FileNotFoundError:
-        return str(Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar")
+    return runfile("services/launcher/tiny_package.tar")
 
 
 def deploy(

@@ -37,14 +37,7 @@ SIM = "sim://tiny?tokens_per_s=0"
 
 
 def tiny_package() -> str:
-    try:
-        return runfile("services/launcher/tiny_package.tar")
-    except FileNotFoundError:
-        # A source checkout: `tools/bazel build //services/launcher:tiny_package` put it here.
-        path = Path(__file__).resolve().parents[3] / "bazel-bin/services/launcher/tiny_package.tar"
-        if not path.exists():
-            pytest.fail("build //services/launcher:tiny_package first (or run under Bazel)")
-        return str(path)
+    return runfile("services/launcher/tiny_package.tar")
 
 
 def free_range(n: int) -> tuple[int, int]:
