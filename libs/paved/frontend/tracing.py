@@ -23,12 +23,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 from paved.engine.protocol import GenerateOutput
-from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, trace_context
+from paved.http.tracing import REQUEST_ID_HEADER, AccessMiddleware, TraceContext, trace_context
 
 access_log = logging.getLogger("paved.frontend.access")
 
@@ -89,32 +88,15 @@ def response_headers(request: Request) -> dict[str, str]:
     return {REQUEST_ID_HEADER: request_log(request).context.request_id}
 
 
-class TracingMiddleware:
+class TracingMiddleware(AccessMiddleware[RequestLog]):
     """Outermost: assigns the request's ids, echoes x-request-id and writes the access line."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+    def open(self, scope: Scope, context: TraceContext) -> RequestLog:
+        log = _state(scope)[_STATE_KEY] = RequestLog(context)
+        return log
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        log = RequestLog(trace_context(Headers(scope=scope)))
-        _state(scope)[_STATE_KEY] = log
-        status = 500
-        started = time.perf_counter()
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = log.context.request_id
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            _write(scope, log, status, time.perf_counter() - started)
+    def write(self, scope: Scope, record: RequestLog, status: int, started: float) -> None:
+        _write(scope, record, status, time.perf_counter() - started)
 
 
 def _write(scope: Scope, log: RequestLog, status: int, duration_s: float) -> None:

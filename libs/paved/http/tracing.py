@@ -10,6 +10,8 @@ Invariants:
   gRPC invocation metadata (`metadata_context`).
 - Every paved access line (a JSON object per request) opens with `access_fields`: request_id
   and trace_id first, so one grep finds a request on every hop.
+- `AccessMiddleware` is the one outermost ASGI middleware of the paved HTTP servers (frontend,
+  KServe): it only needs Starlette's header helpers, no application framework.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "x-request-id"
 TRACEPARENT_HEADER = "traceparent"
@@ -102,3 +109,59 @@ def access_fields(context: TraceContext) -> dict[str, Any]:
 def access_json(fields: Mapping[str, Any]) -> str:
     """One access line: compact JSON, keys in the caller's order."""
     return json.dumps(fields, separators=(",", ":"))
+
+
+R = TypeVar("R")
+
+
+class AccessMiddleware(ABC, Generic[R]):
+    """Outermost ASGI middleware of an HTTP server: gives each request its `TraceContext`, sets
+    `x-request-id` on the response (errors included) and writes one access line once the
+    response has ended (streams included), whatever the app raised.
+
+    A server says what differs: `open` makes the request's record (the server's handlers may
+    fill it in while the request runs), `error_status` names the status of an exception that
+    escaped before any response started (the server's catch-all handler answers it outside
+    this middleware, so it never passes `send`), and `write` logs the line."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    @abstractmethod
+    def open(self, scope: Scope, context: TraceContext) -> R:
+        """The record of a request arriving with `context`."""
+
+    def error_status(self, error: Exception) -> int:
+        """The status answered for `error` when it escaped before a response started."""
+        return 500
+
+    @abstractmethod
+    def write(self, scope: Scope, record: R, status: int, started: float) -> None:
+        """Writes the access line; `started` is the request's `time.perf_counter()`."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        context = trace_context(Headers(scope=scope))
+        record = self.open(scope, context)
+        status: int | None = None
+        started = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = context.request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as e:
+            if status is None:
+                status = self.error_status(e)
+            raise
+        finally:
+            # Nothing started and no Exception to map (a cancelled request, or an app that never
+            # answered): logged as 500.
+            self.write(scope, record, 500 if status is None else status, started)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,14 +25,13 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import json_format
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 import paved
 from paved.engine.streams import aclose
 from paved.http.kserve_names import HTTP_MODEL_METHODS
-from paved.http.tracing import REQUEST_ID_HEADER, trace_context
+from paved.http.tracing import AccessMiddleware, TraceContext
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
 from paved.kserve.repository import (
@@ -360,39 +358,20 @@ def _method(scope: Scope) -> tuple[str, str | None]:
     return _SERVER_METHODS.get(path, path), None
 
 
-class AccessLogMiddleware:
+class AccessLogMiddleware(AccessMiddleware[TraceContext]):
     """Assigns each request's ids, answers x-request-id and writes its access line once the
     response has ended (streams included)."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+    def open(self, scope: Scope, context: TraceContext) -> TraceContext:
+        return context
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        trace = trace_context(Headers(scope=scope))
-        status: int | None = None
-        started = time.perf_counter()
+    def error_status(self, error: Exception) -> int:
+        return from_exception(error).http_status
 
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = trace.request_id
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except Exception as e:
-            if status is None:
-                # The catch-all handler answers it outside this middleware, with this status.
-                status = from_exception(e).http_status
-            raise
-        finally:
-            method, model = _method(scope)
-            probe = method in _PROBE_METHODS or scope["path"].startswith("/health/")
-            write_access(trace, "kserve-http", method, model, status or 500, started, probe=probe)
+    def write(self, scope: Scope, record: TraceContext, status: int, started: float) -> None:
+        method, model = _method(scope)
+        probe = method in _PROBE_METHODS or scope["path"].startswith("/health/")
+        write_access(record, "kserve-http", method, model, status, started, probe=probe)
 
 
 def create_http_app(

@@ -30,7 +30,7 @@ from starlette.applications import Starlette
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import llm_inputs, wait_for, xgb_model_dir
+from libs.tests.kserve.kserve_fakes import llm_inputs, stream, wait_for, xgb_model_dir
 from paved.gateway.auth import Authenticator
 from paved.gateway.kserve_grpc import KServeForwarder, read_head
 from paved.gateway.kserve_http import body_max_tokens, kserve_http_routes
@@ -602,20 +602,10 @@ def test_grpc_forwards_only_validated_ids(gw, gc, caplog):
     assert line["trace_id"] == TRACE_ID and line["backend"] == "rec"
 
     # A stream's one line is written when it ends.
-    results: queue.Queue = queue.Queue()
-    gc.start_stream(
-        callback=lambda result, error: results.put((result, error)),
-        headers={**gw.headers(), "x-request-id": "ks-1"},
-    )
-    try:
-        gc.async_stream_infer(LLM, llm_inputs(grpcclient, "Once", params=LLM_PARAMS, stream=True))
-        while True:
-            result, error = results.get(timeout=60)
-            assert error is None, error
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        gc.stop_stream()
+    inputs = llm_inputs(grpcclient, "Once", params=LLM_PARAMS, stream=True)
+    headers = {**gw.headers(), "x-request-id": "ks-1"}
+    responses = stream(gc, [(inputs, {})], model=LLM, headers=headers, timeout=60)
+    assert [e for _, e in responses if e is not None] == []
     line = gateway_line(caplog, "ks-1")
     assert (line["method"], line["model"], line["status"]) == ("ModelStreamInfer", LLM, "OK")
 

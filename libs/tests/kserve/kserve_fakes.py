@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -222,3 +223,25 @@ def llm_inputs(module, text, *, stream=None, params=None, exclude=None, **flags)
     for name, value in flags.items():
         inputs.append(tensor(module, name, np.array([value]), "BOOL"))
     return inputs
+
+
+def stream(gc, requests, *, model=LLM, headers=None, cancel_after=None, timeout=10):
+    """Send (inputs, kwargs) requests for `model` on one ModelStreamInfer of the
+    tritonclient.grpc client `gc`; collect (result, error) responses until every request has its
+    final response or an error (or `cancel_after` responses, then cancel the stream)."""
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+    try:
+        for inputs, kwargs in requests:
+            gc.async_stream_infer(model, inputs, **kwargs)
+        out, finals = [], 0
+        while finals < len(requests):
+            result, error = results.get(timeout=timeout)
+            out.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                finals += 1
+            if cancel_after is not None and len(out) >= cancel_after:
+                break
+        return out
+    finally:
+        gc.stop_stream(cancel_requests=cancel_after is not None)

@@ -7,7 +7,6 @@ XGBoost fixture, on free ports, with a 1 MiB message limit so the size errors ar
 import asyncio
 import json
 import logging
-import queue
 
 import grpc
 import httpx
@@ -26,6 +25,7 @@ from libs.tests.kserve.kserve_fakes import (
     SCHEMA,
     FakeEngine,
     llm_inputs,
+    stream,
     tensor,
     wait_for,
     xgb_model_dir,
@@ -89,27 +89,6 @@ def grpc_error(call) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as info:
         call()
     return info.value
-
-
-def stream(gc, requests, *, cancel_after=None, timeout=10):
-    """Send (inputs, kwargs) requests on one ModelStreamInfer; collect responses until every
-    request has its final response (or `cancel_after` responses, then cancel the stream)."""
-    results: queue.Queue = queue.Queue()
-    gc.start_stream(callback=lambda result, error: results.put((result, error)))
-    try:
-        for inputs, kwargs in requests:
-            gc.async_stream_infer(LLM, inputs, **kwargs)
-        out, finals = [], 0
-        while finals < len(requests):
-            result, error = results.get(timeout=timeout)
-            out.append((result, error))
-            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
-                finals += 1
-            if cancel_after is not None and len(out) >= cancel_after:
-                break
-        return out
-    finally:
-        gc.stop_stream(cancel_requests=cancel_after is not None)
 
 
 # ---- health and metadata ------------------------------------------------------------------------
@@ -703,19 +682,9 @@ def test_access_lines_carry_the_callers_request_id_and_trace(server, gc, hc, cap
     assert (line["method"], line["model"], line["status"]) == ("ModelMetadata", "nope", "NOT_FOUND")
 
     # A stream's line is written when it ends, naming its model.
-    results: queue.Queue = queue.Queue()
-    gc.start_stream(
-        callback=lambda result, error: results.put((result, error)), headers={"x-request-id": "s-1"}
-    )
-    try:
-        gc.async_stream_infer(LLM, llm_inputs(grpcclient, "a b", stream=True, params={"max_tokens": 2}))
-        while True:
-            result, e = results.get(timeout=10)
-            assert e is None, e
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        gc.stop_stream()
+    inputs = llm_inputs(grpcclient, "a b", stream=True, params={"max_tokens": 2})
+    responses = stream(gc, [(inputs, {})], headers={"x-request-id": "s-1"})
+    assert [e for _, e in responses if e is not None] == []
     line = access_line(caplog, "s-1")
     assert (line["method"], line["model"], line["status"]) == ("ModelStreamInfer", LLM, "OK")
 

@@ -1,8 +1,9 @@
 """Unit tests of the KServe pieces that need no server: tensors, batcher, sampling mapping,
-model-directory validation."""
+model-directory validation, the HTTP access middleware."""
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import threading
@@ -12,10 +13,17 @@ import numpy as np
 import pytest
 
 from libs.tests.kserve.kserve_fakes import xgb_model_dir
-from paved.engine.protocol import Constraint, InvalidRequestError, ModelCard, SamplingOptions
+from paved.engine.protocol import (
+    Constraint,
+    EngineUnavailableError,
+    InvalidRequestError,
+    ModelCard,
+    SamplingOptions,
+)
 from paved.kserve import tensors
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import KServeError
+from paved.kserve.http_server import AccessLogMiddleware
 from paved.kserve.sampling import options_from_parameters
 from paved.kserve.wire import parameters_from_options
 from paved.kserve.xgboost_model import ModelConfigError, XGBoostModel
@@ -248,3 +256,40 @@ def test_server_readiness_follows_the_owners_draining_flag():
     assert repository.ready()
     draining = True
     assert not repository.ready()
+
+
+# ---- the HTTP access line -------------------------------------------------------------------------
+def test_http_access_line_status_of_an_error_escaping_the_app(caplog):
+    """Before any response, an escaping error is answered by Starlette's catch-all outside the
+    middleware, so the line names the status its KServe mapping answers (503 here, not 500);
+    after the response started, the started status stands. Both answer the request id."""
+    caplog.set_level(logging.INFO, logger="paved.kserve.access")
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        if scope["path"] == "/late":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise EngineUnavailableError("down")
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    middleware = AccessLogMiddleware(app)
+    for name in ("early", "late"):
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": f"/{name}",
+            "headers": [(b"x-request-id", name.encode())],
+        }
+        with pytest.raises(EngineUnavailableError):
+            asyncio.run(middleware(scope, receive, send))
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "paved.kserve.access"]
+    assert [(line["request_id"], line["protocol"], line["status"]) for line in lines] == [
+        ("early", "kserve-http", 503),
+        ("late", "kserve-http", 200),
+    ]
+    assert [dict(m["headers"])[b"x-request-id"] for m in sent] == [b"late"]
