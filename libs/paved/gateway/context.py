@@ -41,6 +41,10 @@ template — this module never estimates tokens):
 - Without a summarizer (`summarize` None), or when the summarizer fails or answers nothing, the
   oldest turns are dropped instead (a warning is logged for a failure; the request never fails
   for it): `summarized_turns` counts the dropped turns and `Fitted.summary` is None.
+- A summarizer that raises `SummaryRefused` (the caller's token budget is spent) stops the
+  summary where it is, like the `max_summary_calls` bound: the turns it had folded (or the cached
+  summary) are used and the rest up to the cut dropped from this call; with nothing folded and
+  no cached summary, the oldest turns are dropped. Logged at info: it is not a failure.
 - If system + new alone exceed the budget: GatewayError(400, code "context_length_exceeded")
   naming both numbers.
 - `fit` changes nothing but the cached summary; the caller records the exchange after the answer
@@ -585,6 +589,10 @@ def summary_request(previous_summary: str | None, turns: Sequence[Message], max_
 # -- fitting ---------------------------------------------------------------------------------
 
 
+class SummaryRefused(Exception):
+    """Raised by a `Summarize` that may not run now (the caller's tokens/min budget is spent)."""
+
+
 class _NoSummary(Exception):
     """The summary path cannot produce a usable summary: drop turns instead."""
 
@@ -776,7 +784,13 @@ class _Fit:
         calls = 0
         while covered < cut and calls < fitter.max_summary_calls:
             end = await self.chunk_end(summary, covered, cut, cap)
-            text = await summarize(summary_request(summary, self.turns[covered:end], cap), cap)
+            try:
+                text = await summarize(summary_request(summary, self.turns[covered:end], cap), cap)
+            except SummaryRefused as e:
+                if summary is None:
+                    raise _NoSummary(f"the summarizer may not run ({e})") from None
+                logger.info("conversation summary stopped at turn %d of %d: %s", covered, cut, e)
+                break
             if not isinstance(text, str) or not text.strip():
                 raise _NoSummary("the summarizer answered no text")
             summary = await self.trim(text.strip(), limit, rest)

@@ -3,6 +3,9 @@
 `Limiter.acquire(principal, tokens)` admits one request for BOTH subjects of a principal (its
 key, `principal.key_limits`, id `principal.key_id`; its tenant, `principal.tenant.limits`, id
 `principal.tenant.id`) or for neither; `finish(reservation, used_tokens)` settles it.
+`acquire(principal, tokens, tokens_only=True)` is the same for the tokens/min buckets alone: the
+gateway's own calls on a request's behalf (conversation summaries, cache embeddings) spend the
+caller's tokens but are not requests of its own nor concurrent slots.
 
 Semantics (identical in `InProcessLimiter` and `RedisLimiter`):
 - requests/min and tokens/min are token buckets: capacity = the per-minute limit, refilled
@@ -111,7 +114,9 @@ class Reservation:
 
 
 class Limiter(Protocol):
-    async def acquire(self, principal: Principal, tokens: int) -> Reservation: ...
+    async def acquire(
+        self, principal: Principal, tokens: int, *, tokens_only: bool = False
+    ) -> Reservation: ...
 
     async def finish(self, reservation: Reservation, used_tokens: int | None) -> None: ...
 
@@ -142,9 +147,11 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _plan(principal: Principal, tokens: int, *, refuse: bool = True) -> list[_Limit]:
-    """The limits this request must pass, key first; with `refuse`, raises at once for what no
-    wait can ever admit."""
+def _plan(
+    principal: Principal, tokens: int, *, refuse: bool = True, tokens_only: bool = False
+) -> list[_Limit]:
+    """The limits this request must pass, key first (only tokens/min with `tokens_only`); with
+    `refuse`, raises at once for what no wait can ever admit."""
     limits: list[_Limit] = []
     subjects: tuple[tuple[str, str, Limits], ...] = (
         ("key", principal.key_id, principal.key_limits),
@@ -156,7 +163,7 @@ def _plan(principal: Principal, tokens: int, *, refuse: bool = True) -> list[_Li
             (_TPM, config.tokens_per_min, tokens),
             (_CON, config.max_concurrent, 1),
         ):
-            if capacity is None:
+            if capacity is None or (tokens_only and kind != _TPM):
                 continue
             if not _is_count(capacity):
                 raise ValueError(f"{subject} {subject_id!r}: {_SNAPSHOT_NAMES[kind]} must be an int >= 0")
@@ -245,11 +252,12 @@ class _BaseLimiter:
             raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
         self._lease_s = float(lease_s)
 
-    async def acquire(self, principal: Principal, tokens: int) -> Reservation:
+    async def acquire(self, principal: Principal, tokens: int, *, tokens_only: bool = False) -> Reservation:
         """Admits one request of `tokens` tokens for the key and the tenant, or raises
-        RateLimitedError / GatewayError (see the module docstring) having taken nothing."""
+        RateLimitedError / GatewayError (see the module docstring) having taken nothing;
+        `tokens_only`: the tokens/min buckets alone (no request counted, no slot held)."""
         _check_tokens(tokens)
-        limits = _plan(principal, tokens)
+        limits = _plan(principal, tokens, tokens_only=tokens_only)
         rid = uuid.uuid4().hex
         if not limits:
             return Reservation(rid, tokens, {})

@@ -25,8 +25,13 @@ Invariants:
   response_format, sampling parameters and earlier turns (see paved.gateway.cache).
 - The caches never fail a request: an embedding or cache-store outage is a miss.
 - The gateway's own calls (summaries, embeddings) go through the router to the platform's
-  backends with deadlines; they are not charged to the tenant's limits (they are metered in
-  `paved_gateway_internal_call_duration_seconds`).
+  backends with deadlines (metered in `paved_gateway_internal_call_duration_seconds`), and their
+  tokens are the caller's: each call first reserves its prompt + max_tokens from the key's and
+  tenant's tokens/min buckets (`Limiter.acquire(..., tokens_only=True)`: no request counted, no
+  concurrent slot) and settles with the usage it reports, which is also counted in
+  `paved_gateway_tokens` under the summarizer's or embedding model's alias. A refused
+  reservation skips the call as if it had failed: the summary stops (the oldest turns are
+  dropped) and the semantic lookup is a miss; the request itself goes on to its own admission.
 - A conversation is appended before the answer's last byte reaches the client, so a client
   that sends its next turn as soon as it has read the answer sees its previous turn.
 """
@@ -50,6 +55,7 @@ from paved.gateway.errors import GatewayError
 if TYPE_CHECKING:
     from paved.gateway.context import ContextFitter, ConversationStore
     from paved.gateway.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
+    from paved.gateway.limits import Limiter, Reservation
     from paved.gateway.metrics import GatewayMetrics
     from paved.gateway.router import Router
     from paved.gateway.routes import CachePolicy, ModelRoute
@@ -61,6 +67,23 @@ logger = logging.getLogger("paved.gateway")
 
 EXTENSION_FIELDS = ("template", "variables", "conversation_id", "cache")
 _INTERNAL_KEY = "paved-internal"
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    text: str
+    prompt_tokens: int | None  # the answer's reported usage (None when it reported none)
+    completion_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Embedding:
+    vector: np.ndarray  # unit length
+    prompt_tokens: int | None
+
+
+class _Refused(Exception):
+    """The caller's token limits refuse an internal call on its behalf."""
 
 
 class InternalClient:
@@ -126,7 +149,7 @@ class InternalClient:
 
     async def chat(
         self, model: str, messages: list[dict[str, Any]], max_tokens: int, *, temperature: float = 0.0
-    ) -> str:
+    ) -> ChatAnswer:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature}
         answer = await self._post("summary", model, "/v1/chat/completions", body, self._timeout_s)
         try:
@@ -135,9 +158,14 @@ class InternalClient:
             raise GatewayError(
                 502, "the summarizer's answer has no message", code="internal_call_failed"
             ) from None
-        return content if isinstance(content, str) else ""
+        usage = _usage(answer)
+        return ChatAnswer(
+            content if isinstance(content, str) else "",
+            _int(usage.get("prompt_tokens")),
+            _int(usage.get("completion_tokens")),
+        )
 
-    async def embed(self, model: str, text: str) -> np.ndarray:
+    async def embed(self, model: str, text: str) -> Embedding:
         answer = await self._post(
             "embedding", model, "/v1/embeddings", {"input": text}, self._embed_timeout_s
         )
@@ -152,7 +180,7 @@ class InternalClient:
             raise GatewayError(
                 502, "the embedding model returned an unusable vector", code="internal_call_failed"
             )
-        return vector / norm
+        return Embedding(vector / norm, _int(_usage(answer).get("prompt_tokens")))
 
     async def max_model_len(self, model: str) -> int | None:
         """The serving backend's context length as its /v1/models reports it (cached per
@@ -196,6 +224,9 @@ class Plan:
     store: bool = False
     vector: np.ndarray | None = None
     completed: bool = False
+    # Whom the gateway's own calls for this request are charged to (None: not charged).
+    principal: Principal | None = field(default=None, repr=False)
+    limiter: Limiter | None = field(default=None, repr=False)
 
     @property
     def capture(self) -> bool:
@@ -244,13 +275,23 @@ class Orchestrator:
         route: ModelRoute,
         headers: Mapping[str, str],
         request_id: str = "",
+        limiter: Limiter | None = None,
     ) -> Plan:
         """Apply experiments, templates and conversation context to `body` (in place) and
-        decide the caches; GatewayError(400) for bad extension fields."""
+        decide the caches; GatewayError(400) for bad extension fields. The tokens of the calls
+        made for this request (summaries, embeddings) are charged to `principal` on `limiter`."""
         extension = {name: body.pop(name) for name in EXTENSION_FIELDS if name in body}
         alias, pinned = self.router.split_model(model)
         tenant = principal.tenant.name
-        plan = Plan(model=model, alias=alias, endpoint=endpoint, tenant=tenant, request_id=request_id)
+        plan = Plan(
+            model=model,
+            alias=alias,
+            endpoint=endpoint,
+            tenant=tenant,
+            request_id=request_id,
+            principal=principal,
+            limiter=limiter,
+        )
         chat = endpoint == "chat"
         for name in ("template", "variables", "conversation_id"):
             if name in extension and not chat:
@@ -395,7 +436,20 @@ class Orchestrator:
             )
 
             async def summarize(msgs: list[dict[str, Any]], max_tokens: int) -> str:
-                return await self.internal.chat(summarizer, msgs, max_tokens, temperature=temperature)
+                from paved.gateway.context import SummaryRefused
+
+                prompt = await self.tokens.count(summarizer_route.tokenizer, "chat", {"messages": msgs}, 1)
+                try:
+                    reservation = await self._reserve(plan, prompt.tokens + max_tokens)
+                except _Refused as e:
+                    raise SummaryRefused(str(e)) from None
+                answer: ChatAnswer | None = None
+                try:
+                    answer = await self.internal.chat(summarizer, msgs, max_tokens, temperature=temperature)
+                finally:
+                    usage = None if answer is None else (answer.prompt_tokens, answer.completion_tokens)
+                    await self._settle(plan, reservation, summarizer, usage)
+                return answer.text
 
         fitted = await self.fitter.fit(
             tenant=plan.tenant,
@@ -427,9 +481,11 @@ class Orchestrator:
                 return Hit(answer, "exact", "e:" + keys.exact.hex())
         if policy.semantic and self.semantic is not None and keys.text and policy.embedding_model:
             try:
-                plan.vector = await self.internal.embed(policy.embedding_model, keys.text)
+                plan.vector = await self._embed(plan, policy.embedding_model, keys.text)
             except GatewayError as e:
                 logger.warning("semantic cache skipped: %s", e.message)
+            except _Refused as e:
+                logger.info("semantic cache skipped: %s", e)
             if plan.vector is not None:
                 hit = await self.semantic.lookup(plan.tenant, keys.scope, plan.vector, policy.threshold)
                 if hit is not None:
@@ -438,6 +494,58 @@ class Orchestrator:
         self.metrics.cache.labels(plan.tenant, plan.alias, "miss").inc()
         plan.headers["x-paved-cache"] = "miss"
         return None
+
+    # -- the gateway's own calls, charged to the caller --------------------------------------
+    async def _embed(self, plan: Plan, model: str, text: str) -> np.ndarray:
+        tokenizer = self.router.route(model).tokenizer
+        need = (await self.tokens.count(tokenizer, "embeddings", {"input": text}, 1)).tokens
+        reservation = await self._reserve(plan, need)
+        answer: Embedding | None = None
+        try:
+            answer = await self.internal.embed(model, text)
+        finally:
+            usage = None if answer is None else (answer.prompt_tokens, 0)
+            await self._settle(plan, reservation, model, usage)
+        return answer.vector
+
+    async def _reserve(self, plan: Plan, need: int) -> Reservation | None:
+        """`need` tokens from the caller's tokens/min buckets; _Refused when they cannot give
+        them (or the limiter is down: an internal call is never made unmetered)."""
+        if plan.limiter is None or plan.principal is None:
+            return None
+        try:
+            return await plan.limiter.acquire(plan.principal, need, tokens_only=True)
+        except GatewayError as e:
+            raise _Refused(e.message) from None
+
+    async def _settle(
+        self,
+        plan: Plan,
+        reservation: Reservation | None,
+        model: str,
+        usage: tuple[int | None, int | None] | None,
+    ) -> None:
+        """Settle an internal call with the (prompt, completion) tokens it reported; `usage`
+        None: it failed, and is refunded like a request that failed before its usage was known.
+        A call that ran but reported no prompt tokens keeps its whole reservation charged."""
+        used: int | None = None
+        if usage is not None:
+            prompt, completion = usage
+            alias = self.router.split_model(model)[0]  # a pinned "alias@version": its alias
+            if prompt is not None:
+                self.metrics.tokens.labels(plan.tenant, alias, "prompt").inc(prompt)
+            if completion:
+                self.metrics.tokens.labels(plan.tenant, alias, "completion").inc(completion)
+            if prompt is not None:
+                used = prompt + (completion or 0)
+            elif reservation is not None:
+                used = reservation.tokens
+        if reservation is None or plan.limiter is None:
+            return
+        try:
+            await plan.limiter.finish(reservation, used)
+        except GatewayError as e:
+            logger.warning("could not settle reservation %s: %s", reservation.id, e.message)
 
     async def complete(self, plan: Plan, status: int, data: bytes | None, latency_s: float) -> None:
         """Record an answer (once): cache it when complete, append it to the conversation,
@@ -496,6 +604,11 @@ def _assistant_message(answer: dict[str, Any]) -> dict[str, Any] | None:
     if message.get("tool_calls"):
         kept["tool_calls"] = message["tool_calls"]
     return kept
+
+
+def _usage(answer: Any) -> dict[str, Any]:
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    return usage if isinstance(usage, dict) else {}
 
 
 def _int(value: Any) -> int | None:

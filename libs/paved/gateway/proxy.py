@@ -201,8 +201,9 @@ class OpenAIProxy:
             request_id, traceparent, started, log,
         )  # fmt: skip
         if self.orchestrator is not None:
+            # The summaries and embeddings made for this request are charged to its caller.
             call.plan = await self.orchestrator.prepare(
-                principal, endpoint, body, model, route, request.headers, request_id
+                principal, endpoint, body, model, route, request.headers, request_id, limiter=self.limiter
             )
             call.model = call.plan.model
         try:

@@ -47,6 +47,13 @@ from paved.gateway.cache import (
     question_numbers,
     replay_sse,
 )
+from paved.gateway.limits import InProcessLimiter
+from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.orchestrate import InternalClient, Orchestrator
+from paved.gateway.router import Router
+from paved.gateway.routes import parse_routes
+from paved.gateway.tokens import TokenCounter
+from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.redis import redis_server
 
 
@@ -1198,3 +1205,94 @@ def test_recall_on_clustered_data():
     exact = (queries @ x.T).max(axis=1)
     found = np.array([index.search(q, 1)[0][1] for q in queries])
     assert np.mean(found >= exact - 1e-5) >= 0.97
+
+
+# -- the query embedding's tokens are the tenant's -------------------------------------------
+
+EMBED_USAGE = {"prompt_tokens": 7, "total_tokens": 7}
+BACKEND = {"url": "http://127.0.0.1:9", "version": "v1"}  # never connected to: see FakeEmbedder
+
+
+class FakeEmbedder(InternalClient):
+    """The embedding model's answers (a fixed unit vector, with usage); records each call. No
+    HTTP: `_post` is the one method that would reach a backend."""
+
+    def __init__(self, router: Router, metrics: GatewayMetrics) -> None:
+        super().__init__(router, lambda: None, metrics)  # type: ignore[arg-type,return-value]
+        self.calls: list[tuple[str, str, dict]] = []
+
+    async def _post(self, purpose: str, model: str, path: str, body: dict, timeout_s: float) -> object:
+        self.calls.append((purpose, model, body))
+        assert path == "/v1/embeddings"
+        return {"data": [{"embedding": [0.6, 0.8, 0.0]}], "usage": EMBED_USAGE}
+
+
+def _semantic_gateway(tenant_limits: Limits):
+    cache = {"exact": False, "semantic": True, "embedding_model": "emb"}
+    router = Router(
+        parse_routes(
+            {
+                "models": [
+                    {"alias": "chat", "cache": cache, "backends": [{"id": "c", **BACKEND}]},
+                    {"alias": "emb", "kind": "embed", "backends": [{"id": "e", **BACKEND}]},
+                ]
+            }
+        )
+    )  # fmt: skip
+    metrics = GatewayMetrics()
+    internal = FakeEmbedder(router, metrics)
+    orchestrator = Orchestrator(
+        router=router, tokens=TokenCounter(), metrics=metrics, internal=internal, semantic=SemanticCache()
+    )
+    principal = Principal("k1", "key", Tenant("t1", "acme", limits=tenant_limits))
+    return orchestrator, internal, metrics, principal, InProcessLimiter(clock=lambda: 1000.0)
+
+
+async def _semantic_lookup(orchestrator, principal, limiter):
+    body = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "where is my parcel?"}],
+        "temperature": 0,
+    }
+    route = orchestrator.router.route("chat")
+    plan = await orchestrator.prepare(principal, "chat", body, "chat", route, {}, "r1", limiter=limiter)
+    assert plan.lookup
+    return plan, await orchestrator.lookup(plan)
+
+
+def _embed_tokens(metrics: GatewayMetrics) -> float | None:
+    return metrics.registry.get_sample_value(
+        "paved_gateway_tokens_total", {"tenant": "acme", "model": "emb", "kind": "prompt"}
+    )
+
+
+def test_a_semantic_lookup_charges_the_embedding_to_the_tenant():
+    orchestrator, internal, metrics, principal, limiter = _semantic_gateway(
+        Limits(requests_per_min=5, tokens_per_min=10_000)
+    )
+
+    async def go():
+        plan, hit = await _semantic_lookup(orchestrator, principal, limiter)
+        assert hit is None and plan.vector is not None
+        assert [c[:2] for c in internal.calls] == [("embedding", "emb")]
+        tenant = (await limiter.snapshot(principal))["tenant"]
+        assert tenant["tokens_per_min"]["remaining"] == 10_000 - EMBED_USAGE["prompt_tokens"]
+        assert tenant["requests_per_min"]["remaining"] == 5  # not a request of the tenant's
+        assert _embed_tokens(metrics) == EMBED_USAGE["prompt_tokens"]
+
+    run(go())
+
+
+def test_a_tenant_without_tokens_left_gets_no_embedding():
+    orchestrator, internal, metrics, principal, limiter = _semantic_gateway(Limits(tokens_per_min=500))
+
+    async def go():
+        await limiter.acquire(principal, 500)  # the tenant's minute is spent
+        plan, hit = await _semantic_lookup(orchestrator, principal, limiter)
+        # A miss without an embedding call (and so nothing to insert on the way back).
+        assert hit is None and plan.vector is None and plan.headers["x-paved-cache"] == "miss"
+        assert internal.calls == []
+        assert (await limiter.snapshot(principal))["tenant"]["tokens_per_min"]["remaining"] == 0
+        assert _embed_tokens(metrics) is None
+
+    run(go())

@@ -33,11 +33,19 @@ from paved.gateway.context import (
     Conversation,
     ConversationStore,
     Fitted,
+    SummaryRefused,
     summary_message,
     summary_request,
 )
 from paved.gateway.errors import GatewayError
+from paved.gateway.limits import InProcessLimiter
+from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.orchestrate import InternalClient, Orchestrator
+from paved.gateway.router import Router
+from paved.gateway.routes import parse_routes
 from paved.gateway.state import GatewayStore
+from paved.gateway.tokens import TokenCounter
+from paved.gateway.types import Limits, Principal, Tenant
 from paved.runfiles import tiny_model_dir
 
 TENANT = "acme"
@@ -322,6 +330,190 @@ def test_without_a_working_summarizer_the_oldest_turns_are_dropped(conversations
         # Nothing was cached by a failed summary.
         stored = await conversations.load(TENANT, "c")
         assert stored.summary == conv.summary and stored.revision == conv.revision
+
+    run(go())
+
+
+class RefusingSummarizer(FakeSummarizer):
+    """Answers the first `allowed` requests, then raises SummaryRefused (the caller's tokens/min
+    budget is spent)."""
+
+    def __init__(self, allowed: int) -> None:
+        super().__init__()
+        self.allowed = allowed
+        self.refused = 0
+
+    async def __call__(self, messages: list[dict], max_tokens: int) -> str:
+        if len(self.calls) >= self.allowed:
+            self.refused += 1
+            raise SummaryRefused("tenant 'acme' has no tokens left")
+        return await super().__call__(messages, max_tokens)
+
+
+def test_a_refused_summarizer_drops_turns_without_a_warning(conversations, tok, caplog):
+    fitter = ContextFitter(conversations)
+    summarizer = RefusingSummarizer(allowed=0)
+
+    async def go():
+        await fill(conversations, "c", 15)
+        conv = await conversations.load(TENANT, "c")
+        with caplog.at_level(logging.INFO, logger="paved.gateway.context"):
+            fitted = await fitter.fit(
+                tenant=TENANT,
+                conversation_id="c",
+                system=SYSTEM,
+                new=[user(100)],
+                budget=300,
+                count=Counter(tok),
+                summarize=summarizer,
+            )
+        cut = fitted.summarized_turns
+        assert summarizer.refused == 1 and summarizer.calls == []
+        assert cut > 0 and fitted.summary is None
+        assert fitted.messages == [*SYSTEM, *conv.turns[cut:], user(100)]
+        ours = [r for r in caplog.records if r.name == "paved.gateway.context"]
+        assert not [r for r in ours if r.levelno >= logging.WARNING]
+        assert any("may not run" in r.getMessage() for r in ours)
+        assert (await conversations.load(TENANT, "c")).summary is None
+
+    run(go())
+
+
+def test_a_summarizer_refused_midway_keeps_what_it_folded(conversations, tok):
+    # A tight input bound makes the catch-up take several calls; the second is refused.
+    fitter = ContextFitter(conversations, max_summary_input_tokens=400)
+    summarizer = RefusingSummarizer(allowed=1)
+
+    async def go():
+        await fill(conversations, "c", 30)
+        fitted = await fitter.fit(
+            tenant=TENANT,
+            conversation_id="c",
+            system=SYSTEM,
+            new=[user(100)],
+            budget=500,
+            count=Counter(tok),
+            summarize=summarizer,
+        )
+        assert len(summarizer.calls) == 1 and summarizer.refused == 1
+        # The first call's summary is sent and cached, covering only the turns it received.
+        assert fitted.summary is not None and fitted.summary.startswith("The user and the assistant")
+        stored = await conversations.load(TENANT, "c")
+        assert stored.summary == fitted.summary and stored.summary_upto == len(summarizer.tags)
+        assert 0 < stored.summary_upto < fitted.summarized_turns
+        assert tokens_of(tok, fitted.messages) == fitted.prompt_tokens <= 500
+
+    run(go())
+
+
+# -- the summarizer's tokens are the tenant's ------------------------------------------------
+
+SUMMARY_USAGE = {"prompt_tokens": 123, "completion_tokens": 9, "total_tokens": 132}
+
+
+class FakeInternal(InternalClient):
+    """The platform's answers to the gateway's own calls (with the usage an engine reports);
+    records every call. No HTTP: `_post` is the one method that would reach a backend."""
+
+    def __init__(self, router: Router, metrics: GatewayMetrics) -> None:
+        super().__init__(router, lambda: None, metrics)  # type: ignore[arg-type,return-value]
+        self.calls: list[tuple[str, str, dict]] = []
+
+    async def _post(self, purpose: str, model: str, path: str, body: dict, timeout_s: float) -> Any:
+        self.calls.append((purpose, model, body))
+        assert path == "/v1/chat/completions"
+        return {"choices": [{"message": {"content": "They discussed orders."}}], "usage": SUMMARY_USAGE}
+
+
+def _orchestration(conversations: ConversationStore, tenant_limits: Limits):
+    router = Router(
+        parse_routes(
+            {
+                "models": [
+                    {
+                        "alias": "chat",
+                        "max_model_len": 1200,
+                        "summarizer": "summ",
+                        "backends": [{"id": "c", "url": "http://127.0.0.1:9", "version": "v1"}],
+                    },
+                    {
+                        "alias": "summ",
+                        "max_model_len": 4000,
+                        "backends": [{"id": "s", "url": "http://127.0.0.1:9", "version": "v1"}],
+                    },
+                ]
+            }
+        )
+    )
+    metrics = GatewayMetrics()
+    internal = FakeInternal(router, metrics)
+    orchestrator = Orchestrator(
+        router=router,
+        tokens=TokenCounter(),
+        metrics=metrics,
+        internal=internal,
+        conversations=conversations,
+        fitter=ContextFitter(conversations),
+    )
+    principal = Principal("k1", "key", Tenant("t1", TENANT, limits=tenant_limits))
+    # A clock that stands still: no refill between the charge and the check.
+    limiter = InProcessLimiter(clock=lambda: 1000.0)
+    return orchestrator, internal, metrics, principal, limiter
+
+
+async def _turn(orchestrator: Orchestrator, principal: Principal, limiter: InProcessLimiter) -> tuple:
+    body = {"model": "chat", "messages": [*SYSTEM, user(100)], "max_tokens": 50, "conversation_id": "c"}
+    route = orchestrator.router.route("chat")
+    plan = await orchestrator.prepare(principal, "chat", body, "chat", route, {}, "r1", limiter=limiter)
+    return plan, body
+
+
+def _tokens_metric(metrics: GatewayMetrics, model: str, kind: str) -> float | None:
+    return metrics.registry.get_sample_value(
+        "paved_gateway_tokens_total", {"tenant": TENANT, "model": model, "kind": kind}
+    )
+
+
+def test_the_summarizers_tokens_are_charged_to_the_tenant(conversations):
+    limits = Limits(requests_per_min=10, tokens_per_min=100_000, max_concurrent=1)
+    orchestrator, internal, metrics, principal, limiter = _orchestration(conversations, limits)
+
+    async def go():
+        await fill(conversations, "c", 20)
+        plan, body = await _turn(orchestrator, principal, limiter)
+        calls = len(internal.calls)
+        assert calls >= 1 and all(c[:2] == ("summary", "summ") for c in internal.calls)
+        assert int(plan.headers["x-paved-context-summarized-turns"]) > 0
+        assert any(m["content"].startswith(SUMMARY_HEADER) for m in body["messages"])
+        tenant = (await limiter.snapshot(principal))["tenant"]
+        # Exactly what the summarizer reported, on the tokens/min bucket only: the summary is
+        # not a request of the tenant's, nor a concurrent slot.
+        assert tenant["tokens_per_min"]["remaining"] == 100_000 - calls * SUMMARY_USAGE["total_tokens"]
+        assert tenant["requests_per_min"]["remaining"] == 10
+        assert tenant["max_concurrent"]["in_use"] == 0
+        # Counted in the tenant's usage under the summarizer's alias.
+        assert _tokens_metric(metrics, "summ", "prompt") == calls * SUMMARY_USAGE["prompt_tokens"]
+        assert _tokens_metric(metrics, "summ", "completion") == calls * SUMMARY_USAGE["completion_tokens"]
+        assert _tokens_metric(metrics, "chat", "prompt") is None
+
+    run(go())
+
+
+def test_a_tenant_without_tokens_left_gets_no_summary(conversations):
+    orchestrator, internal, metrics, principal, limiter = _orchestration(
+        conversations, Limits(tokens_per_min=2000)
+    )
+
+    async def go():
+        await fill(conversations, "c", 20)
+        await limiter.acquire(principal, 2000)  # the tenant's minute is spent
+        plan, body = await _turn(orchestrator, principal, limiter)
+        # No call was made; the oldest turns were dropped instead, and nothing more charged.
+        assert internal.calls == []
+        assert int(plan.headers["x-paved-context-summarized-turns"]) > 0
+        assert not any(m["content"].startswith(SUMMARY_HEADER) for m in body["messages"])
+        assert (await limiter.snapshot(principal))["tenant"]["tokens_per_min"]["remaining"] == 0
+        assert _tokens_metric(metrics, "summ", "prompt") is None
 
     run(go())
 

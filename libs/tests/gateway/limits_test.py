@@ -114,6 +114,49 @@ def test_zero_limits_admit_nothing():
     assert info.value.code == "tokens_exceed_limit"
 
 
+# ---- tokens only (the gateway's own calls on a request's behalf) ---------------------------------
+def test_tokens_only_takes_tokens_but_no_request_or_slot():
+    lim, _ = limiter()
+    p = principal(
+        key=Limits(tokens_per_min=1000),
+        tenant=Limits(requests_per_min=1, tokens_per_min=600, max_concurrent=1),
+    )
+    held = run(lim.acquire(p, 100))  # the request: its one request/min and its one slot
+    # A summary for it still runs, and is charged to both subjects' tokens/min.
+    summary = run(lim.acquire(p, 300, tokens_only=True))
+    snap = run(lim.snapshot(p))
+    assert snap["key"]["tokens_per_min"]["remaining"] == 600
+    assert snap["tenant"]["tokens_per_min"]["remaining"] == 200
+    assert snap["tenant"]["requests_per_min"]["remaining"] == 0
+    assert snap["tenant"]["max_concurrent"]["in_use"] == 1
+    run(lim.finish(summary, 250))  # settled with the call's reported usage
+    assert run(lim.snapshot(p))["tenant"]["tokens_per_min"]["remaining"] == 250
+    # Refused all-or-nothing on tokens like any request; oversize is tokens_exceed_limit.
+    err = refused_tokens_only(lim, p, 251)
+    assert "tenant 't1'" in err.message and "remaining 250" in err.message
+    with pytest.raises(GatewayError) as info:
+        run(lim.acquire(p, 601, tokens_only=True))
+    assert info.value.code == "tokens_exceed_limit"
+    run(lim.finish(held, 100))
+    assert run(lim.snapshot(p))["key"]["tokens_per_min"]["remaining"] == 650
+
+
+def refused_tokens_only(lim: InProcessLimiter, p: Principal, tokens: int) -> RateLimitedError:
+    with pytest.raises(RateLimitedError) as info:
+        run(lim.acquire(p, tokens, tokens_only=True))
+    return info.value
+
+
+def test_tokens_only_without_a_tokens_limit_touches_nothing():
+    lim, _ = limiter()
+    p = principal(tenant=Limits(requests_per_min=1, max_concurrent=1))
+    for _ in range(3):
+        r = run(lim.acquire(p, 10, tokens_only=True))
+        assert r.headers == {}
+        run(lim.finish(r, 10))
+    run(lim.acquire(p, 0))  # the request/min is still there
+
+
 # ---- concurrency ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("side", ["key", "tenant"])
 def test_concurrency_slots_free_on_finish(side):
