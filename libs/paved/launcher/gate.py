@@ -1,13 +1,15 @@
-"""The port gate: public ports bound only once the engine is ready, relayed to the child.
+"""The port gate: public ports reserved at start, listening only once the engine is ready.
 
 The served process (the paved frontend, or vLLM's server in standalone mode) listens on private
 loopback ports it is given; the paved frontend, for one, opens its port at once and answers
-/health/ready 503 while the engine loads. The launcher polls that readiness endpoint and binds
-the public ports only when it answers 200, then relays bytes both ways (a TCP splice, so HTTP,
-SSE and gRPC / HTTP/2 pass unchanged). Before that a client gets "connection refused", never a
-half-started server; if the engine fails, the public port is never opened. On drain the public
-listeners close first (new connections are refused) while established ones carry their
-in-flight requests to the end.
+/health/ready 503 while the engine loads. The launcher binds the public ports at its start
+(`reserve`: bound, not listening, so a model that loads for minutes cannot lose its port to
+another process meanwhile, and a taken port fails the start at once), polls that readiness
+endpoint, and only when it answers 200 listens on them and relays bytes both ways (a TCP splice,
+so HTTP, SSE and gRPC / HTTP/2 pass unchanged). Before that a client gets "connection refused"
+(a bound socket that does not listen answers a SYN with a reset), never a half-started server;
+if the engine fails, the public port is never opened. On drain the public listeners close first
+(new connections are refused) while established ones carry their in-flight requests to the end.
 
 Bounds: at most `max_connections` relayed connections at once (default 1024); one more is
 answered `503` with an OpenAI-style error body naming the limit on the HTTP route, and on the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -46,6 +49,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) that does not listen yet: the port is held, and a
+    connection to it is refused until `Gate.open()` listens. Raises OSError if it is taken.
+
+    First without SO_REUSEADDR: on Linux two sockets that both set it may bind one port while
+    neither listens, so a reservation that set it would not keep another such server (or
+    launcher) out; the later listen() would fail instead. Only if that bind fails is it retried
+    with SO_REUSEADDR, as a server binds: a previous run's connections in TIME_WAIT then do not
+    block the port, while a port another socket listens on (or holds without it) still fails.
+    `Gate.open()` sets SO_REUSEADDR before it listens. (An outgoing connection's ephemeral port
+    never lands on a port bound with bind().)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for reuse in (False, True):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if family == socket.AF_INET6:
+                # As asyncio's servers: an IPv6 address does not also take the IPv4 port.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if reuse:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            return sock
+        except BaseException as e:
+            sock.close()
+            if reuse or not (isinstance(e, OSError) and e.errno == errno.EADDRINUSE):
+                raise
+    raise AssertionError("unreachable: the second bind returns or raises")
 
 
 async def http_get(host: str, port: int, path: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
@@ -80,12 +112,17 @@ class Route:
 
 
 class Gate:
-    """Relays the public ports to the child's private ports once `open()` is called."""
+    """Relays the public ports to the child's private ports once `open()` is called.
+
+    `sockets`: route name -> a socket from `reserve()` for that route's public address; the
+    gate owns them from then on (`open()` listens on them, `close_listeners()` / `abort()`
+    close them, opened or not). A route without one is bound by `open()` itself."""
 
     def __init__(
         self,
         routes: list[Route],
         *,
+        sockets: dict[str, socket.socket] | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ):
@@ -96,10 +133,15 @@ class Gate:
         self.routes = routes
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
+        # Reserved sockets not yet listening; a started server owns (and closes) its socket.
+        self._reserved: dict[str, socket.socket] = dict(sockets or {})
         self._servers: list[asyncio.base_events.Server] = []
         self._conns: set[asyncio.Task] = set()
         self._refusing: set[asyncio.Task] = set()
-        self.bound: dict[str, tuple[str, int]] = {}
+        # The public addresses: known from the reservation on, listening only after open().
+        self.bound: dict[str, tuple[str, int]] = {
+            name: sock.getsockname()[:2] for name, sock in self._reserved.items()
+        }
         # Connections refused at the cap and closed idle, for /status and tests.
         self.refused = 0
         self.idle_closed = 0
@@ -107,13 +149,19 @@ class Gate:
     async def open(self) -> None:
         _raise_fd_limit(2 * self.max_connections + 256)
         for route in self.routes:
+            sock = self._reserved.get(route.name)
+            if sock is None:
+                sock = reserve(route.public_host, route.public_port)
+                self._reserved[route.name] = sock
+            # A served connection's socket inherits the listener's SO_REUSEADDR, and so does its
+            # TIME_WAIT, which without it would block the next launcher's bind of this port for
+            # a minute; set only now, as `reserve` explains.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # start_server listens on the socket (until now a connection to it was refused).
             server = await asyncio.start_server(
-                functools.partial(self._accept, route=route),
-                route.public_host,
-                route.public_port,
-                reuse_address=True,
-                limit=_BUF,
+                functools.partial(self._accept, route=route), sock=sock, limit=_BUF
             )
+            del self._reserved[route.name]
             self._servers.append(server)
             self.bound[route.name] = server.sockets[0].getsockname()[:2]
 
@@ -204,6 +252,9 @@ class Gate:
     def close_listeners(self) -> None:
         for server in self._servers:
             server.close()
+        for sock in self._reserved.values():
+            sock.close()
+        self._reserved.clear()
 
     @property
     def open_connections(self) -> int:

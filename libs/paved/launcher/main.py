@@ -11,9 +11,12 @@ Phases (reported on the admin port's /status and in the log):
    (embedded mode) or vLLM's OpenAI server alone (standalone), paved.kserve over the classic
    model directory (a kserve package: KServe v2 HTTP on the HTTP port, gRPC with --grpc-port),
    or any `--child-cmd`.
-5. Once the child's readiness endpoint answers 200, the public ports are bound and relayed
-   (paved.launcher.gate); before that they are closed. If the child exits first, the launcher
-   exits 1 with the child's last error line and the public ports were never opened.
+5. Once the child's readiness endpoint answers 200, the public ports listen and are relayed
+   (paved.launcher.gate); before that they refuse connections. They are bound (reserved, not
+   listening) before step 1, so a taken --port / --grpc-port fails the start at once (exit 1,
+   "cannot bind the public port") rather than after the model loaded, and no other process can
+   take them meanwhile. If the child exits first, the launcher exits 1 with the child's last
+   error line and the public ports were never opened.
 6. SIGTERM / SIGINT: readiness turns 503, public listeners close, the child gets SIGTERM and
    drains in-flight requests (the frontend's --drain-timeout); the launcher exits 0 once it
    has, or kills the child's process group and exits 1 after drain + grace seconds.
@@ -41,6 +44,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -58,6 +62,7 @@ from paved.launcher.gate import (
     Route,
     free_port,
     http_get,
+    reserve,
 )
 from paved.launcher.materialize import Materialized, Materializer
 from paved.launcher.metrics_port import MetricsPort
@@ -300,6 +305,8 @@ class Launcher:
         self.materialized: Materialized | None = None
         self.entry_points: list[dict] = []
         self.gate: Gate | None = None
+        # The public ports' sockets, bound at the start; handed to the gate once it exists.
+        self.public: dict[str, socket.socket] = {}
         self.child: asyncio.subprocess.Process | None = None
         self.child_tail: collections.deque[str] = collections.deque(maxlen=500)
         self._stop = asyncio.Event()
@@ -313,7 +320,10 @@ class Launcher:
         return self.phase == "ready"
 
     def status(self) -> dict:
-        ports = {k: list(v) for k, v in self.gate.bound.items()} if self.gate else {}
+        # The public ports are known (held, refusing connections) from the start; `phase` says
+        # whether they serve.
+        bound = self.gate.bound if self.gate else {k: s.getsockname()[:2] for k, s in self.public.items()}
+        ports = {k: list(v) for k, v in bound.items()}
         if self.metrics is not None:
             ports["metrics"] = list(self.metrics.address)
         return {
@@ -405,6 +415,9 @@ class Launcher:
             await self._kill_child()
             if self.gate is not None:
                 await self.gate.abort()
+            for sock in self.public.values():  # reserved but never handed to the gate
+                sock.close()
+            self.public.clear()
             if admin is not None:
                 admin.close()
             if self.metrics is not None:
@@ -413,6 +426,7 @@ class Launcher:
 
     async def _run(self, state_dir: str) -> int:
         args = self.args
+        self._reserve_public_ports()
         # abspath reads the working directory: a syscall, kept off the loop like the others.
         metrics_path = (
             await asyncio.to_thread(os.path.abspath, args.metrics_dir) if args.metrics_dir else None
@@ -472,9 +486,11 @@ class Launcher:
                     else []
                 ),
             ],
+            sockets=self.public,
             max_connections=args.max_connections,
             idle_timeout_s=args.idle_timeout,
         )
+        self.public = {}  # the gate owns (and closes) them now
         try:
             await self.gate.open()
         except OSError as e:
@@ -496,6 +512,21 @@ class Launcher:
                 f"the engine process exited (code {child_exit.result()}): {self._child_reason()}"
             )
         return await self._drain(child_exit)
+
+    def _reserve_public_ports(self) -> None:
+        """Bind --port (and --grpc-port) now, not listening: a model can load for minutes, and
+        meanwhile another process could take a port bound only when it is ready."""
+        args = self.args
+        wanted = [("http", "--port", args.port)]
+        if args.grpc_port is not None:
+            wanted.append(("grpc", "--grpc-port", args.grpc_port))
+        for name, flag, port in wanted:
+            try:
+                self.public[name] = reserve(args.host, port)
+            except OSError as e:
+                raise LaunchError(f"cannot bind the public port {args.host}:{port} ({flag}): {e}") from None
+        held = (f"{k} {s.getsockname()[0]}:{s.getsockname()[1]}" for k, s in self.public.items())
+        log.info("public ports held, refusing connections until ready: %s", ", ".join(held))
 
     def _materialize(self) -> Materialized:
         args = self.args
@@ -690,8 +721,14 @@ def _bad_bounds(args: argparse.Namespace) -> str | None:
         return f"--idle-timeout must be >= 0 seconds (0: never), got {args.idle_timeout}"
     if not math.isfinite(args.lock_timeout) or args.lock_timeout <= 0:
         return f"--lock-timeout must be > 0 seconds, got {args.lock_timeout}"
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        return f"--metrics-port must be 0..65535 (0: any free port), got {args.metrics_port}"
+    for flag, port in (
+        ("--port", args.port),
+        ("--grpc-port", args.grpc_port),
+        ("--admin-port", args.admin_port),
+        ("--metrics-port", args.metrics_port),
+    ):
+        if port is not None and not 0 <= port <= 65535:
+            return f"{flag} must be 0..65535 (0: any free port), got {port}"
     return None
 
 

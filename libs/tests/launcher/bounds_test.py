@@ -225,6 +225,10 @@ def test_launcher_fails_with_the_holders_pid_when_the_lock_deadline_passes(tmp_p
         (["--idle-timeout", "-1"], "--idle-timeout must be >= 0"),
         (["--lock-timeout", "0"], "--lock-timeout must be > 0"),
         (["--lock-timeout", "nan"], "--lock-timeout must be > 0"),
+        (["--port", "65536"], "--port must be 0..65535 (0: any free port), got 65536"),
+        (["--port", "-1"], "--port must be 0..65535"),
+        (["--grpc-port", "70000"], "--grpc-port must be 0..65535"),
+        (["--admin-port", "-5"], "--admin-port must be 0..65535"),
     ],
 )
 def test_bad_bound_flags_exit_2(tmp_path, capsys, flags, needle):

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from paved.launcher.build import build_package
-from paved.launcher.gate import free_port
+from paved.launcher.gate import free_port, reserve
 from paved.launcher.testing import LauncherProcess
 
 CHILD = r"""
@@ -46,6 +46,8 @@ class H(BaseHTTPRequestHandler):
     def handle_get(self):
         if self.path == "/health/ready":
             ok = time.monotonic() - start >= ready_after and not draining.is_set()
+            if mode.startswith("file:"):  # ready once the test creates this file
+                ok = ok and os.path.exists(mode[len("file:"):])
             body = b"ready" if ok else b"loading"
             self.send_response(200 if ok else 503)
             self.send_header("Content-Length", str(len(body)))
@@ -132,8 +134,8 @@ class PortWatch:
         self._t.join()
 
 
-def _launch(tmp_path, package, *, ready_after=1.5, mode="ok", extra=()):
-    port, admin = free_port(), free_port()
+def _launch(tmp_path, package, *, ready_after=1.5, mode="ok", extra=(), port=None):
+    port, admin = port or free_port(), free_port()
     child = f"{{python}} {package / 'child.py'} {{http_port}} {ready_after} {mode} {{model_dir}}"
     if "--grpc-port" in extra:
         child += " {grpc_port}"
@@ -186,6 +188,70 @@ def test_public_port_opens_only_when_ready_and_relays(tmp_path, package):
         watch.stop()
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr()
+
+
+def test_public_port_is_held_from_the_start_refusing_until_ready(tmp_path, package):
+    ready_file = tmp_path / "ready"
+    proc, port, admin = _launch(tmp_path, package, ready_after=0, mode=f"file:{ready_file}")
+    try:
+        _wait_admin(admin)
+        deadline = time.monotonic() + 60
+        while (st := json.loads(_get(admin, "/status")[1]))["phase"] != "starting" or not st["child_pid"]:
+            assert time.monotonic() < deadline and st["phase"] != "failed", st
+            time.sleep(0.05)
+        # The engine runs and is not ready: the port is the launcher's (shown on /status, not
+        # bindable by anyone else) and refuses connections.
+        assert st["ports"]["http"] == ["127.0.0.1", port]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError, match="in use"):
+                other.bind(("127.0.0.1", port))
+        assert _get(admin, "/health/ready")[0] == 503
+        ready_file.touch()
+        assert proc.wait_line(rf"paved launcher: ready: fake:1 on http 127\.0\.0\.1:{port}\b", 60), (
+            proc.stderr()
+        )
+        assert _get(port, "/health/ready") == (200, b"ready")
+    finally:
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr()
+    # Released on exit: a next launcher gets the port (its served connections' TIME_WAIT left
+    # on it takes reserve()'s SO_REUSEADDR retry).
+    with reserve("127.0.0.1", port) as again:
+        again.listen()
+
+
+@pytest.mark.parametrize("route", ["http", "grpc"])
+@pytest.mark.parametrize("holder", ["listening", "reserved"])
+def test_a_taken_public_port_fails_the_start_before_the_engine(tmp_path, package, route, holder):
+    """Another server listens on the port, or another launcher holds it: exit 1 at once, with
+    nothing materialized and no engine started (not after a model load)."""
+    with reserve("127.0.0.1", 0) as busy:
+        if holder == "listening":
+            busy.listen()
+        taken = busy.getsockname()[1]
+        if route == "grpc":
+            proc, port, _ = _launch(tmp_path, package, ready_after=0, extra=("--grpc-port", str(taken)))
+        else:
+            proc, port, _ = _launch(tmp_path, package, ready_after=0, port=taken)
+        try:
+            code = proc.wait(60)
+        finally:
+            proc.kill()
+    err = proc.stderr()
+    flag = "--grpc-port" if route == "grpc" else "--port"
+    assert code == 1, err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"launcher: start failed: cannot bind the public port 127.0.0.1:{taken} ({flag}): ")
+    ), err
+    assert "phase: materializing" not in err and "fake engine: loading" not in err, err
+    if route == "grpc":  # the --port reserved before it was released too
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", port))
 
 
 def test_a_second_port_is_gated_and_relayed_too(tmp_path, package):

@@ -128,7 +128,11 @@ def test_metrics_port_serves_before_ready_with_the_frontend_down(tmp_path, packa
             assert time.monotonic() < deadline and st["phase"] != "failed", st
             time.sleep(0.05)
         host, port = st["ports"]["metrics"]
-        assert host == "127.0.0.1" and "http" not in st["ports"]  # the public port is still gated
+        assert host == "127.0.0.1"
+        # The public port is held from the start but still gated: it refuses connections.
+        public = st["ports"]["http"]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(tuple(public), timeout=5).close()
         status, body = _get(f"http://127.0.0.1:{port}/metrics")
         assert status == 200, body
         samples = _samples(body)
