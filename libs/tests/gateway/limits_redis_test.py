@@ -107,6 +107,44 @@ def test_concurrency_and_all_or_nothing(url):
     asyncio.run(go())
 
 
+def test_tokens_only_takes_tokens_but_no_request_or_slot(url):
+    """The gateway's own calls for a request (summaries, query embeddings) are charged to the
+    tokens/min buckets alone, on Redis as in process."""
+    (lim,) = replicas(url)
+    # 600 tokens/min refill 10 per second: the bounds below allow for the time the test takes.
+    p = principal(
+        key=Limits(tokens_per_min=6000),
+        tenant=Limits(requests_per_min=1, tokens_per_min=600, max_concurrent=1),
+    )
+
+    async def go():
+        t0 = time.monotonic()
+        held = await lim.acquire(p, 100)  # the request: its one request/min and its one slot
+        summary = await lim.acquire(p, 300, tokens_only=True)  # admitted beside it
+        snap = await lim.snapshot(p)
+        left = snap["tenant"]["tokens_per_min"]["remaining"]
+        assert 200 <= left <= 200 + 10 * (time.monotonic() - t0) + 1
+        assert snap["tenant"]["requests_per_min"]["remaining"] == 0
+        assert snap["tenant"]["max_concurrent"]["in_use"] == 1
+        assert snap["key"]["tokens_per_min"]["remaining"] >= 5600
+        await lim.finish(summary, 250)  # settled with the usage the call reported
+        settled = (await lim.snapshot(p))["tenant"]["tokens_per_min"]["remaining"]
+        assert 250 <= settled <= 250 + 10 * (time.monotonic() - t0) + 1
+        with pytest.raises(RateLimitedError) as info:
+            await lim.acquire(p, 590, tokens_only=True)
+        assert "tenant 't1'" in info.value.message and "tokens per minute" in info.value.message
+        with pytest.raises(GatewayError) as too_big:
+            await lim.acquire(p, 601, tokens_only=True)
+        assert too_big.value.code == "tokens_exceed_limit"
+        # The request/min was never taken by the tokens-only calls: the request's own is spent.
+        err = await refused(lim, p, 0)
+        assert "requests per minute" in err.message or "concurrent requests" in err.message
+        await lim.finish(held, 100)
+        await closing(lim)
+
+    asyncio.run(go())
+
+
 def test_finish_reconciles_once(url):
     r1, r2 = replicas(url, 2)
     p = principal(key=Limits(tokens_per_min=60, max_concurrent=1))  # 1 token/s
