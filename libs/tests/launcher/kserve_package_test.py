@@ -73,9 +73,8 @@ def test_the_package_is_the_model_directory_without_a_tokenizer(package, xgb_dir
         build_package(hf, str(tmp_path / "llm"), "fake", "1")
 
 
-def _status_ports(proc: LauncherProcess) -> dict:
-    port = int(next(a for i, a in enumerate(proc.proc.args) if proc.proc.args[i - 1] == "--admin-port"))
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as r:
+def _status_ports(admin_port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status", timeout=10) as r:
         return json.loads(r.read())["ports"]
 
 
@@ -110,7 +109,7 @@ def test_the_launcher_serves_a_kserve_package_over_grpc_and_http(package, tmp_pa
         finally:
             g.close()
             h.close()
-        metrics_port = _status_ports(proc)["metrics"][1]
+        metrics_port = _status_ports(admin_port)["metrics"][1]
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
         # The engine files are a source; paved.kserve alone serves no /metrics to merge.
