@@ -48,7 +48,7 @@ class MetricsPort:
         """Merge the child's /metrics on 127.0.0.1:`port` from the next scrape on."""
         # render() reads `upstreams` once per scrape and rebinding an attribute is atomic, so a
         # concurrent scrape sees either the old list or the new one, never a torn one.
-        self.proxy.upstreams = [Upstream(FRONTEND, f"http://127.0.0.1:{port}/metrics")]
+        self.proxy.upstreams = [Upstream(FRONTEND, f"http://127.0.0.1:{port}/metrics", mirrors_engine=True)]
 
     def close(self) -> None:
         """Stop serving, free the port and the proxy's fetch threads (blocks up to serve_forever's

@@ -55,6 +55,11 @@ _SUFFIXES = ("", "_total", "_created", "_bucket", "_count", "_sum", "_gcount", "
 class Upstream:
     name: str
     url: str
+    # The upstream repeats the engine files' families by design (the launcher's frontend: its
+    # in-process vLLM metrics are also recorded in the multiprocess directory). Its copies of
+    # them are dropped quietly: the files' merge across processes is the one kept, and neither
+    # a warning nor `dropped_families` should fire on every replica for the expected overlap.
+    mirrors_engine: bool = False
 
     @classmethod
     def parse(cls, spec: str) -> Upstream:
@@ -290,6 +295,7 @@ class MetricsProxy:
 
         claimed: set[str] = set()
         engine_out = []
+        mirrors = {u.name for u in self.upstreams if u.mirrors_engine}
         for family in engine:
             names = {family.name + s for s in _SUFFIXES} if family.type != "gauge" else {family.name}
             names |= {s.name for s in family.samples}
@@ -298,10 +304,13 @@ class MetricsProxy:
                 continue
             claimed |= names
             engine_out.append(family)
+        from_engine = set(claimed)
         upstream_out: list[str] = []
         for name, text in upstream_text.items():
             for block in split_families(text):
                 names = {block.name, *block.sample_names}
+                if name in mirrors and names <= from_engine:
+                    continue
                 if block.name.startswith(PREFIX) or names & claimed:
                     self._drop(name, block.name)
                     continue

@@ -128,6 +128,33 @@ def test_engine_and_upstream_merged_with_first_source_winning(prom_dir, upstream
     assert _value(fams, "paved_metrics_proxy_scrape_duration_seconds", source="triton") > 0
 
 
+def test_a_mirroring_upstreams_copies_of_engine_families_drop_quietly(prom_dir, upstreams, caplog):
+    """The launcher's frontend repeats the engine files' vLLM families by design: its copies are
+    dropped without a warning or a count; its own families still pass, and the same clash from
+    an ordinary upstream still warns and counts."""
+    frontend = Upstream("frontend", upstreams.url("/triton"), mirrors_engine=True)
+    mirror = MetricsProxy(str(prom_dir), [frontend])
+    plain = MetricsProxy(str(prom_dir), [Upstream("triton", upstreams.url("/triton"))])
+    with caplog.at_level("WARNING", logger="paved.metrics"):
+        mirrored = mirror.render()
+    assert not [r for r in caplog.records if "dropping family" in r.getMessage()]
+    fams = _parse(mirrored)
+    text = mirrored.decode()
+    assert 'model_name="x"' not in text and 'nv_inference_count{model="llm",version="1"} 7' in text
+    assert _value(fams, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model_name="tiny") == 30
+    assert (
+        "paved_metrics_proxy_dropped_families" not in fams
+        or not fams["paved_metrics_proxy_dropped_families"].samples
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="paved.metrics"):
+        counted = _parse(plain.render())
+    assert [r for r in caplog.records if "dropping family 'vllm:prompt_tokens'" in r.getMessage()]
+    assert _value(counted, "paved_metrics_proxy_dropped_families", source="triton") == 1
+    mirror.close()
+    plain.close()
+
+
 def test_failing_upstreams_are_up_0_and_everything_else_still_served(prom_dir, upstreams):
     dead = f"http://127.0.0.1:{free_port()}/metrics"
     proxy = MetricsProxy(
