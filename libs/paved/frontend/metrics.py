@@ -1,5 +1,7 @@
-"""One /metrics for the process: frontend request metrics, admission state, and every engine's
-own metrics (vLLM's `vllm:*` families, one `model_name` label value per model)."""
+"""One /metrics for the process: frontend request metrics, admission state, every engine's
+own metrics (vLLM's `vllm:*` families, one `model_name` label value per model) and, with a
+KServe listener on, its request metrics (paved.kserve.metrics' `paved_kserve_*`, registered in
+this registry by paved.frontend.server)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+from typing import Any  # noqa: E402
 
 import uvicorn  # noqa: E402
 
@@ -192,7 +193,8 @@ def _kserve(config: ServerConfig, models: ModelRegistry):
     from paved.kserve.server import KServeServer
     from paved.kserve.xgboost_model import XGBoostModel
 
-    limits = {
+    # Any: mypy checks a **dict against every keyword of KServeServer, not just these three.
+    limits: dict[str, Any] = {
         name: value
         for name, value in (
             ("max_message_bytes", config.kserve_max_message_bytes),
@@ -265,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         on_kserve_started=kserve_started,
         kserve_grace_s=min(config.drain_timeout_s, 30.0),
     )
+    if kserve is not None:
+        # Its request metrics (paved_kserve_*) on the frontend's /metrics: set before the
+        # lifespan starts it, which is when it registers them.
+        kserve.metrics_registry = app.state.paved.metrics.registry
     try:
         sock = bind(config.host, config.port)
     except OSError as e:

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import paved
@@ -40,6 +41,7 @@ from paved.engine.streams import aclose
 from paved.http.kserve_names import grpc_status_name
 from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, access_json, metadata_context
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
+from paved.kserve.metrics import GRPC, KServeMetrics, batch_rows
 from paved.kserve.repository import (
     MODEL_VERSION,
     InferRequest,
@@ -248,10 +250,13 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         *,
         stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
         stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
+        metrics: KServeMetrics | None = None,
     ):
+        """`metrics`: where inference requests are counted (None: a registry nobody serves)."""
         if stream_max_in_flight < 1 or stream_queue_size < 1:
             raise ValueError("stream_max_in_flight and stream_queue_size must be >= 1")
         self.repository = repository
+        self.metrics = metrics or KServeMetrics(CollectorRegistry(), repository.serves)
         self.stream_max_in_flight = stream_max_in_flight
         self.stream_queue_size = stream_queue_size
 
@@ -313,6 +318,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- inference -------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
+        started = time.perf_counter()
+        metrics = self.metrics
+        label = metrics.model_label(request.model_name)
+        metrics.started(label, GRPC)
         error = None
         try:
             model, infer_request = decode_request(self.repository, request, decoupled=False)
@@ -325,13 +334,21 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise invalid_argument(
                     f"model '{model.name}' sent {len(results)} responses; use ModelStreamInfer for it"
                 )
-            return encode_response(model, request.id, results[0])
+            response = encode_response(model, request.id, results[0])
+        except asyncio.CancelledError:  # the client cancelled, hung up or passed its deadline
+            metrics.failed(label, GRPC, "CANCELLED")
+            raise
         except Exception as e:  # noqa: BLE001 - every error becomes a gRPC status
             error = from_exception(e)
-        await context.abort(error.code, error.message)
+        if error is not None:
+            metrics.failed(label, GRPC, error.code.name)
+            await context.abort(error.code, error.message)
+        metrics.succeeded(label, GRPC, batch_rows(model.max_batch_size, infer_request.inputs), started)
+        return response
 
     async def ModelStreamInfer(self, request_iterator, context):
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.stream_queue_size)
+        metrics = self.metrics
         tasks: set[asyncio.Task] = set()
         done = object()
 
@@ -351,6 +368,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if ("triton_enable_empty_final_response" in request.parameters)
                 else False
             )
+            started = time.perf_counter()
+            label = metrics.model_label(request.model_name)
+            metrics.started(label, GRPC)
             model = None
             try:
                 model, infer_request = decode_request(self.repository, request, decoupled=True)
@@ -373,15 +393,26 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 finally:
                     await aclose(responses)
             except asyncio.CancelledError:
+                metrics.failed(label, GRPC, "CANCELLED")
                 raise
             except Exception as e:  # noqa: BLE001 - one request's error ends that request only
-                await fail(request, model.name if model else request.model_name, from_exception(e))
+                error = from_exception(e)
+                metrics.failed(label, GRPC, error.code.name)
+                await fail(request, model.name if model else request.model_name, error)
+                return
+            metrics.succeeded(label, GRPC, batch_rows(model.max_batch_size, infer_request.inputs), started)
 
         async def read() -> None:
             failed: BaseException | None = None
             try:
                 async for request in request_iterator:
                     if len(tasks) >= self.stream_max_in_flight:
+                        metrics.failed(
+                            metrics.model_label(request.model_name),
+                            GRPC,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+                            was_started=False,
+                        )
                         await fail(
                             request,
                             request.model_name,
@@ -467,6 +498,7 @@ def create_grpc_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
     stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
+    metrics: KServeMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the servicer, bound (port 0: any free port); not yet started."""
     server = grpc.aio.server(
@@ -479,7 +511,10 @@ def create_grpc_server(
         ],
     )
     servicer = KServeServicer(
-        repository, stream_max_in_flight=stream_max_in_flight, stream_queue_size=stream_queue_size
+        repository,
+        stream_max_in_flight=stream_max_in_flight,
+        stream_queue_size=stream_queue_size,
+        metrics=metrics,
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

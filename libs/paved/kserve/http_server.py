@@ -2,7 +2,8 @@
 
 Endpoints: /v2, /v2/health/{live,ready}, /v2/models/{m}[/versions/{v}], .../ready, .../config,
 .../infer, .../generate, .../generate_stream (SSE), /v2/repository/index; and paved's own
-/health/{live,ready} (ready is 503 until loaded), what the gateway and the launcher probe.
+/health/{live,ready} (ready is 503 until loaded), what the gateway and the launcher probe; and
+/metrics when the server owns its metrics registry (standalone; see paved.kserve.metrics).
 Status codes are Triton's (http_server.cc): a not-ready server or model is 400, unknown model
 404, unsupported feature 501, unavailable 503, and every error body is {"error": "..."}, which
 is what tritonclient.http raises from. Bodies over the size limit are 413 before they are read.
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import json_format
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
@@ -34,6 +37,7 @@ from paved.http.kserve_names import HTTP_MODEL_METHODS
 from paved.http.tracing import AccessMiddleware, TraceContext
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
+from paved.kserve.metrics import HTTP, KServeMetrics, batch_rows
 from paved.kserve.repository import (
     MODEL_VERSION,
     InferRequest,
@@ -320,16 +324,26 @@ async def _collect(request: Request, responses: AsyncIterator[InferResponse]) ->
 
 class _EventStream(StreamingResponse):
     """Server-sent events whose request is closed however the response ends (completed,
-    failed, or cut short by a disconnect before the first event)."""
+    failed, or cut short by a disconnect before the first event); `ended` is then told the
+    request's outcome: None for success, else the status code name."""
 
-    def __init__(self, events: AsyncIterator[bytes], responses: AsyncIterator[InferResponse]):
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        responses: AsyncIterator[InferResponse],
+        ended: Callable[[str | None], None],
+    ):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._responses = responses
+        self._ended = ended
+        # Until the events say otherwise, the stream was cut short by its client.
+        self.outcome: str | None = grpc.StatusCode.CANCELLED.name
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self._ended(self.outcome)
             await aclose(self._responses)
 
 
@@ -370,13 +384,31 @@ class AccessLogMiddleware(AccessMiddleware[TraceContext]):
 
     def write(self, scope: Scope, record: TraceContext, status: int, started: float) -> None:
         method, model = _method(scope)
-        probe = method in _PROBE_METHODS or scope["path"].startswith("/health/")
+        # Scrapes are as periodic as probes: not an INFO line each.
+        path = scope["path"]
+        probe = method in _PROBE_METHODS or path.startswith("/health/") or path == "/metrics"
         write_access(record, "kserve-http", method, model, status, started, probe=probe)
 
 
 def create_http_app(
-    repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    repository: ModelRepository,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    metrics: KServeMetrics | None = None,
+    metrics_registry: CollectorRegistry | None = None,
 ) -> FastAPI:
+    """`metrics`: where inference requests are counted (None: a registry nobody serves);
+    `metrics_registry`, if given, is served at GET /metrics (the standalone server's)."""
+    if metrics is None:
+        metrics = KServeMetrics(CollectorRegistry(), repository.serves)
+
+    def failed(label: str, e: Exception) -> KServeError:
+        """Count a request that raised `e`; the error to answer it with (from_exception once:
+        it logs unexpected errors)."""
+        error = from_exception(e)
+        metrics.failed(label, HTTP, error.code.name)
+        return error
+
     app = FastAPI(
         title="paved KServe v2", version=paved.__version__, openapi_url=None, docs_url=None, redoc_url=None
     )
@@ -392,6 +424,13 @@ def create_http_app(
     @app.exception_handler(Exception)
     async def _on_error(_: Request, e: Exception) -> JSONResponse:
         return _kserve_error(from_exception(e))
+
+    if metrics_registry is not None:
+        registry = metrics_registry
+
+        @app.get("/metrics")
+        async def prometheus_metrics():
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v2")
     async def server_metadata():
@@ -448,40 +487,97 @@ def create_http_app(
         return _config_json(repository.get(name, version))
 
     async def infer(name: str, request: Request, version: str = ""):
-        model = repository.get_ready(name, version)
-        body = await _read_body(request, max_body_bytes)
-        infer_request, binary, binary_default = _decode_infer(model, body, request.headers.get(HEADER_LENGTH))
-        results = await _collect(request, await repository.infer(model, infer_request))
-        if len(results) != 1:
-            raise invalid_argument(
-                f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
+        started = time.perf_counter()
+        label = metrics.model_label(name)
+        metrics.started(label, HTTP)
+        try:
+            model = repository.get_ready(name, version)
+            body = await _read_body(request, max_body_bytes)
+            infer_request, binary, binary_default = _decode_infer(
+                model, body, request.headers.get(HEADER_LENGTH)
             )
-        return _encode_infer(model, infer_request.id, results[0], binary, binary_default)
+            results = await _collect(request, await repository.infer(model, infer_request))
+            if len(results) != 1:
+                raise invalid_argument(
+                    f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
+                )
+            response = _encode_infer(model, infer_request.id, results[0], binary, binary_default)
+        except asyncio.CancelledError:
+            metrics.failed(label, HTTP, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception as e:
+            error = failed(label, e)
+            if error is e:
+                raise
+            raise error from e
+        metrics.succeeded(label, HTTP, batch_rows(model.max_batch_size, infer_request.inputs), started)
+        return response
 
     async def generate(name: str, request: Request, version: str = ""):
-        model = repository.get_ready(name, version)
-        doc = _parse_json(await _read_body(request, max_body_bytes))
-        results = await _collect(request, await repository.infer(model, _generate_inputs(model, doc)))
-        if len(results) != 1:
-            raise invalid_argument(f"model '{model.name}' sent {len(results)} responses; use generate_stream")
-        return JSONResponse(_generate_json(model, results[0]))
+        started = time.perf_counter()
+        label = metrics.model_label(name)
+        metrics.started(label, HTTP)
+        try:
+            model = repository.get_ready(name, version)
+            doc = _parse_json(await _read_body(request, max_body_bytes))
+            infer_request = _generate_inputs(model, doc)
+            results = await _collect(request, await repository.infer(model, infer_request))
+            if len(results) != 1:
+                raise invalid_argument(
+                    f"model '{model.name}' sent {len(results)} responses; use generate_stream"
+                )
+            response = JSONResponse(_generate_json(model, results[0]))
+        except asyncio.CancelledError:
+            metrics.failed(label, HTTP, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception as e:
+            error = failed(label, e)
+            if error is e:
+                raise
+            raise error from e
+        metrics.succeeded(label, HTTP, batch_rows(model.max_batch_size, infer_request.inputs), started)
+        return response
 
     async def generate_stream(name: str, request: Request, version: str = ""):
-        model = repository.get_ready(name, version)
-        doc = _parse_json(await _read_body(request, max_body_bytes))
-        infer_request = _generate_inputs(model, doc)
-        infer_request.decoupled = True
-        # Admission errors are answered with a status code; later ones travel as SSE events.
-        responses = await repository.infer(model, infer_request)
+        started = time.perf_counter()
+        label = metrics.model_label(name)
+        metrics.started(label, HTTP)
+        try:
+            model = repository.get_ready(name, version)
+            doc = _parse_json(await _read_body(request, max_body_bytes))
+            infer_request = _generate_inputs(model, doc)
+            infer_request.decoupled = True
+            # Admission errors are answered with a status code; later ones travel as SSE events.
+            responses = await repository.infer(model, infer_request)
+        except asyncio.CancelledError:
+            metrics.failed(label, HTTP, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception as e:
+            error = failed(label, e)
+            if error is e:
+                raise
+            raise error from e
+        rows = batch_rows(model.max_batch_size, infer_request.inputs)
+
+        def ended(status: str | None) -> None:
+            if status is None:
+                metrics.succeeded(label, HTTP, rows, started)
+            else:
+                metrics.failed(label, HTTP, status)
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for response in responses:
                     yield b"data: " + json.dumps(_generate_json(model, response)).encode() + b"\n\n"
             except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
-                yield b"data: " + json.dumps({"error": from_exception(e).message}).encode() + b"\n\n"
+                error = from_exception(e)
+                stream.outcome = error.code.name
+                yield b"data: " + json.dumps({"error": error.message}).encode() + b"\n\n"
+                return
+            stream.outcome = None
 
-        return _EventStream(events(), responses)
+        stream = _EventStream(events(), responses, ended)
+        return stream
 
     # Registered before the model routes, so /v2/models/stats is not read as a model name.
     async def not_supported(request: Request):

@@ -7,7 +7,8 @@
 Without --model-dir / --llm-config it serves the //models/xgb fixture. `--llm-config` takes
 the OpenAI frontend's config file (its [[models]] entries become in-process vLLM engines).
 The listeners bind first and answer ServerReady false until every model and engine is
-loaded; SIGINT / SIGTERM stop it gracefully. LLM and embedding requests are admitted by the
+loaded; SIGINT / SIGTERM stop it gracefully. `GET /metrics` on the HTTP port answers its
+request metrics (paved.kserve.metrics) and process metrics. LLM and embedding requests are admitted by the
 frontend's `ModelRegistry` over the same engines, so each model's `max_queued_sequences`
 (default 1024, set per model in the config file) bounds them here as it does there. In the
 OpenAI frontend's process the same server runs beside the OpenAI API through

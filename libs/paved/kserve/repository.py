@@ -99,6 +99,16 @@ class ModelRepository:
         for name in set(self._llm) - seen:
             del self._llm[name]
 
+    def serves(self, name: str) -> bool:
+        """Whether a model of this name is served now (the metrics' model label)."""
+        if name in self.classic or name in self._llm:
+            return True
+        try:
+            self._refresh_llm()
+        except ValueError:  # a name clash: get() raises it to the caller, a label need not
+            return False
+        return name in self._llm
+
     def get(self, name: str, version: str = "") -> ServedModel:
         model = self.classic.get(name)
         if model is None:

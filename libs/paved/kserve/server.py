@@ -8,6 +8,11 @@ The OpenAI frontend starts them beside its own port, over the same engines:
 
 (paved.frontend.app does this in its lifespan with a `KServeServer` it is given.)
 
+Request metrics (paved.kserve.metrics) go to `metrics_registry` when one is set before
+`start()` (the frontend sets its own, so its /metrics carries them); otherwise the server keeps a
+registry of its own, with the process collectors, and serves it at GET /metrics on its HTTP
+port (the standalone server's, what the launcher merges).
+
 Both listeners bind before `serve_kserve` returns (a busy port fails the caller at once); classic
 models load in the background, so ServerReady answers false until they and the engines are
 ready. The HTTP listener is a second uvicorn server on the caller's loop that leaves signal
@@ -23,6 +28,7 @@ import socket
 from collections.abc import Callable, Sequence
 
 import uvicorn
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 
 from paved.engine.protocol import Engine
 from paved.kserve.grpc_server import (
@@ -32,6 +38,7 @@ from paved.kserve.grpc_server import (
     create_grpc_server,
 )
 from paved.kserve.http_server import create_http_app
+from paved.kserve.metrics import KServeMetrics
 from paved.kserve.repository import Admission, ModelRepository, ServedModel
 from paved.kserve.xgboost_model import XGBoostModel
 
@@ -74,6 +81,7 @@ class KServeServer:
         draining: Callable[[], bool] | None = None,
         stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
         stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
+        metrics_registry: CollectorRegistry | None = None,
     ):
         if grpc_port is None and http_port is None:
             raise ValueError("KServe needs a gRPC port, an HTTP port, or both")
@@ -84,6 +92,10 @@ class KServeServer:
         self.max_message_bytes = max_message_bytes
         self.stream_max_in_flight = stream_max_in_flight
         self.stream_queue_size = stream_queue_size
+        # Where the request metrics go (settable until start()); None: a registry of our own,
+        # served at /metrics on the HTTP port.
+        self.metrics_registry = metrics_registry
+        self.metrics: KServeMetrics | None = None
         # The bound ports (port 0 asks for any free one).
         self.grpc_port: int | None = None
         self.http_port: int | None = None
@@ -94,6 +106,16 @@ class KServeServer:
 
     async def start(self) -> None:
         self.repository.models()  # fail now on a name served twice
+        served_registry = None
+        registry = self.metrics_registry
+        if registry is None:
+            # A registry of our own rather than the global one: several servers may share a
+            # process (tests), and the global one is where vLLM (un)registers its collectors.
+            registry = served_registry = CollectorRegistry(auto_describe=True)
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        self.metrics = metrics = KServeMetrics(registry, self.repository.serves)
         if self._grpc_port_wanted is not None:
             self._grpc, self.grpc_port = create_grpc_server(
                 self.repository,
@@ -102,6 +124,7 @@ class KServeServer:
                 max_message_bytes=self.max_message_bytes,
                 stream_max_in_flight=self.stream_max_in_flight,
                 stream_queue_size=self.stream_queue_size,
+                metrics=metrics,
             )
         if self._http_port_wanted is not None:
             self._http_socket = _bind(self.host, self._http_port_wanted)
@@ -110,7 +133,12 @@ class KServeServer:
         if self._grpc is not None:
             await self._grpc.start()
         if self._http_socket is not None:
-            app = create_http_app(self.repository, max_body_bytes=self.max_message_bytes)
+            app = create_http_app(
+                self.repository,
+                max_body_bytes=self.max_message_bytes,
+                metrics=metrics,
+                metrics_registry=served_registry,
+            )
             config = uvicorn.Config(
                 app, lifespan="off", log_level="warning", access_log=False, timeout_keep_alive=30
             )

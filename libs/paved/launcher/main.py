@@ -469,9 +469,10 @@ class Launcher:
 
         self._set_phase("starting")
         spec = child_spec(args, m, state_dir)
-        # paved.kserve serving a kserve package alone has no /metrics of its own (a
-        # permanently down source would only be noise); the engine files still are.
-        if self.metrics is not None and (args.child_cmd or m.package.mode != "kserve"):
+        # The child's /metrics on its HTTP port: the frontend's, or for a kserve package
+        # paved.kserve's own (its paved_kserve_* request metrics, which it also records in the
+        # multiprocess files: the files' copy is the one kept).
+        if self.metrics is not None:
             self.metrics.set_frontend(spec.ports["http"])
         child = await self._start_child(spec, env)
         if not await self._wait_ready(spec):

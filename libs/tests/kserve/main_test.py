@@ -1,10 +1,12 @@
-"""The standalone KServe main (//services/kserve:serve) as a process: serves, answers, stops on SIGTERM."""
+"""The standalone KServe main (//services/kserve:serve) as a process: serves, answers, shows its
+request metrics at /metrics on its HTTP port, stops on SIGTERM."""
 
 import os
 import re
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -28,6 +30,11 @@ def test_serves_a_model_directory_and_stops_on_sigterm():
         t.set_data_from_numpy(x)
         assert client.infer("xgb_scorer", [t]).as_numpy("output__0").shape == (2, 3)
         client.close()
+        # Its request metrics, on its HTTP port (what the launcher merges for a kserve package).
+        with urllib.request.urlopen(f"http://127.0.0.1:{match.group(2)}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'paved_kserve_request_success_total{model="xgb_scorer",protocol="grpc"} 1.0' in text, text
+        assert 'paved_kserve_inference_count_total{model="xgb_scorer",protocol="grpc"} 2.0' in text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

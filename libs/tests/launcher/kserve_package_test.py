@@ -6,7 +6,8 @@ the launcher serving it through paved.kserve.
     tokenizer or plugins and an LLM package without a tokenizer;
   * the launcher (its CLI, as the control plane's local driver starts it): KServe v2 gRPC on the
     public gRPC port and HTTP on the public HTTP port score as xgboost does; /health/ready is
-    200 once ready; SIGTERM drains and exits 0; `--mode` cannot turn it into an LLM.
+    200 once ready; its metrics port shows paved.kserve's paved_kserve_* request metrics for
+    those inferences; SIGTERM drains and exits 0; `--mode` cannot turn it into an LLM.
 """
 
 from __future__ import annotations
@@ -112,9 +113,19 @@ def test_the_launcher_serves_a_kserve_package_over_grpc_and_http(package, tmp_pa
         metrics_port = _status_ports(admin_port)["metrics"][1]
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
-        # The engine files are a source; paved.kserve alone serves no /metrics to merge.
+        # Both sources are up: the engine files, and paved.kserve's own /metrics (its process
+        # families; its request metrics it records in the files too, and those are the ones kept).
         assert 'paved_metrics_proxy_up{source="engine"} 1.0' in text, text[:2000]
-        assert 'source="frontend"' not in text, text[:2000]
+        assert 'paved_metrics_proxy_up{source="frontend"} 1.0' in text, text[:2000]
+        # The two inferences above, one per protocol, of 5 rows each, exactly once each.
+        for protocol in ("grpc", "http"):
+            labels = f'{{model="xgb_scorer",protocol="{protocol}"}}'
+            assert f"paved_kserve_request_success_total{labels} 1.0" in text, text
+            assert f"paved_kserve_inference_count_total{labels} 5.0" in text, text
+            assert f"paved_kserve_request_duration_seconds_count{labels} 1.0" in text, text
+        # Once each: the child's copy of what the files hold is not repeated.
+        assert text.count("\npaved_kserve_request_success_total{") == 2, text
+        assert "process_cpu_seconds_total" in text  # the child's own families are merged
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stderr()[-3000:]
     finally:

@@ -1,0 +1,108 @@
+"""Request metrics of the KServe v2 server, in the spirit of Triton's `nv_inference_*`.
+
+    paved_kserve_request_success_total{model,protocol}          nv_inference_request_success
+    paved_kserve_request_failure_total{model,protocol,status}   nv_inference_request_failure
+    paved_kserve_inference_count_total{model,protocol}          nv_inference_count
+    paved_kserve_request_duration_seconds{model,protocol}       nv_inference_request_duration_us
+    paved_kserve_requests_in_flight{model,protocol}
+
+What counts is an inference request: a ModelInfer call, each request on a ModelStreamInfer
+stream, and an HTTP infer / generate / generate_stream call (health, metadata and the other
+routes are not). `protocol` is grpc or http; `status` is the gRPC status code name on both
+transports (NOT_FOUND, INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED, CANCELLED, ...), so a
+failure reads the same whichever way it came. The inference count is rows: the batch dimension
+of a model with `max_batch_size > 0` (an XGBoost request of 5 rows counts 5), one otherwise
+(an LLM request). Durations are of successful requests (a stream: until its final response),
+from the request's arrival to its answer.
+
+Label cardinality is bounded: `model` is a name the repository serves, or `(unknown)` for any
+other (a client cannot grow the series by inventing names).
+
+The metrics live in the CollectorRegistry they are given: the OpenAI frontend passes its own,
+so its /metrics carries them; the standalone server has a registry of its own served at GET
+/metrics on its HTTP port.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+UNKNOWN_MODEL = "(unknown)"
+GRPC = "grpc"
+HTTP = "http"
+# From XGBoost's sub-millisecond batches to an LLM's minutes-long generation.
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+)  # fmt: skip
+
+
+class KServeMetrics:
+    def __init__(self, registry: CollectorRegistry, serves: Callable[[str], bool]):
+        """`serves(name)`: whether the repository serves a model of that name (its label)."""
+        self._serves = serves
+        self.success = Counter(
+            "paved_kserve_request_success",
+            "KServe inference requests answered successfully, by model and protocol.",
+            ["model", "protocol"],
+            registry=registry,
+        )
+        self.failure = Counter(
+            "paved_kserve_request_failure",
+            "KServe inference requests that failed, by model, protocol and gRPC status code name.",
+            ["model", "protocol", "status"],
+            registry=registry,
+        )
+        self.inferences = Counter(
+            "paved_kserve_inference_count",
+            "Rows inferred by successful KServe requests (the batch size; 1 for an unbatched model).",
+            ["model", "protocol"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "paved_kserve_request_duration_seconds",
+            "Time from a KServe inference request's arrival to its (final) response, successes only.",
+            ["model", "protocol"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        # livesum: under PROMETHEUS_MULTIPROC_DIR (the launcher sets it) the merged view is the
+        # live processes' sum, not one series per pid.
+        self.in_flight = Gauge(
+            "paved_kserve_requests_in_flight",
+            "KServe inference requests being served, by model and protocol.",
+            ["model", "protocol"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+
+    def model_label(self, name: str) -> str:
+        return name if self._serves(name) else UNKNOWN_MODEL
+
+    def started(self, label: str, protocol: str) -> None:
+        self.in_flight.labels(label, protocol).inc()
+
+    def succeeded(self, label: str, protocol: str, rows: int, started: float) -> None:
+        """A request that `started` (time.perf_counter()) and is now answered; leaves in-flight."""
+        self.in_flight.labels(label, protocol).dec()
+        self.success.labels(label, protocol).inc()
+        self.inferences.labels(label, protocol).inc(rows)
+        self.duration.labels(label, protocol).observe(time.perf_counter() - started)
+
+    def failed(self, label: str, protocol: str, status: str, *, was_started: bool = True) -> None:
+        """A failed request; `was_started=False` for one refused before `started` was called."""
+        if was_started:
+            self.in_flight.labels(label, protocol).dec()
+        self.failure.labels(label, protocol, status).inc()
+
+
+def batch_rows(max_batch_size: int, inputs: dict) -> int:
+    """Rows a request carries: its batch dimension for a batching model, else 1."""
+    if max_batch_size > 0:
+        for array in inputs.values():
+            shape = getattr(array, "shape", ())
+            if shape:
+                return int(shape[0])
+    return 1
