@@ -40,7 +40,7 @@ import paved
 from paved.engine.streams import aclose
 from paved.http.kserve_names import grpc_status_name
 from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, access_json, metadata_context
-from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
+from paved.kserve.errors import KServeError, invalid_argument, too_large, unsupported
 from paved.kserve.metrics import GRPC, KServeMetrics, batch_rows
 from paved.kserve.repository import (
     MODEL_VERSION,
@@ -318,32 +318,26 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- inference -------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
-        started = time.perf_counter()
-        metrics = self.metrics
-        label = metrics.model_label(request.model_name)
-        metrics.started(label, GRPC)
+        record = self.metrics.request(request.model_name, GRPC)
         error = None
         try:
-            model, infer_request = decode_request(self.repository, request, decoupled=False)
-            responses = await self.repository.infer(model, infer_request)
-            try:
-                results = [r async for r in responses]
-            finally:
-                await aclose(responses)
-            if len(results) != 1:
-                raise invalid_argument(
-                    f"model '{model.name}' sent {len(results)} responses; use ModelStreamInfer for it"
-                )
-            response = encode_response(model, request.id, results[0])
-        except asyncio.CancelledError:  # the client cancelled, hung up or passed its deadline
-            metrics.failed(label, GRPC, "CANCELLED")
-            raise
-        except Exception as e:  # noqa: BLE001 - every error becomes a gRPC status
-            error = from_exception(e)
+            with record.failures():
+                model, infer_request = decode_request(self.repository, request, decoupled=False)
+                responses = await self.repository.infer(model, infer_request)
+                try:
+                    results = [r async for r in responses]
+                finally:
+                    await aclose(responses)
+                if len(results) != 1:
+                    raise invalid_argument(
+                        f"model '{model.name}' sent {len(results)} responses; use ModelStreamInfer for it"
+                    )
+                response = encode_response(model, request.id, results[0])
+        except KServeError as e:  # every error becomes a gRPC status (a cancellation propagates)
+            error = e
         if error is not None:
-            metrics.failed(label, GRPC, error.code.name)
             await context.abort(error.code, error.message)
-        metrics.succeeded(label, GRPC, batch_rows(model.max_batch_size, infer_request.inputs), started)
+        record.succeeded(batch_rows(model.max_batch_size, infer_request.inputs))
         return response
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -368,39 +362,33 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if ("triton_enable_empty_final_response" in request.parameters)
                 else False
             )
-            started = time.perf_counter()
-            label = metrics.model_label(request.model_name)
-            metrics.started(label, GRPC)
+            record = metrics.request(request.model_name, GRPC)
             model = None
             try:
-                model, infer_request = decode_request(self.repository, request, decoupled=True)
-                responses = await self.repository.infer(model, infer_request)
-                try:
-                    sent_final = False
-                    async for response in responses:
-                        if not response.outputs and response.final and not empty_final:
-                            continue  # an empty final response is opt-in, as in Triton
-                        message = encode_response(model, request.id, response)
-                        message.parameters["triton_final_response"].bool_param = response.final
-                        sent_final = sent_final or response.final
-                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
-                    if empty_final and not sent_final:
-                        message = service_pb2.ModelInferResponse(
-                            model_name=model.name, model_version=MODEL_VERSION, id=request.id
-                        )
-                        message.parameters["triton_final_response"].bool_param = True
-                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
-                finally:
-                    await aclose(responses)
-            except asyncio.CancelledError:
-                metrics.failed(label, GRPC, "CANCELLED")
-                raise
-            except Exception as e:  # noqa: BLE001 - one request's error ends that request only
-                error = from_exception(e)
-                metrics.failed(label, GRPC, error.code.name)
+                with record.failures():
+                    model, infer_request = decode_request(self.repository, request, decoupled=True)
+                    responses = await self.repository.infer(model, infer_request)
+                    try:
+                        sent_final = False
+                        async for response in responses:
+                            if not response.outputs and response.final and not empty_final:
+                                continue  # an empty final response is opt-in, as in Triton
+                            message = encode_response(model, request.id, response)
+                            message.parameters["triton_final_response"].bool_param = response.final
+                            sent_final = sent_final or response.final
+                            await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
+                        if empty_final and not sent_final:
+                            message = service_pb2.ModelInferResponse(
+                                model_name=model.name, model_version=MODEL_VERSION, id=request.id
+                            )
+                            message.parameters["triton_final_response"].bool_param = True
+                            await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
+                    finally:
+                        await aclose(responses)
+            except KServeError as error:  # one request's error ends that request only
                 await fail(request, model.name if model else request.model_name, error)
                 return
-            metrics.succeeded(label, GRPC, batch_rows(model.max_batch_size, infer_request.inputs), started)
+            record.succeeded(batch_rows(model.max_batch_size, infer_request.inputs))
 
         async def read() -> None:
             failed: BaseException | None = None

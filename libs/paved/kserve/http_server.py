@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -402,13 +401,6 @@ def create_http_app(
     if metrics is None:
         metrics = KServeMetrics(CollectorRegistry(), repository.serves)
 
-    def failed(label: str, e: Exception) -> KServeError:
-        """Count a request that raised `e`; the error to answer it with (from_exception once:
-        it logs unexpected errors)."""
-        error = from_exception(e)
-        metrics.failed(label, HTTP, error.code.name)
-        return error
-
     app = FastAPI(
         title="paved KServe v2", version=paved.__version__, openapi_url=None, docs_url=None, redoc_url=None
     )
@@ -487,10 +479,8 @@ def create_http_app(
         return _config_json(repository.get(name, version))
 
     async def infer(name: str, request: Request, version: str = ""):
-        started = time.perf_counter()
-        label = metrics.model_label(name)
-        metrics.started(label, HTTP)
-        try:
+        record = metrics.request(name, HTTP)
+        with record.failures():
             model = repository.get_ready(name, version)
             body = await _read_body(request, max_body_bytes)
             infer_request, binary, binary_default = _decode_infer(
@@ -502,22 +492,12 @@ def create_http_app(
                     f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
                 )
             response = _encode_infer(model, infer_request.id, results[0], binary, binary_default)
-        except asyncio.CancelledError:
-            metrics.failed(label, HTTP, grpc.StatusCode.CANCELLED.name)
-            raise
-        except Exception as e:
-            error = failed(label, e)
-            if error is e:
-                raise
-            raise error from e
-        metrics.succeeded(label, HTTP, batch_rows(model.max_batch_size, infer_request.inputs), started)
+        record.succeeded(batch_rows(model.max_batch_size, infer_request.inputs))
         return response
 
     async def generate(name: str, request: Request, version: str = ""):
-        started = time.perf_counter()
-        label = metrics.model_label(name)
-        metrics.started(label, HTTP)
-        try:
+        record = metrics.request(name, HTTP)
+        with record.failures():
             model = repository.get_ready(name, version)
             doc = _parse_json(await _read_body(request, max_body_bytes))
             infer_request = _generate_inputs(model, doc)
@@ -527,43 +507,25 @@ def create_http_app(
                     f"model '{model.name}' sent {len(results)} responses; use generate_stream"
                 )
             response = JSONResponse(_generate_json(model, results[0]))
-        except asyncio.CancelledError:
-            metrics.failed(label, HTTP, grpc.StatusCode.CANCELLED.name)
-            raise
-        except Exception as e:
-            error = failed(label, e)
-            if error is e:
-                raise
-            raise error from e
-        metrics.succeeded(label, HTTP, batch_rows(model.max_batch_size, infer_request.inputs), started)
+        record.succeeded(batch_rows(model.max_batch_size, infer_request.inputs))
         return response
 
     async def generate_stream(name: str, request: Request, version: str = ""):
-        started = time.perf_counter()
-        label = metrics.model_label(name)
-        metrics.started(label, HTTP)
-        try:
+        record = metrics.request(name, HTTP)
+        with record.failures():
             model = repository.get_ready(name, version)
             doc = _parse_json(await _read_body(request, max_body_bytes))
             infer_request = _generate_inputs(model, doc)
             infer_request.decoupled = True
             # Admission errors are answered with a status code; later ones travel as SSE events.
             responses = await repository.infer(model, infer_request)
-        except asyncio.CancelledError:
-            metrics.failed(label, HTTP, grpc.StatusCode.CANCELLED.name)
-            raise
-        except Exception as e:
-            error = failed(label, e)
-            if error is e:
-                raise
-            raise error from e
         rows = batch_rows(model.max_batch_size, infer_request.inputs)
 
         def ended(status: str | None) -> None:
             if status is None:
-                metrics.succeeded(label, HTTP, rows, started)
+                record.succeeded(rows)
             else:
-                metrics.failed(label, HTTP, status)
+                record.failed(status)
 
         async def events() -> AsyncIterator[bytes]:
             try:

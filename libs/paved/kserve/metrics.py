@@ -25,10 +25,15 @@ so its /metrics carries them; the standalone server has a registry of its own se
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from paved.kserve.errors import from_exception
 
 UNKNOWN_MODEL = "(unknown)"
 GRPC = "grpc"
@@ -43,28 +48,28 @@ class KServeMetrics:
     def __init__(self, registry: CollectorRegistry, serves: Callable[[str], bool]):
         """`serves(name)`: whether the repository serves a model of that name (its label)."""
         self._serves = serves
-        self.success = Counter(
+        labels = ["model", "protocol"]
+
+        def counter(name: str, documentation: str, *more_labels: str) -> Counter:
+            return Counter(name, documentation, [*labels, *more_labels], registry=registry)
+
+        self.success = counter(
             "paved_kserve_request_success",
             "KServe inference requests answered successfully, by model and protocol.",
-            ["model", "protocol"],
-            registry=registry,
         )
-        self.failure = Counter(
+        self.failure = counter(
             "paved_kserve_request_failure",
             "KServe inference requests that failed, by model, protocol and gRPC status code name.",
-            ["model", "protocol", "status"],
-            registry=registry,
+            "status",
         )
-        self.inferences = Counter(
+        self.inferences = counter(
             "paved_kserve_inference_count",
             "Rows inferred by successful KServe requests (the batch size; 1 for an unbatched model).",
-            ["model", "protocol"],
-            registry=registry,
         )
         self.duration = Histogram(
             "paved_kserve_request_duration_seconds",
             "Time from a KServe inference request's arrival to its (final) response, successes only.",
-            ["model", "protocol"],
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
@@ -73,7 +78,7 @@ class KServeMetrics:
         self.in_flight = Gauge(
             "paved_kserve_requests_in_flight",
             "KServe inference requests being served, by model and protocol.",
-            ["model", "protocol"],
+            labels,
             registry=registry,
             multiprocess_mode="livesum",
         )
@@ -81,21 +86,53 @@ class KServeMetrics:
     def model_label(self, name: str) -> str:
         return name if self._serves(name) else UNKNOWN_MODEL
 
-    def started(self, label: str, protocol: str) -> None:
-        self.in_flight.labels(label, protocol).inc()
-
-    def succeeded(self, label: str, protocol: str, rows: int, started: float) -> None:
-        """A request that `started` (time.perf_counter()) and is now answered; leaves in-flight."""
-        self.in_flight.labels(label, protocol).dec()
-        self.success.labels(label, protocol).inc()
-        self.inferences.labels(label, protocol).inc(rows)
-        self.duration.labels(label, protocol).observe(time.perf_counter() - started)
+    def request(self, name: str, protocol: str) -> InferenceRecord:
+        """Count an inference request for model `name` arriving now (in flight until it ends)."""
+        return InferenceRecord(self, self.model_label(name), protocol)
 
     def failed(self, label: str, protocol: str, status: str, *, was_started: bool = True) -> None:
-        """A failed request; `was_started=False` for one refused before `started` was called."""
+        """A failed request; `was_started=False` for one refused before it was counted in flight."""
         if was_started:
             self.in_flight.labels(label, protocol).dec()
         self.failure.labels(label, protocol, status).inc()
+
+
+class InferenceRecord:
+    """One inference request, in flight from its creation until `succeeded` or `failed`."""
+
+    def __init__(self, metrics: KServeMetrics, label: str, protocol: str):
+        self._metrics = metrics
+        self.label = label
+        self.protocol = protocol
+        self._started = time.perf_counter()
+        metrics.in_flight.labels(label, protocol).inc()
+
+    def succeeded(self, rows: int) -> None:
+        m, label, protocol = self._metrics, self.label, self.protocol
+        m.in_flight.labels(label, protocol).dec()
+        m.success.labels(label, protocol).inc()
+        m.inferences.labels(label, protocol).inc(rows)
+        m.duration.labels(label, protocol).observe(time.perf_counter() - self._started)
+
+    def failed(self, status: str) -> None:
+        self._metrics.failed(self.label, self.protocol, status)
+
+    @contextmanager
+    def failures(self) -> Iterator[None]:
+        """Count a failure raised in the block: a cancellation as CANCELLED (re-raised), any
+        other exception as the KServeError that from_exception makes of it, raised in its place
+        (from_exception once per request: it logs unexpected errors)."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self.failed(grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception as e:
+            error = from_exception(e)
+            self.failed(error.code.name)
+            if error is e:
+                raise
+            raise error from e
 
 
 def batch_rows(max_batch_size: int, inputs: dict) -> int:

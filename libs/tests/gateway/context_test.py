@@ -171,6 +171,29 @@ async def fill(
         await conversations.append(tenant, conversation_id, [user(2 * k), assistant(2 * k + 1)])
 
 
+async def fit(
+    fitter: ContextFitter,
+    tok: Any,
+    *,
+    budget: int,
+    summarize: Any,
+    new: list[dict] | None = None,
+    conversation_id: str = "c",
+    tenant: str = TENANT,
+) -> Fitted:
+    """`fitter.fit` with SYSTEM first and `new` (by default one user message) last, counted with
+    the tiny model's tokenizer."""
+    return await fitter.fit(
+        tenant=tenant,
+        conversation_id=conversation_id,
+        system=SYSTEM,
+        new=[user(100)] if new is None else new,
+        budget=budget,
+        count=Counter(tok),
+        summarize=summarize,
+    )
+
+
 # -- the fitter ----------------------------------------------------------------------------
 
 
@@ -272,15 +295,7 @@ def test_a_too_long_summary_is_cut_to_fit(conversations, tok):
 
     async def go():
         await fill(conversations, "c", 15)
-        fitted = await fitter.fit(
-            tenant=TENANT,
-            conversation_id="c",
-            system=SYSTEM,
-            new=[user(100)],
-            budget=budget,
-            count=Counter(tok),
-            summarize=summarizer,
-        )
+        fitted = await fit(fitter, tok, budget=budget, summarize=summarizer)
         assert fitted.summary is not None and long_reply.startswith(fitted.summary)
         assert 0 < len(fitted.summary) < len(long_reply)
         assert not fitted.summary.endswith(" ")
@@ -309,15 +324,7 @@ def test_without_a_working_summarizer_the_oldest_turns_are_dropped(conversations
             assert await conversations.save_summary(TENANT, "c", "old summary", 4, expected_revision=15)
         conv = await conversations.load(TENANT, "c")
         with caplog.at_level(logging.WARNING, logger="paved.gateway.context"):
-            fitted = await fitter.fit(
-                tenant=TENANT,
-                conversation_id="c",
-                system=SYSTEM,
-                new=[user(100)],
-                budget=300,
-                count=Counter(tok),
-                summarize=summarizer,
-            )
+            fitted = await fit(fitter, tok, budget=300, summarize=summarizer)
         cut = fitted.summarized_turns
         assert cut > 0 and fitted.summary is None
         assert fitted.messages == [*SYSTEM, *conv.turns[cut:], user(100)]
@@ -358,15 +365,7 @@ def test_a_refused_summarizer_drops_turns_without_a_warning(conversations, tok, 
         await fill(conversations, "c", 15)
         conv = await conversations.load(TENANT, "c")
         with caplog.at_level(logging.INFO, logger="paved.gateway.context"):
-            fitted = await fitter.fit(
-                tenant=TENANT,
-                conversation_id="c",
-                system=SYSTEM,
-                new=[user(100)],
-                budget=300,
-                count=Counter(tok),
-                summarize=summarizer,
-            )
+            fitted = await fit(fitter, tok, budget=300, summarize=summarizer)
         cut = fitted.summarized_turns
         assert summarizer.refused == 1 and summarizer.calls == []
         assert cut > 0 and fitted.summary is None
@@ -386,15 +385,7 @@ def test_a_summarizer_refused_midway_keeps_what_it_folded(conversations, tok):
 
     async def go():
         await fill(conversations, "c", 30)
-        fitted = await fitter.fit(
-            tenant=TENANT,
-            conversation_id="c",
-            system=SYSTEM,
-            new=[user(100)],
-            budget=500,
-            count=Counter(tok),
-            summarize=summarizer,
-        )
+        fitted = await fit(fitter, tok, budget=500, summarize=summarizer)
         assert len(summarizer.calls) == 1 and summarizer.refused == 1
         # The first call's summary is sent and cached, covering only the turns it received.
         assert fitted.summary is not None and fitted.summary.startswith("The user and the assistant")
@@ -526,27 +517,11 @@ def test_system_and_new_alone_over_the_budget_is_context_length_exceeded(convers
     async def go():
         await fill(conversations, "c", 2)
         with pytest.raises(GatewayError) as err:
-            await fitter.fit(
-                tenant=TENANT,
-                conversation_id="c",
-                system=SYSTEM,
-                new=[big],
-                budget=need - 1,
-                count=Counter(tok),
-                summarize=FakeSummarizer(),
-            )
+            await fit(fitter, tok, budget=need - 1, summarize=FakeSummarizer(), new=[big])
         assert err.value.status == 400 and err.value.code == "context_length_exceeded"
         assert str(need) in err.value.message and str(need - 1) in err.value.message
         # Exactly at the budget it fits, every stored turn summarized or dropped.
-        fitted = await fitter.fit(
-            tenant=TENANT,
-            conversation_id="c",
-            system=SYSTEM,
-            new=[big],
-            budget=need,
-            count=Counter(tok),
-            summarize=FakeSummarizer(),
-        )
+        fitted = await fit(fitter, tok, budget=need, summarize=FakeSummarizer(), new=[big])
         assert fitted.messages == [*SYSTEM, big] and fitted.summarized_turns == 4
         assert fitted.prompt_tokens == need
 
@@ -616,14 +591,8 @@ def test_a_thousand_turns_take_a_logarithmic_number_of_counts_and_a_bounded_catc
         assert summarizer.tags == list(range(covered)) and covered < first.summarized_turns
         calls = len(summarizer.calls)
         while stored.summary_upto < first.summarized_turns:
-            await fitter.fit(
-                tenant=TENANT,
-                conversation_id="long",
-                system=SYSTEM,
-                new=[user(5000)],
-                budget=budget,
-                count=Counter(tok),
-                summarize=summarizer,
+            await fit(
+                fitter, tok, budget=budget, summarize=summarizer, new=[user(5000)], conversation_id="long"
             )
             stored = await conversations.load(TENANT, "long")
             assert len(summarizer.calls) > calls  # progress on every fit
@@ -640,28 +609,12 @@ def test_a_summary_after_dropped_turns_stays_in_place(gateway_store, tok):
         fitter = ContextFitter(conversations, max_summary_input_tokens=BIG)
         summarizer = FakeSummarizer()
         await fill(conversations, "c", 4)
-        first = await fitter.fit(
-            tenant=TENANT,
-            conversation_id="c",
-            system=SYSTEM,
-            new=[user(8)],
-            budget=220,
-            count=Counter(tok),
-            summarize=summarizer,
-        )
+        first = await fit(fitter, tok, budget=220, summarize=summarizer, new=[user(8)])
         assert first.summarized_turns >= 4
         await conversations.append(TENANT, "c", [user(8), assistant(9)])  # drops summarized turns
         conv = await conversations.load(TENANT, "c")
         assert len(conv.turns) <= 8 and conv.summary == first.summary
-        again = await fitter.fit(
-            tenant=TENANT,
-            conversation_id="c",
-            system=SYSTEM,
-            new=[user(10)],
-            budget=5000,
-            count=Counter(tok),
-            summarize=summarizer,
-        )
+        again = await fit(fitter, tok, budget=5000, summarize=summarizer, new=[user(10)])
         # Even with room for every stored turn, the summary of the dropped ones is kept.
         assert again.summary == first.summary
         assert again.messages == [
@@ -680,25 +633,15 @@ def test_fit_validates_its_inputs(conversations, tok):
     async def go():
         for bad_id in ("", "a b", "x" * 129, "é", "a/b", None, 5):
             with pytest.raises(GatewayError) as err:
-                await fitter.fit(
-                    tenant=TENANT,
-                    conversation_id=bad_id,
-                    system=SYSTEM,
-                    new=[user(0)],
-                    budget=500,
-                    count=Counter(tok),
-                    summarize=None,
-                )
+                await fit(fitter, tok, budget=500, summarize=None, new=[user(0)], conversation_id=bad_id)
             assert err.value.status == 400 and err.value.param == "conversation_id"
         with pytest.raises(GatewayError) as err:
-            await fitter.fit(
-                tenant=TENANT,
-                conversation_id="c",
-                system=SYSTEM,
-                new=[{"role": "system", "content": "late system prompt"}],
+            await fit(
+                fitter,
+                tok,
                 budget=500,
-                count=Counter(tok),
                 summarize=None,
+                new=[{"role": "system", "content": "late system prompt"}],
             )
         assert err.value.status == 400 and err.value.param == "messages"
 
@@ -765,14 +708,14 @@ def test_tenant_isolation_through_the_fitter(conversations, tok):
 
     async def go():
         await fill(conversations, "same", 3, tenant="tenant-a")
-        fitted = await fitter.fit(
-            tenant="tenant-b",
-            conversation_id="same",
-            system=SYSTEM,
-            new=[user(99)],
+        fitted = await fit(
+            fitter,
+            tok,
             budget=5000,
-            count=Counter(tok),
             summarize=FakeSummarizer(),
+            new=[user(99)],
+            conversation_id="same",
+            tenant="tenant-b",
         )
         assert fitted.messages == [*SYSTEM, user(99)]
 

@@ -10,15 +10,18 @@ that cancelling a call aborted the engine request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import queue
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,8 +41,12 @@ from paved.engine.protocol import (
     TopLogprob,
 )
 
+if TYPE_CHECKING:
+    from paved.kserve.server import KServeServer
+
 LLM = "fake-llm"
 EMBED = "fake-embed"
+XGB = "xgb_scorer"  # the model of xgb_model_dir()
 
 
 # A small schema every KServe test constrains LLM output with.
@@ -172,6 +179,40 @@ class LoopThread:
         self.loop.close()
 
 
+def loopback_server(engines: Sequence[Any], *, xgb: bool = True, **options: Any) -> KServeServer:
+    """A KServeServer (not started) on 127.0.0.1 with free gRPC and HTTP ports, unless `options`
+    say otherwise: `engines`' models and, if `xgb`, the XGB model of xgb_model_dir()."""
+    from paved.kserve.server import KServeServer
+    from paved.kserve.xgboost_model import XGBoostModel
+
+    classic = [XGBoostModel.from_directory(xgb_model_dir())] if xgb else []
+    return KServeServer(engines, classic, **{"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, **options})
+
+
+@contextlib.contextmanager
+def serving(
+    loop: LoopThread, server: KServeServer | Awaitable[KServeServer], *, ready: bool = True
+) -> Iterator[KServeServer]:
+    """`server` started on `loop` (or awaited there, for a start such as serve_kserve's), and
+    unless `ready=False` with its classic models loaded; stopped with a 1 s grace on exit."""
+
+    async def start() -> KServeServer:
+        if inspect.isawaitable(server):
+            started = await server
+        else:
+            started = server
+            await started.start()
+        if ready:
+            await started.wait_ready(60)
+        return started
+
+    started = loop.run(start())
+    try:
+        yield started
+    finally:
+        loop.run(started.stop(grace_s=1))
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,7 +240,7 @@ def xgb_model_dir() -> str:
         os.makedirs(out, exist_ok=True)
         module.train(100, 6).save_model(os.path.join(out, "model.ubj"))
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(module.config("xgb_scorer"), f)
+            json.dump(module.config(XGB), f)
     return out
 
 

@@ -21,18 +21,17 @@ from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import (
     LLM,
+    XGB,
     FakeEngine,
     llm_inputs,
+    loopback_server,
+    serving,
     stream,
     tensor,
     wait_for,
     xgb_model_dir,
 )
 from paved.kserve.metrics import UNKNOWN_MODEL
-from paved.kserve.server import KServeServer
-from paved.kserve.xgboost_model import XGBoostModel
-
-XGB = "xgb_scorer"
 
 
 @pytest.fixture(scope="module")
@@ -42,36 +41,8 @@ def registry():
 
 @pytest.fixture(scope="module")
 def server(loop, registry):
-    async def start():
-        server = KServeServer(
-            [FakeEngine()],
-            [XGBoostModel.from_directory(xgb_model_dir())],
-            host="127.0.0.1",
-            grpc_port=0,
-            http_port=0,
-            metrics_registry=registry,
-        )
-        await server.start()
-        await server.wait_ready(60)
-        return server
-
-    server = loop.run(start())
-    yield server
-    loop.run(server.stop(grace_s=1))
-
-
-@pytest.fixture(scope="module")
-def gc(server):
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def hc(server):
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    yield client
-    client.close()
+    with serving(loop, loopback_server([FakeEngine()], metrics_registry=registry)) as server:
+        yield server
 
 
 class Reading:
@@ -182,16 +153,7 @@ def test_unknown_model_names_share_one_label_value(registry, gc, hc):
 
 
 def test_a_server_without_a_registry_serves_its_own_metrics(loop):
-    async def start():
-        server = KServeServer(
-            [], [XGBoostModel.from_directory(xgb_model_dir())], host="127.0.0.1", grpc_port=0, http_port=0
-        )
-        await server.start()
-        await server.wait_ready(60)
-        return server
-
-    server = loop.run(start())
-    try:
+    with serving(loop, loopback_server([])) as server:
         gc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
         try:
             gc.infer(XGB, xgb_inputs(grpcclient, 4))
@@ -203,8 +165,6 @@ def test_a_server_without_a_registry_serves_its_own_metrics(loop):
         assert "process_cpu_seconds" in families  # the process collectors, as a /metrics has
         rows = [s for s in families["paved_kserve_inference_count"].samples if s.name.endswith("_total")]
         assert [(s.labels, s.value) for s in rows] == [({"model": XGB, "protocol": "grpc"}, 4.0)]
-    finally:
-        loop.run(server.stop(grace_s=1))
 
 
 def test_a_server_given_a_registry_leaves_serving_it_to_its_owner(server):

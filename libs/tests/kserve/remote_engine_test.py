@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, wait_for
+from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, loopback_server, serving, wait_for
 from paved.engine.kserve_engine import KServeEngine
 from paved.engine.protocol import (
     ChatPrompt,
@@ -27,7 +27,6 @@ from paved.engine.protocol import (
 )
 from paved.frontend.app import create_app
 from paved.frontend.registry import ModelRegistry
-from paved.kserve.server import KServeServer
 from paved.testing.fixtures import tiny_model_dir
 
 
@@ -38,14 +37,8 @@ def backend():
 
 @pytest.fixture(scope="module")
 def server(loop, backend):
-    async def start():
-        server = KServeServer([backend], [], host="127.0.0.1", grpc_port=0, http_port=None)
-        await server.start()
-        return server
-
-    server = loop.run(start())
-    yield server
-    loop.run(server.stop(grace_s=1))
+    with serving(loop, loopback_server([backend], xgb=False, http_port=None), ready=False) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

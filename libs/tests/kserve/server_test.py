@@ -23,8 +23,11 @@ from libs.tests.kserve.kserve_fakes import (
     EMBED,
     LLM,
     SCHEMA,
+    XGB,
     FakeEngine,
     llm_inputs,
+    loopback_server,
+    serving,
     stream,
     tensor,
     wait_for,
@@ -33,7 +36,6 @@ from libs.tests.kserve.kserve_fakes import (
 from paved.kserve.server import KServeServer
 from paved.kserve.xgboost_model import XGBoostModel
 
-XGB = "xgb_scorer"
 LIMIT = 1024 * 1024
 
 
@@ -44,36 +46,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(loop, engine):
-    async def start():
-        server = KServeServer(
-            [engine],
-            [XGBoostModel.from_directory(xgb_model_dir())],
-            host="127.0.0.1",
-            grpc_port=0,
-            http_port=0,
-            max_message_bytes=LIMIT,
-        )
-        await server.start()
-        await server.wait_ready(60)
-        return server
-
-    server = loop.run(start())
-    yield server
-    loop.run(server.stop(grace_s=1))
-
-
-@pytest.fixture(scope="module")
-def gc(server):
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def hc(server):
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    yield client
-    client.close()
+    with serving(loop, loopback_server([engine], max_message_bytes=LIMIT)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

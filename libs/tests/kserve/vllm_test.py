@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import xgboost  # noqa: E402
 
-from libs.tests.kserve.kserve_fakes import SCHEMA, llm_inputs, wait_for, xgb_model_dir  # noqa: E402
+from libs.tests.kserve.kserve_fakes import SCHEMA, llm_inputs, serving, wait_for, xgb_model_dir  # noqa: E402
 from paved.testing.fixtures import tiny_model_dir  # noqa: E402
 
 MODEL = "tiny"
@@ -50,23 +50,9 @@ def vllm(loop):
 def server(loop, vllm):
     from paved.kserve.server import serve_kserve
 
-    async def start():
-        server = await serve_kserve(
-            [vllm], grpc_port=0, http_port=0, host="127.0.0.1", model_dirs=[xgb_model_dir()]
-        )
-        await server.wait_ready(60)
-        return server
-
-    server = loop.run(start())
-    yield server
-    loop.run(server.stop(grace_s=1))
-
-
-@pytest.fixture(scope="module")
-def gc(server):
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    yield client
-    client.close()
+    start = serve_kserve([vllm], grpc_port=0, http_port=0, host="127.0.0.1", model_dirs=[xgb_model_dir()])
+    with serving(loop, start) as server:
+        yield server
 
 
 def test_llm_and_xgboost_on_one_interface(gc):
