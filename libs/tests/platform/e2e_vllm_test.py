@@ -18,7 +18,8 @@ vLLM, 1 replica) driven only through its public surfaces.
     XGBoost fixture (a kserve-mode package the control plane deployed) exactly as xgboost itself
     does, and generates with the tiny LLM over gRPC (its package declares `engine_args.kserve`,
     so its replica serves KServe gRPC beside the OpenAI API), its x-request-id and trace id in
-    the gateway's and the replica's access lines;
+    the gateway's and the replica's access lines, and both replicas' metrics proxies count those
+    calls (paved_kserve_request_success_total by protocol);
 
 One platform for the module (a vLLM boot costs minutes on a 2-core machine): the tests run in
 file order and the rollout comes last.
@@ -239,6 +240,37 @@ def vllm_gauges(replica: dict[str, Any]) -> set[str]:
         for line in text.splitlines()
         if line.startswith("# TYPE vllm:") and line.split()[-1] == "gauge"
     }
+
+
+def kserve_successes(metrics_url: str, model: str) -> dict[str, float]:
+    """paved_kserve_request_success_total for `model` by protocol, as a replica's metrics proxy
+    shows it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "paved_kserve_request_success_total" and sample.labels.get("model") == model:
+                protocol = sample.labels["protocol"]
+                counts[protocol] = counts.get(protocol, 0.0) + sample.value
+    return counts
+
+
+def test_kserve_requests_are_counted_on_each_replicas_metrics_proxy(platform: Platform) -> None:
+    """The KServe calls of the test above, counted by each replica's paved.kserve metrics and
+    visible through its launcher's metrics port: the XGBoost replica's gRPC and HTTP scorings,
+    the LLM replica's gRPC generation."""
+    (xgb,) = platform.xgb_replicas
+    scored = wait_for(
+        "the XGBoost scorings on its replica's metrics proxy",
+        lambda: (c := kserve_successes(xgb["metrics_url"], "xgb_scorer")).get("grpc") and c.get("http") and c,
+        30,
+    )
+    assert scored["grpc"] >= 1 and scored["http"] >= 1, scored
+    (llm,) = ready_replicas(platform)
+    generated = kserve_successes(llm["metrics_url"], MODEL)
+    assert generated.get("grpc", 0) >= 1, generated
 
 
 def test_every_replica_shows_vllm_gauges(platform: Platform) -> None:
