@@ -10,31 +10,24 @@ that says what was stuck.
 """
 
 import atexit
+import faulthandler
 import os
 import sys
+import threading
 
-# Registered before anything else imports, so it runs after every other exit hook (they run
-# last-registered first): the interpreter has joined its threads and run the hooks; what is
-# skipped is only the teardown of objects and modules, where nothing of a test's is left to do.
-_status = 0
+# Until pytest has returned, a failure: an exception escaping before that (a broken import, an
+# error out of pytest itself) must not exit 0.
+_status = 1
+
+# The tests have ended by then; joining threads and running the exit hooks takes well under
+# a second.
+EXIT_GRACE_S = 60.0
 
 
 def _exit_with_status() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_status)
-
-
-atexit.register(_exit_with_status)
-
-import faulthandler  # noqa: E402
-import threading  # noqa: E402
-
-import pytest  # noqa: E402
-
-# The tests have ended by then; joining threads and running the exit hooks takes well under
-# a second.
-EXIT_GRACE_S = 60.0
 
 
 def _arm_exit_watchdog() -> None:
@@ -54,6 +47,14 @@ def _arm_exit_watchdog() -> None:
 
 
 if __name__ == "__main__":
+    # Only in the test process itself (multiprocessing's spawn re-runs this file as
+    # __mp_main__ in each child, whose exit status must stay its own). Registered before pytest
+    # and the tests import anything, so it runs after every other exit hook (they run
+    # last-registered first): the interpreter has joined its threads and run the hooks; what is
+    # skipped is only the teardown of objects and modules, where nothing of a test's is left.
+    atexit.register(_exit_with_status)
+    import pytest
+
     args = [*sys.argv[1:], "-p", "no:cacheprovider", "-q", "-ra"]
     if os.environ.get("XML_OUTPUT_FILE"):
         args.append("--junitxml=" + os.environ["XML_OUTPUT_FILE"])

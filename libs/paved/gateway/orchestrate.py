@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import anyio
 import numpy as np
 
 from paved.gateway import cache as cachelib
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from paved.gateway.router import Router
     from paved.gateway.routes import CachePolicy, ModelRoute
     from paved.gateway.templates import TemplateRegistry
-    from paved.gateway.tokens import TokenCounter
+    from paved.gateway.tokens import PromptCount, TokenCounter
     from paved.gateway.types import Principal
 
 logger = logging.getLogger("paved.gateway")
@@ -440,7 +441,7 @@ class Orchestrator:
 
                 prompt = await self.tokens.count(summarizer_route.tokenizer, "chat", {"messages": msgs}, 1)
                 try:
-                    reservation = await self._reserve(plan, prompt.tokens + max_tokens)
+                    reservation = await self._reserve(plan, _reservation_size(prompt) + max_tokens)
                 except _Refused as e:
                     raise SummaryRefused(str(e)) from None
                 answer: ChatAnswer | None = None
@@ -498,7 +499,7 @@ class Orchestrator:
     # -- the gateway's own calls, charged to the caller --------------------------------------
     async def _embed(self, plan: Plan, model: str, text: str) -> np.ndarray:
         tokenizer = self.router.route(model).tokenizer
-        need = (await self.tokens.count(tokenizer, "embeddings", {"input": text}, 1)).tokens
+        need = _reservation_size(await self.tokens.count(tokenizer, "embeddings", {"input": text}, 1))
         reservation = await self._reserve(plan, need)
         answer: Embedding | None = None
         try:
@@ -543,7 +544,10 @@ class Orchestrator:
         if reservation is None or plan.limiter is None:
             return
         try:
-            await plan.limiter.finish(reservation, used)
+            # Shielded like the proxy's own settle: a request cancelled during the call would
+            # otherwise leave the whole reservation charged.
+            with anyio.CancelScope(shield=True):
+                await plan.limiter.finish(reservation, used)
         except GatewayError as e:
             logger.warning("could not settle reservation %s: %s", reservation.id, e.message)
 
@@ -612,4 +616,13 @@ def _usage(answer: Any) -> dict[str, Any]:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A reported token count: a non-negative int, else None (as if not reported)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _reservation_size(count: PromptCount) -> int:
+    """What an internal call reserves for its prompt. Without a tokenizer the count is the
+    byte upper bound, 3-4x the tokens of typical text: reserved whole it would refuse every
+    summary of a long conversation to a tenant whose tokens/min is below that bound, so a
+    quarter of it is reserved and the call is settled with the usage it reports."""
+    return count.tokens if count.exact else -(-count.tokens // 4)

@@ -1220,11 +1220,12 @@ class FakeEmbedder(InternalClient):
     def __init__(self, router: Router, metrics: GatewayMetrics) -> None:
         super().__init__(router, lambda: None, metrics)  # type: ignore[arg-type,return-value]
         self.calls: list[tuple[str, str, dict]] = []
+        self.usage: dict = EMBED_USAGE
 
     async def _post(self, purpose: str, model: str, path: str, body: dict, timeout_s: float) -> object:
         self.calls.append((purpose, model, body))
         assert path == "/v1/embeddings"
-        return {"data": [{"embedding": [0.6, 0.8, 0.0]}], "usage": EMBED_USAGE}
+        return {"data": [{"embedding": [0.6, 0.8, 0.0]}], "usage": self.usage}
 
 
 def _semantic_gateway(tenant_limits: Limits):
@@ -1293,6 +1294,36 @@ def test_a_tenant_without_tokens_left_gets_no_embedding():
         assert hit is None and plan.vector is None and plan.headers["x-paved-cache"] == "miss"
         assert internal.calls == []
         assert (await limiter.snapshot(principal))["tenant"]["tokens_per_min"]["remaining"] == 0
+        assert _embed_tokens(metrics) is None
+
+    run(go())
+
+
+def test_without_a_tokenizer_the_embedding_reserves_a_quarter_of_the_byte_bound():
+    # The emb route has no tokenizer: the query's byte bound is 21 ("where is my parcel?" + 2),
+    # 3x its 7 tokens. Reserved whole it would not fit in 10 tokens/min; a quarter (6) does, and
+    # the settle charges the 7 the model reported.
+    orchestrator, internal, _metrics, principal, limiter = _semantic_gateway(Limits(tokens_per_min=10))
+
+    async def go():
+        plan, hit = await _semantic_lookup(orchestrator, principal, limiter)
+        assert hit is None and plan.vector is not None and len(internal.calls) == 1
+        tenant = (await limiter.snapshot(principal))["tenant"]
+        assert tenant["tokens_per_min"]["remaining"] == 10 - EMBED_USAGE["prompt_tokens"]
+
+    run(go())
+
+
+def test_a_negative_reported_usage_is_ignored_not_a_failure():
+    orchestrator, internal, metrics, principal, limiter = _semantic_gateway(Limits(tokens_per_min=1000))
+    internal.usage = {"prompt_tokens": -3, "total_tokens": -3}
+
+    async def go():
+        plan, hit = await _semantic_lookup(orchestrator, principal, limiter)
+        # As if no usage was reported: the lookup goes on and the reservation (6) stays charged.
+        assert hit is None and plan.vector is not None
+        tenant = (await limiter.snapshot(principal))["tenant"]
+        assert tenant["tokens_per_min"]["remaining"] == 1000 - 6
         assert _embed_tokens(metrics) is None
 
     run(go())
