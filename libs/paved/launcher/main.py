@@ -15,8 +15,10 @@ Phases (reported on the admin port's /status and in the log):
    (paved.launcher.gate); before that they refuse connections. They are bound (reserved, not
    listening) before step 1, so a taken --port / --grpc-port fails the start at once (exit 1,
    "cannot bind the public port") rather than after the model loaded, and no other process can
-   take them meanwhile. If the child exits first, the launcher exits 1 with the child's last
-   error line and the public ports were never opened.
+   take them meanwhile (unless a previous run's TIME_WAIT forced the SO_REUSEADDR fallback of
+   gate.reserve: then another SO_REUSEADDR server could still bind them). If the child exits
+   first, the launcher exits 1 with the child's last error line and the public ports were
+   never opened.
 6. SIGTERM / SIGINT: readiness turns 503, public listeners close, the child gets SIGTERM and
    drains in-flight requests (the frontend's --drain-timeout); the launcher exits 0 once it
    has, or kills the child's process group and exits 1 after drain + grace seconds.
@@ -142,7 +144,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--progress", choices=("auto", "bar", "log"), default="auto")
     e = p.add_argument_group("serving")
     e.add_argument("--mode", choices=("embedded", "standalone"), help="override the package's mode")
-    e.add_argument("--host", default="127.0.0.1", help="public bind address (default 127.0.0.1)")
+    e.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="public bind address (default 127.0.0.1); IPv6 when it contains ':', and a name binds "
+        "one address of its resolution, not every one",
+    )
     e.add_argument("--port", type=int, default=8000, help="public HTTP port (0: any free port)")
     e.add_argument("--grpc-port", type=int, help="public gRPC port (needs a --child-cmd with {grpc_port})")
     e.add_argument("--admin-host", default="127.0.0.1")

@@ -198,16 +198,14 @@ def serving(
 
     async def start() -> KServeServer:
         if inspect.isawaitable(server):
-            started = await server
-        else:
-            started = server
-            await started.start()
-        if ready:
-            await started.wait_ready(60)
-        return started
+            return await server
+        await server.start()
+        return server
 
     started = loop.run(start())
     try:
+        if ready:
+            loop.run(started.wait_ready(60))
         yield started
     finally:
         loop.run(started.stop(grace_s=1))

@@ -31,7 +31,8 @@ from libs.tests.kserve.kserve_fakes import (
     wait_for,
     xgb_model_dir,
 )
-from paved.kserve.metrics import UNKNOWN_MODEL
+from paved.kserve.errors import KServeError
+from paved.kserve.metrics import HTTP, UNKNOWN_MODEL, KServeMetrics
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +202,19 @@ def test_the_frontends_metrics_carry_its_kserve_listeners_requests():
         gc.close()
         hc.close()
         server.terminate()
+
+
+def test_a_client_that_hangs_up_mid_upload_is_counted_cancelled_not_internal():
+    import grpc
+    from starlette.requests import ClientDisconnect
+
+    own = CollectorRegistry()
+    record = KServeMetrics(own, lambda name: name == "m").request("m", HTTP)
+    with pytest.raises(KServeError) as info, record.failures():
+        raise ClientDisconnect()
+    assert info.value.code == grpc.StatusCode.CANCELLED
+    labels = {"model": "m", "protocol": HTTP}
+    failures = "paved_kserve_request_failure_total"
+    assert own.get_sample_value(failures, {**labels, "status": "CANCELLED"}) == 1
+    assert own.get_sample_value(failures, {**labels, "status": "INTERNAL"}) is None
+    assert own.get_sample_value("paved_kserve_requests_in_flight", labels) == 0
