@@ -262,8 +262,15 @@ class LauncherProcess:
         finally:
             self._log.close()
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 30.0) -> None:
+        """Stop it however the test ended. SIGTERM first: the launcher's child runs in a process
+        group of its own, which a SIGKILL of the launcher alone would leave running; on SIGTERM
+        the launcher stops it (and kills that group after its drain and grace)."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self._log.close()
