@@ -42,6 +42,17 @@ ROUTES = frozenset(
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+def process_registry() -> CollectorRegistry:
+    """A registry of its own with the process, platform and GC collectors. Not the global one:
+    that is where vLLM (un)registers its collectors, and tests build several servers in one
+    process."""
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
 def route_label(path: str) -> str:
     if path in ROUTES:
         return path
@@ -52,12 +63,7 @@ def route_label(path: str) -> str:
 
 class FrontendMetrics:
     def __init__(self, models: ModelRegistry):
-        # A registry of our own rather than the global one: the global registry is where
-        # vLLM (un)registers its collectors, and tests build several apps in one process.
-        self.registry = CollectorRegistry(auto_describe=True)
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+        self.registry = process_registry()
         self.http_requests = Counter(
             "paved_http_requests",
             "HTTP requests answered, by route, method and status code.",

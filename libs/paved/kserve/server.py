@@ -28,9 +28,10 @@ import socket
 from collections.abc import Callable, Sequence
 
 import uvicorn
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry
 
 from paved.engine.protocol import Engine
+from paved.frontend.metrics import process_registry
 from paved.kserve.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_STREAM_MAX_IN_FLIGHT,
@@ -109,12 +110,7 @@ class KServeServer:
         served_registry = None
         registry = self.metrics_registry
         if registry is None:
-            # A registry of our own rather than the global one: several servers may share a
-            # process (tests), and the global one is where vLLM (un)registers its collectors.
-            registry = served_registry = CollectorRegistry(auto_describe=True)
-            ProcessCollector(registry=registry)
-            PlatformCollector(registry=registry)
-            GCCollector(registry=registry)
+            registry = served_registry = process_registry()
         self.metrics = metrics = KServeMetrics(registry, self.repository.serves)
         if self._grpc_port_wanted is not None:
             self._grpc, self.grpc_port = create_grpc_server(
