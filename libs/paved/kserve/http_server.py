@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
 import paved
@@ -100,11 +101,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise too_large(f"request body of {length} bytes exceeds the limit of {limit} bytes")
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as e:
+        # The client hung up mid-upload: its ending, not a server failure (nor a traceback).
+        raise KServeError(grpc.StatusCode.CANCELLED, "the client disconnected") from e
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "").lower()
     if encoding in ("gzip", "deflate"):

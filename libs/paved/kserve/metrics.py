@@ -32,9 +32,8 @@ from contextlib import contextmanager
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from starlette.requests import ClientDisconnect
 
-from paved.kserve.errors import KServeError, from_exception
+from paved.kserve.errors import from_exception
 
 UNKNOWN_MODEL = "(unknown)"
 GRPC = "grpc"
@@ -128,10 +127,6 @@ class InferenceRecord:
         except asyncio.CancelledError:
             self.failed(grpc.StatusCode.CANCELLED.name)
             raise
-        except ClientDisconnect as e:
-            # The client hung up mid-upload: its ending, not a server failure (nor a traceback).
-            self.failed(grpc.StatusCode.CANCELLED.name)
-            raise KServeError(grpc.StatusCode.CANCELLED, "the client disconnected") from e
         except Exception as e:
             error = from_exception(e)
             self.failed(error.code.name)

@@ -205,13 +205,27 @@ def test_the_frontends_metrics_carry_its_kserve_listeners_requests():
 
 
 def test_a_client_that_hangs_up_mid_upload_is_counted_cancelled_not_internal():
-    import grpc
-    from starlette.requests import ClientDisconnect
+    import asyncio
 
+    import grpc
+    from starlette.requests import Request
+
+    from paved.kserve.http_server import _read_body
+
+    # Starlette's own request over an ASGI receive that delivers part of the body, then the
+    # client's disconnect (what request.stream() turns into ClientDisconnect).
+    messages = iter(
+        [{"type": "http.request", "body": b'{"in', "more_body": True}, {"type": "http.disconnect"}]
+    )
+
+    async def receive():
+        return next(messages)
+
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
     own = CollectorRegistry()
     record = KServeMetrics(own, lambda name: name == "m").request("m", HTTP)
     with pytest.raises(KServeError) as info, record.failures():
-        raise ClientDisconnect()
+        asyncio.run(_read_body(request, 1 << 20))
     assert info.value.code == grpc.StatusCode.CANCELLED
     labels = {"model": "m", "protocol": HTTP}
     failures = "paved_kserve_request_failure_total"
