@@ -771,6 +771,74 @@ def predecessor_effect(native, args) -> dict:
     return out
 
 
+def fill_breakdown(native, args) -> dict:
+    """`--fill-breakdown`: what a B=64, V=128k `fill_bitmask` pays beyond writing its bytes.
+    Each call runs after a 32 MiB write (as in a model step), in shuffled rounds, beside a
+    one-thread numpy write of the same [64, 4096] int32 bytes: paved on the bench's rows (a
+    JSON document's states: n distinct cached masks), on 64 distinct States that share one
+    mask (each row's lookup is paid, one mask is read), and on 64 rows without a state (one
+    all-allowed mask, no lookup). `traffic_ratio` is the bytes the call must move (the bitmask
+    written plus each distinct mask read once) over the bytes the numpy write moves."""
+    v, b = V128K, 64
+    tokens = synthetic_vocab(v)
+    pv = Paved(native, tokens, [256], args.threads)
+    constraint = pv.compile()
+    words = (v + 31) // 32
+    rows = {
+        "bench rows": pv.states(constraint, row_prefixes(tokens, b)),
+        "one mask, 64 states": [constraint.new_state() for _ in range(b)],
+        "no state": [None] * b,
+    }
+    out_masks = {name: np.zeros((b, words), dtype=np.int32) for name in rows}
+    floor = np.zeros((b, words), dtype=np.int32)
+    calls = {
+        f"paved, {name}": (lambda s=s, m=out_masks[name]: pv.masker.fill_bitmask(s, m))
+        for name, s in rows.items()
+    }
+    calls["numpy write"] = lambda: floor.fill(-1)
+    junk = np.zeros(8 << 20, dtype=np.float32)
+    for fn in calls.values():
+        for _ in range(5):
+            fn()
+    # The rows each variant wrote are what it claims: the start state's mask, all-allowed.
+    start = np.zeros(words, dtype=np.int32)
+    rows["one mask, 64 states"][0].fill_bitmask_row(start)
+    assert (out_masks["one mask, 64 states"] == start).all()
+    assert allowed_bits(out_masks["no state"], v).all()
+    distinct = {name: len(np.unique(m, axis=0)) for name, m in out_masks.items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    rng = random.Random(0)
+    for _ in range(60 if args.quick else 400):
+        rng.shuffle(names)
+        for name in names:
+            junk.fill(1.0)
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(1e6 * (time.perf_counter() - t0))
+    write_us = statistics.median(times["numpy write"])
+    out: dict = {"numpy_write_us": write_us}
+    print(
+        f"| B={b}, V={v}, after a 32 MiB write | µs (median) | ÷ numpy write"
+        " | distinct masks | traffic ratio |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for name, t in times.items():
+        us = statistics.median(t)
+        key = name.removeprefix("paved, ")
+        n = distinct.get(key)
+        traffic = None if n is None else (b + n) / b
+        out[name] = {
+            "us": us,
+            "ratio_vs_numpy_write": us / write_us,
+            "distinct_masks": n,
+            "traffic_ratio": traffic,
+        }
+        extra = "| | |" if n is None else f"| {n} | {traffic:.2f} |"
+        print(f"| {name} | {us:.1f} | {us / write_us:.2f} {extra}", flush=True)
+    return out
+
+
 METHODS = (
     "python",
     "outlines-core",
@@ -930,6 +998,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="only time B=64, V=128k steps warm, after a 32 MiB write and after xgrammar",
     )
+    p.add_argument(
+        "--fill-breakdown",
+        action="store_true",
+        help="only time B=64, V=128k fill_bitmask on the bench's rows, one shared mask and no state"
+        ", beside a numpy write",
+    )
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -939,10 +1013,17 @@ def main(argv=None) -> int:
     print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}; cpus: {os.cpu_count()}")
     if native is None:
         print(f"paved engine unavailable: {why}; measuring the anchors only")
-    if args.pool_threads or args.predecessor_effect:
+    if args.pool_threads or args.predecessor_effect or args.fill_breakdown:
         if native is None:
             return 1
-        out = (pool_threads if args.pool_threads else predecessor_effect)(native, args)
+        mode = (
+            pool_threads
+            if args.pool_threads
+            else predecessor_effect
+            if args.predecessor_effect
+            else fill_breakdown
+        )
+        out = mode(native, args)
         print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
         if args.json:
             print(json.dumps(out, separators=(",", ":")))

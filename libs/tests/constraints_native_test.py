@@ -6,6 +6,8 @@ output must satisfy the constraint (json.loads strict + jsonschema, re.fullmatch
 membership) and end with EOS within max_tokens.
 """
 
+import collections
+import inspect
 import json
 import random
 import re
@@ -559,6 +561,72 @@ def test_unique_bitmask_validates_its_arrays(vocab):
         masker.fill_unique_bitmask(
             states, shared[: 4 * WORDS].reshape(4, WORDS), shared[4 * WORDS - 2 : 4 * WORDS + 2]
         )
+
+
+def test_batch_methods_bind_arguments_like_python_functions(vocab):
+    # fill_bitmask, fill_unique_bitmask and apply are plain CPython methods (module.cc,
+    # kBatchMethods): keywords, tuples and other sequences work, bad calls are TypeErrors, and
+    # arrays outside the plain case go through the same checks as before.
+    states = make_batch(vocab)[:4]
+    masker = native.BatchMasker(VOCAB_SIZE)
+    expected = np.zeros((4, WORDS), np.int32)
+    masker.fill_bitmask(states, expected)
+    for call in (
+        lambda out: masker.fill_bitmask(states=states, bitmask=out),
+        lambda out: masker.fill_bitmask(states, bitmask=out),
+        lambda out: masker.fill_bitmask(tuple(states), out),
+        lambda out: native.BatchMasker.fill_bitmask(masker, states, out),
+        lambda out: masker.fill_bitmask(collections.deque(states), out),
+    ):
+        out = np.zeros((4, WORDS), np.int32)
+        call(out)
+        np.testing.assert_array_equal(out, expected)
+    # A view with an offset, and a little-endian dtype spelled out, are still the plain case.
+    for out in (np.zeros((5, WORDS), np.int32)[1:], np.zeros((4, WORDS), np.dtype("<i4"))):
+        masker.fill_bitmask(states, out)
+        np.testing.assert_array_equal(out, expected)
+    strided = np.zeros((8, WORDS), np.int32)[::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        masker.fill_bitmask(states, strided)
+    with pytest.raises(ValueError, match="int32"):
+        masker.fill_bitmask(states, np.zeros((4, WORDS), np.dtype(">i4")))
+    with pytest.raises(ValueError, match="bitmask must be a int32 array"):
+        masker.fill_bitmask(states, [[0] * WORDS] * 4)
+    bad_calls = [
+        (lambda: masker.fill_bitmask(states), r"takes 2 arguments \(states, bitmask\)"),
+        (lambda: masker.fill_bitmask(states, expected, expected), "takes 2 arguments"),
+        (
+            lambda: masker.fill_bitmask(states, bitmask=expected, mask=expected),
+            "unexpected keyword argument 'mask'",
+        ),
+        (
+            lambda: masker.fill_bitmask(states, expected, bitmask=expected),
+            "multiple values for argument 'bitmask'",
+        ),
+        (lambda: masker.fill_bitmask(5, expected), "states must be a sequence"),
+        (lambda: masker.fill_bitmask(iter(states), expected), "states must be a sequence"),
+        (lambda: native.BatchMasker.fill_bitmask(object(), states, expected), "BatchMasker"),
+        (
+            lambda: native.BatchMasker.__new__(native.BatchMasker).fill_bitmask(states, expected),
+            "initialized",
+        ),
+        (lambda: masker.fill_unique_bitmask(states, expected), r"\(states, unique, row_index\)"),
+        (lambda: masker.apply(states), r"\(states, logits\)"),
+    ]
+    for call, message in bad_calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+    logits = np.zeros((4, VOCAB_SIZE), np.float32)
+    masker.apply(states=states, logits=logits)
+    assert np.array_equal(
+        np.isfinite(logits),
+        np.unpackbits(expected.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB_SIZE] == 1,
+    )
+    unique, index = np.zeros((4, WORDS), np.int32), np.zeros(4, np.int32)
+    n = masker.fill_unique_bitmask(states=states, unique=unique, row_index=index)
+    assert isinstance(n, int) and 1 <= n <= 4
+    np.testing.assert_array_equal(unique[index], expected)
+    assert str(inspect.signature(native.BatchMasker.fill_bitmask)) == "(self, /, states, bitmask)"
 
 
 def test_batch_masker_is_usable_from_several_python_threads(vocab):

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <memory>
@@ -122,10 +123,26 @@ BatchStates& CollectStates(const py::sequence& states) {
   thread_local BatchStates batch;
   batch.owners.clear();
   batch.rows.clear();
-  const auto n = static_cast<size_t>(py::len(states));
+  PyObject* fast = PySequence_Fast(states.ptr(), "states must be a sequence");
+  if (fast == nullptr) throw py::error_already_set();
+  const py::object fast_owner = py::reinterpret_steal<py::object>(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  const auto n = static_cast<size_t>(PySequence_Fast_GET_SIZE(fast));
+  // After a model step the rows' Python objects and States are out of the CPU caches, and each
+  // row's type check, then its State, would miss in turn: prefetching them all first overlaps
+  // the misses (at B=64 after a 32 MiB write: 11-13 µs from entry to the fill, 7-9 with it,
+  // docs/benchmarks.md).
+  for (size_t i = 0; i < n; ++i) __builtin_prefetch(items[i]);
   for (size_t i = 0; i < n; ++i) {
-    py::object item = states[i];
-    if (item.is_none()) {
+    const auto* inst = reinterpret_cast<py::detail::instance*>(items[i]);
+    if (Py_TYPE(items[i]) != state_type->type || !inst->simple_layout) continue;
+    const void* value = inst->simple_value_holder[0];
+    __builtin_prefetch(value);
+    __builtin_prefetch(static_cast<const char*>(value) + 64);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    if (item == Py_None) {
       batch.rows.push_back(nullptr);
       continue;
     }
@@ -136,7 +153,7 @@ BatchStates& CollectStates(const py::sequence& states) {
       throw py::value_error("states[" + std::to_string(i) + "] must be a State or None");
     }
     batch.rows.push_back(static_cast<const State*>(caster.value));
-    batch.owners.push_back(std::move(item));
+    batch.owners.push_back(py::reinterpret_borrow<py::object>(item));
   }
   return batch;
 }
@@ -154,6 +171,171 @@ void RunBatch(BatchMasker& masker, const py::sequence& states, Work work) {
   }
   batch.owners.clear();
 }
+
+// BatchMasker's per-step methods (fill_bitmask, fill_unique_bitmask, apply) are plain CPython
+// methods (METH_FASTCALL), not pybind11 functions: after a model step pybind11's generic
+// dispatch (the function record, the argument casters, numpy's type objects) is out of the CPU
+// caches, and at B=64, V=128k it cost 10-25 µs of a ~110 µs fill_bitmask, where the whole
+// numpy write of the same bytes takes 75-100 (docs/benchmarks.md). The common case (an aligned,
+// writeable, C-contiguous ndarray of the dtype and shape wanted) is taken by reading the array's
+// fields; anything else goes through CheckArray, which raises the same errors as before.
+
+// Binds fastcall arguments to `names` (positional first, then keywords); TypeError otherwise.
+template <size_t N>
+void BindArgs(const char* fn, const char* const (&names)[N], PyObject* const* args, Py_ssize_t nargs,
+              PyObject* kwnames, PyObject* (&out)[N]) {
+  auto usage = [&] {
+    std::string u = std::string(fn) + "() takes " + std::to_string(N) + " arguments (";
+    for (size_t j = 0; j < N; ++j) u += (j ? ", " : "") + std::string(names[j]);
+    return py::type_error(u + ")");
+  };
+  if (nargs < 0 || static_cast<size_t>(nargs) > N) throw usage();
+  for (size_t j = 0; j < N; ++j) out[j] = j < static_cast<size_t>(nargs) ? args[j] : nullptr;
+  const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t k = 0; k < nkw; ++k) {
+    const char* name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+    if (name == nullptr) throw py::error_already_set();
+    size_t slot = N;
+    for (size_t j = 0; j < N; ++j)
+      if (std::strcmp(name, names[j]) == 0) slot = j;
+    if (slot == N) throw py::type_error(std::string(fn) + "() got an unexpected keyword argument '" + name + "'");
+    if (out[slot] != nullptr)
+      throw py::type_error(std::string(fn) + "() got multiple values for argument '" + name + "'");
+    out[slot] = args[nargs + k];
+  }
+  for (PyObject* a : out)
+    if (a == nullptr) throw usage();
+}
+
+// The masker behind `self`. (The method descriptor has checked the type; an instance made by
+// BatchMasker.__new__ alone has no masker yet, and pybind11's caster would hand out the
+// uninitialized storage.)
+BatchMasker& SelfMasker(PyObject* self) {
+  static const py::detail::type_info* const masker_type = py::detail::get_type_info(typeid(BatchMasker));
+  if (!PyObject_TypeCheck(self, masker_type->type)) throw py::type_error("a BatchMasker is needed");
+  auto v_h = reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder(masker_type, false);
+  if (!v_h || !v_h.holder_constructed())
+    throw py::type_error("the BatchMasker is not initialized (__init__ was not called)");
+  return *v_h.value_ptr<BatchMasker>();
+}
+
+// The states argument and its length.
+std::pair<py::sequence, int64_t> StatesArg(PyObject* states) {
+  if (!PySequence_Check(states)) throw py::type_error("states must be a sequence of State or None");
+  const Py_ssize_t rows = PySequence_Size(states);
+  if (rows < 0) throw py::error_already_set();
+  return {py::reinterpret_borrow<py::sequence>(states), static_cast<int64_t>(rows)};
+}
+
+// The data of array `a` after CheckArray's checks, reading the ndarray's fields when it is the
+// plain case. type_num: numpy's number for T (pybind11's normalized constant).
+template <typename T>
+T* ArrayData(PyObject* a, const char* name, const char* dtype, int type_num, std::initializer_list<int64_t> shape) {
+  constexpr int kFlags = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_ |
+                         py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  constexpr char kNative = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
+  bool plain = py::detail::npy_api::get().PyArray_Check_(a);
+  if (plain) {
+    const auto* arr = py::detail::array_proxy(a);
+    const auto* descr = py::detail::array_descriptor_proxy(arr->descr);
+    const char order = descr->byteorder;
+    plain = arr->nd == static_cast<int>(shape.size()) && (arr->flags & kFlags) == kFlags &&
+            descr->type_num == type_num && (order == '=' || order == '|' || order == kNative);
+    int d = 0;
+    for (auto it = shape.begin(); plain && it != shape.end(); ++it) plain = arr->dimensions[d++] == *it;
+  }
+  if (!plain) {
+    if (!py::detail::npy_api::get().PyArray_Check_(a))
+      throw py::value_error(std::string(name) + " must be a " + dtype + " array");
+    CheckArray<T>(py::reinterpret_borrow<py::array>(a), name, dtype, shape);
+  }
+  return reinterpret_cast<T*>(py::detail::array_proxy(a)->data);
+}
+
+// Runs body() and hands its result to Python, or sets the Python error of what it threw.
+template <typename Body>
+PyObject* Guarded(const Body& body) {
+  try {
+    return body();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+  }
+  return nullptr;
+}
+
+PyObject* FillBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return Guarded([&]() -> PyObject* {
+    static const char* const kNames[] = {"states", "bitmask"};
+    PyObject* a[2];
+    BindArgs("fill_bitmask", kNames, args, nargs, kwnames, a);
+    BatchMasker& masker = SelfMasker(self);
+    const auto [states, rows] = StatesArg(a[0]);
+    auto* out = ArrayData<int32_t>(a[1], "bitmask", "int32", py::detail::npy_api::NPY_INT32_,
+                                   {rows, int64_t{masker.num_words()}});
+    RunBatch(masker, states, [&](const State* const* r, int64_t n) { masker.FillBitmask(r, n, out); });
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* FillUniqueBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return Guarded([&]() -> PyObject* {
+    static const char* const kNames[] = {"states", "unique", "row_index"};
+    PyObject* a[3];
+    BindArgs("fill_unique_bitmask", kNames, args, nargs, kwnames, a);
+    BatchMasker& masker = SelfMasker(self);
+    const auto [states, rows] = StatesArg(a[0]);
+    auto* out = ArrayData<int32_t>(a[1], "unique", "int32", py::detail::npy_api::NPY_INT32_,
+                                   {rows, int64_t{masker.num_words()}});
+    auto* index = ArrayData<int32_t>(a[2], "row_index", "int32", py::detail::npy_api::NPY_INT32_, {rows});
+    // The engine writes both; an index inside the mask rows would be overwritten.
+    const auto u0 = reinterpret_cast<uintptr_t>(out), i0 = reinterpret_cast<uintptr_t>(index);
+    const auto unique_bytes = static_cast<uintptr_t>(rows) * static_cast<uintptr_t>(masker.num_words()) * 4;
+    if (i0 < u0 + unique_bytes && u0 < i0 + static_cast<uintptr_t>(rows) * 4)
+      throw py::value_error("unique and row_index must not overlap");
+    if (rows > std::numeric_limits<int32_t>::max())
+      throw py::value_error("fill_unique_bitmask takes at most 2**31 - 1 rows");
+    int64_t n = 0;
+    RunBatch(masker, states,
+             [&](const State* const* r, int64_t count) { n = masker.FillUniqueBitmask(r, count, out, index); });
+    return PyLong_FromLongLong(n);
+  });
+}
+
+PyObject* ApplyMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return Guarded([&]() -> PyObject* {
+    static const char* const kNames[] = {"states", "logits"};
+    PyObject* a[2];
+    BindArgs("apply", kNames, args, nargs, kwnames, a);
+    BatchMasker& masker = SelfMasker(self);
+    const auto [states, rows] = StatesArg(a[0]);
+    auto* out = ArrayData<float>(a[1], "logits", "float32", py::detail::npy_api::NPY_FLOAT_,
+                                 {rows, int64_t{masker.vocab_size()}});
+    RunBatch(masker, states, [&](const State* const* r, int64_t n) { masker.Apply(r, n, out); });
+    Py_RETURN_NONE;
+  });
+}
+
+template <typename Fn>
+PyCFunction AsCFunction(Fn* fn) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn));
+}
+
+PyMethodDef kBatchMethods[] = {
+    {"fill_bitmask", AsCFunction(&FillBitmaskMethod), METH_FASTCALL | METH_KEYWORDS,
+     "fill_bitmask($self, /, states, bitmask)\n--\n\n"
+     "Fill int32 bitmask [len(states), ceil(V/32)]; rows whose state is None allow every token."},
+    {"fill_unique_bitmask", AsCFunction(&FillUniqueBitmaskMethod), METH_FASTCALL | METH_KEYWORDS,
+     "fill_unique_bitmask($self, /, states, unique, row_index)\n--\n\n"
+     "Write each distinct mask of the batch once and return their count n: row i's mask is "
+     "unique[row_index[i]]. unique: int32 [len(states), ceil(V/32)], whose rows from n on are "
+     "scratch (unspecified); row_index: int32 [len(states)], not overlapping unique. For "
+     "device-side gathers."},
+    {"apply", AsCFunction(&ApplyMethod), METH_FASTCALL | METH_KEYWORDS,
+     "apply($self, /, states, logits)\n--\n\n"
+     "Set -inf in float32 logits [len(states), V] where not allowed; rows whose state is None are untouched."},
+};
 
 }  // namespace
 }  // namespace paved::constraints
@@ -252,57 +434,19 @@ PYBIND11_MODULE(_paved_constraints, m) {
           },
           py::arg("row"), "Write the allowed-token bitmask into an int32 array of ceil(V/32) words.");
 
-  py::class_<BatchMasker>(m, "BatchMasker", "Fills masks for a whole batch with a persistent thread pool.")
-      .def(py::init([](int64_t vocab_size, int64_t num_threads) {
+  py::class_<BatchMasker> masker(m, "BatchMasker", "Fills masks for a whole batch with a persistent thread pool.");
+  masker.def(py::init([](int64_t vocab_size, int64_t num_threads) {
              if (vocab_size <= 0 || vocab_size > kMaxVocabSize)
                throw ConstraintError("vocab_size must be in [1, " + std::to_string(kMaxVocabSize) + "]");
              if (num_threads < 1 || num_threads > 256) throw ConstraintError("num_threads must be in [1, 256]");
              return std::make_unique<BatchMasker>(static_cast<int32_t>(vocab_size), static_cast<int>(num_threads));
            }),
            py::arg("vocab_size"), py::arg("num_threads") = 2,
-           "num_threads counts the calling thread; the others are persistent workers.")
-      .def(
-          "fill_bitmask",
-          [](BatchMasker& masker, const py::sequence& states, py::array bitmask) {
-            CheckArray<int32_t>(bitmask, "bitmask", "int32",
-                                {static_cast<int64_t>(py::len(states)), int64_t{masker.num_words()}});
-            auto* out = static_cast<int32_t*>(bitmask.mutable_data());
-            RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.FillBitmask(rows, n, out); });
-          },
-          py::arg("states"), py::arg("bitmask"),
-          "Fill int32 bitmask [len(states), ceil(V/32)]; rows whose state is None allow every token.")
-      .def(
-          "fill_unique_bitmask",
-          [](BatchMasker& masker, const py::sequence& states, py::array unique, py::array row_index) {
-            const auto rows = static_cast<int64_t>(py::len(states));
-            CheckArray<int32_t>(unique, "unique", "int32", {rows, int64_t{masker.num_words()}});
-            CheckArray<int32_t>(row_index, "row_index", "int32", {rows});
-            auto* out = static_cast<int32_t*>(unique.mutable_data());
-            auto* index = static_cast<int32_t*>(row_index.mutable_data());
-            // The engine writes both; an index inside the mask rows would be overwritten.
-            const auto u0 = reinterpret_cast<uintptr_t>(out), i0 = reinterpret_cast<uintptr_t>(index);
-            if (i0 < u0 + static_cast<uintptr_t>(unique.nbytes()) && u0 < i0 + static_cast<uintptr_t>(row_index.nbytes()))
-              throw py::value_error("unique and row_index must not overlap");
-            if (rows > std::numeric_limits<int32_t>::max())
-              throw py::value_error("fill_unique_bitmask takes at most 2**31 - 1 rows");
-            int64_t n = 0;
-            RunBatch(masker, states,
-                     [&](const State* const* r, int64_t count) { n = masker.FillUniqueBitmask(r, count, out, index); });
-            return n;
-          },
-          py::arg("states"), py::arg("unique"), py::arg("row_index"),
-          "Write each distinct mask of the batch once and return their count n: row i's mask is "
-          "unique[row_index[i]]. unique: int32 [len(states), ceil(V/32)], whose rows from n on are "
-          "scratch (unspecified); row_index: int32 [len(states)], not overlapping unique. For "
-          "device-side gathers.")
-      .def(
-          "apply",
-          [](BatchMasker& masker, const py::sequence& states, py::array logits) {
-            CheckArray<float>(logits, "logits", "float32",
-                              {static_cast<int64_t>(py::len(states)), int64_t{masker.vocab_size()}});
-            auto* out = static_cast<float*>(logits.mutable_data());
-            RunBatch(masker, states, [&](const State* const* rows, int64_t n) { masker.Apply(rows, n, out); });
-          },
-          py::arg("states"), py::arg("logits"),
-          "Set -inf in float32 logits [len(states), V] where not allowed; rows whose state is None are untouched.");
+           "num_threads counts the calling thread; the others are persistent workers.");
+  // fill_bitmask, fill_unique_bitmask and apply: see kBatchMethods.
+  for (PyMethodDef& def : kBatchMethods) {
+    PyObject* method = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(masker.ptr()), &def);
+    if (method == nullptr) throw py::error_already_set();
+    masker.attr(def.ml_name) = py::reinterpret_steal<py::object>(method);
+  }
 }
