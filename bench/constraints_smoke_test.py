@@ -42,6 +42,21 @@ def test_predecessor_effect_mode_times_every_call_in_every_condition(capsys):
         assert all(us > 0 for us in cells.values())
 
 
+def test_fill_breakdown_mode_reports_every_variant_and_its_traffic(capsys):
+    assert bench.main(["--fill-breakdown", "--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = ("paved, bench rows", "paved, one mask, 64 states", "paved, no state")
+    assert set(out) == {"numpy_write_us", "numpy write", *rows}
+    for name in rows:
+        assert out[name]["us"] > 0 and out[name]["ratio_vs_numpy_write"] > 0
+    # The bench's rows sit in several automaton states; the other two variants read one mask.
+    assert out["paved, bench rows"]["distinct_masks"] > 1
+    assert (
+        out["paved, one mask, 64 states"]["distinct_masks"] == out["paved, no state"]["distinct_masks"] == 1
+    )
+    assert out["paved, bench rows"]["traffic_ratio"] == (64 + out["paved, bench rows"]["distinct_masks"]) / 64
+
+
 def test_rounds_keep_paved_methods_apart():
     rng = bench.random.Random(1)
     names = ["python", "outlines-core", "xgrammar", "bitmask write", "paved", "paved unique", "paved apply"]
