@@ -590,8 +590,38 @@ def test_batch_methods_bind_arguments_like_python_functions(vocab):
         masker.fill_bitmask(states, strided)
     with pytest.raises(ValueError, match="int32"):
         masker.fill_bitmask(states, np.zeros((4, WORDS), np.dtype(">i4")))
-    with pytest.raises(ValueError, match="bitmask must be a int32 array"):
+    with pytest.raises(TypeError, match="bitmask must be a numpy int32 array"):
         masker.fill_bitmask(states, [[0] * WORDS] * 4)
+
+    # The batch is what the sequence holds, whatever its __len__ says: the arrays are checked
+    # against the rows that are filled (a mismatch once wrote past the end of the bitmask).
+    class ShortList(list):
+        def __len__(self):
+            return 1
+
+    class Lying:
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            if i >= 4:
+                raise IndexError(i)
+            return None
+
+    for lying in (ShortList([None] * 4), Lying()):
+        guarded = np.full((5, WORDS), 7, np.int32)
+        with pytest.raises(ValueError, match=r"bitmask shape must be \[4, "):
+            masker.fill_bitmask(lying, guarded[:1])
+        with pytest.raises(ValueError, match=r"logits shape must be \[4, "):
+            masker.apply(lying, np.zeros((1, VOCAB_SIZE), np.float32))
+        with pytest.raises(ValueError, match=r"unique shape must be \[4, "):
+            masker.fill_unique_bitmask(lying, guarded[:1], np.zeros(1, np.int32))
+        assert (guarded == 7).all()
+        masker.fill_bitmask(lying, guarded[:4])
+        assert (guarded[4] == 7).all() and bits_to_set(guarded[0]) == set(range(VOCAB_SIZE))
+    # A State made by __new__ alone is refused, not read.
+    with pytest.raises(ValueError, match=r"states\[1\] must be a State or None"):
+        masker.fill_bitmask([None, native.State.__new__(native.State), None, None], expected.copy())
     bad_calls = [
         (lambda: masker.fill_bitmask(states), r"takes 2 arguments \(states, bitmask\)"),
         (lambda: masker.fill_bitmask(states, expected, expected), "takes 2 arguments"),

@@ -115,7 +115,22 @@ struct BatchStates {
   std::vector<const State*> rows;
 };
 
-BatchStates& CollectStates(const py::sequence& states) {
+// The states argument as a list or tuple (PySequence_Fast) and its length. Its length is the
+// batch's: the arrays are checked against it and exactly its items are filled, whatever the
+// original sequence's __len__ says, and no Python code runs between those checks and the fill.
+struct StatesArg {
+  py::object fast;
+  int64_t rows;
+};
+
+StatesArg StatesOf(PyObject* states) {
+  if (!PySequence_Check(states)) throw py::type_error("states must be a sequence of State or None");
+  PyObject* fast = PySequence_Fast(states, "states must be a sequence of State or None");
+  if (fast == nullptr) throw py::error_already_set();
+  return {py::reinterpret_steal<py::object>(fast), static_cast<int64_t>(PySequence_Fast_GET_SIZE(fast))};
+}
+
+BatchStates& CollectStates(const StatesArg& states) {
   // pybind11's isinstance<State>() and cast<>() look the type up by typeid (hashing its name)
   // on every call: with a B=64 batch that was ~15% of a fill_bitmask step. A caster built from
   // the type_info looked up once checks a State object's type by pointer instead.
@@ -123,11 +138,8 @@ BatchStates& CollectStates(const py::sequence& states) {
   thread_local BatchStates batch;
   batch.owners.clear();
   batch.rows.clear();
-  PyObject* fast = PySequence_Fast(states.ptr(), "states must be a sequence");
-  if (fast == nullptr) throw py::error_already_set();
-  const py::object fast_owner = py::reinterpret_steal<py::object>(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
-  const auto n = static_cast<size_t>(PySequence_Fast_GET_SIZE(fast));
+  PyObject** items = PySequence_Fast_ITEMS(states.fast.ptr());
+  const auto n = static_cast<size_t>(states.rows);
   // After a model step the rows' Python objects and States are out of the CPU caches, and each
   // row's type check, then its State, would miss in turn: prefetching them all first overlaps
   // the misses (at B=64 after a 32 MiB write: 11-13 µs from entry to the fill, 7-9 with it,
@@ -147,7 +159,14 @@ BatchStates& CollectStates(const py::sequence& states) {
       continue;
     }
     py::detail::type_caster_generic caster(state_type);
-    if (!caster.load(item, /*convert=*/false)) {
+    // (A State made by State.__new__ alone has no state: pybind11's caster would hand out
+    // uninitialized storage.)
+    bool ok = caster.load(item, /*convert=*/false);
+    if (ok) {
+      auto v_h = reinterpret_cast<py::detail::instance*>(item)->get_value_and_holder(state_type, false);
+      ok = v_h && v_h.holder_constructed();
+    }
+    if (!ok) {
       batch.owners.clear();
       batch.rows.clear();
       throw py::value_error("states[" + std::to_string(i) + "] must be a State or None");
@@ -159,7 +178,7 @@ BatchStates& CollectStates(const py::sequence& states) {
 }
 
 template <typename Work>
-void RunBatch(BatchMasker& masker, const py::sequence& states, Work work) {
+void RunBatch(BatchMasker& masker, const StatesArg& states, Work work) {
   BatchStates& batch = CollectStates(states);
   try {
     masker.Validate(batch.rows.data(), static_cast<int64_t>(batch.rows.size()));
@@ -219,14 +238,6 @@ BatchMasker& SelfMasker(PyObject* self) {
   return *v_h.value_ptr<BatchMasker>();
 }
 
-// The states argument and its length.
-std::pair<py::sequence, int64_t> StatesArg(PyObject* states) {
-  if (!PySequence_Check(states)) throw py::type_error("states must be a sequence of State or None");
-  const Py_ssize_t rows = PySequence_Size(states);
-  if (rows < 0) throw py::error_already_set();
-  return {py::reinterpret_borrow<py::sequence>(states), static_cast<int64_t>(rows)};
-}
-
 // The data of array `a` after CheckArray's checks, reading the ndarray's fields when it is the
 // plain case. type_num: numpy's number for T (pybind11's normalized constant).
 template <typename T>
@@ -246,7 +257,7 @@ T* ArrayData(PyObject* a, const char* name, const char* dtype, int type_num, std
   }
   if (!plain) {
     if (!py::detail::npy_api::get().PyArray_Check_(a))
-      throw py::value_error(std::string(name) + " must be a " + dtype + " array");
+      throw py::type_error(std::string(name) + " must be a numpy " + dtype + " array");
     CheckArray<T>(py::reinterpret_borrow<py::array>(a), name, dtype, shape);
   }
   return reinterpret_cast<T*>(py::detail::array_proxy(a)->data);
@@ -271,7 +282,8 @@ PyObject* FillBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssize_t na
     PyObject* a[2];
     BindArgs("fill_bitmask", kNames, args, nargs, kwnames, a);
     BatchMasker& masker = SelfMasker(self);
-    const auto [states, rows] = StatesArg(a[0]);
+    const StatesArg states = StatesOf(a[0]);
+    const int64_t rows = states.rows;
     auto* out = ArrayData<int32_t>(a[1], "bitmask", "int32", py::detail::npy_api::NPY_INT32_,
                                    {rows, int64_t{masker.num_words()}});
     RunBatch(masker, states, [&](const State* const* r, int64_t n) { masker.FillBitmask(r, n, out); });
@@ -285,7 +297,8 @@ PyObject* FillUniqueBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssiz
     PyObject* a[3];
     BindArgs("fill_unique_bitmask", kNames, args, nargs, kwnames, a);
     BatchMasker& masker = SelfMasker(self);
-    const auto [states, rows] = StatesArg(a[0]);
+    const StatesArg states = StatesOf(a[0]);
+    const int64_t rows = states.rows;
     auto* out = ArrayData<int32_t>(a[1], "unique", "int32", py::detail::npy_api::NPY_INT32_,
                                    {rows, int64_t{masker.num_words()}});
     auto* index = ArrayData<int32_t>(a[2], "row_index", "int32", py::detail::npy_api::NPY_INT32_, {rows});
@@ -309,7 +322,8 @@ PyObject* ApplyMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, P
     PyObject* a[2];
     BindArgs("apply", kNames, args, nargs, kwnames, a);
     BatchMasker& masker = SelfMasker(self);
-    const auto [states, rows] = StatesArg(a[0]);
+    const StatesArg states = StatesOf(a[0]);
+    const int64_t rows = states.rows;
     auto* out = ArrayData<float>(a[1], "logits", "float32", py::detail::npy_api::NPY_FLOAT_,
                                  {rows, int64_t{masker.vocab_size()}});
     RunBatch(masker, states, [&](const State* const* r, int64_t n) { masker.Apply(r, n, out); });
