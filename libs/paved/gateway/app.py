@@ -33,6 +33,7 @@ from paved.gateway.routes import RoutesSource
 from paved.gateway.state import GatewayStore
 from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body, validation_message
+from paved.http.json_body import JSONBodyError, parse_json
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -211,9 +212,9 @@ def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestr
         evicted (only the tenant that was served it can name it) and counted."""
         principal = await gateway.authenticator.authenticate(request.headers.get("authorization"))
         try:
-            body = await request.json()
-        except ValueError:
-            raise GatewayError(400, "the request body is not valid JSON") from None
+            body = parse_json(await request.body())
+        except JSONBodyError as e:
+            raise GatewayError(400, f"the request body is {e}") from None
         entry = body.get("entry") if isinstance(body, dict) else None
         if not isinstance(entry, str) or not 2 < len(entry) <= 200:
             raise GatewayError(400, "entry must be the x-paved-cache-entry of a cached answer", param="entry")

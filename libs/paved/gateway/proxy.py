@@ -40,6 +40,7 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.tokens import TokenCounter
 from paved.http.errors import error_body
+from paved.http.json_body import JSONBodyError, parse_json
 from paved.http.sockets import POOL_KEEPALIVE_S
 from paved.http.tracing import request_ids
 
@@ -676,11 +677,9 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise GatewayError(400, "the request body is missing")
     try:
-        body = json.loads(raw)
-    except UnicodeDecodeError:
-        raise GatewayError(400, "the request body is not valid UTF-8") from None
-    except ValueError as e:
-        raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
+        body = parse_json(raw)
+    except JSONBodyError as e:
+        raise GatewayError(400, f"the request body is {e}") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
     # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no engine can encode; only a

@@ -33,6 +33,7 @@ from starlette.types import Scope
 
 import paved
 from paved.engine.streams import aclose
+from paved.http.json_body import JSONBodyError, parse_json
 from paved.http.kserve_names import HTTP_MODEL_METHODS
 from paved.http.tracing import AccessMiddleware, TraceContext
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
@@ -139,9 +140,9 @@ def _decode_infer(
     else:
         split = len(body)
     try:
-        doc = json.loads(body[:split])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_argument(f"the inference request header is not valid JSON: {e}") from e
+        doc = parse_json(body[:split])
+    except JSONBodyError as e:
+        raise invalid_argument(f"the inference request header is {e}") from e
     if not isinstance(doc, dict):
         raise invalid_argument("the inference request must be a JSON object")
     unknown = sorted(set(doc) - _REQUEST_KEYS)
@@ -592,6 +593,6 @@ def create_http_app(
 
 def _parse_json(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_argument(f"the request body is not valid JSON: {e}") from e
+        return parse_json(body)
+    except JSONBodyError as e:
+        raise invalid_argument(f"the request body is {e}") from e

@@ -15,13 +15,13 @@ The client side (`parameters_from_options`, for `KServeEngine`) is in `paved.kse
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import ValidationError
 
 from paved.engine import text as unicode_text
 from paved.engine.protocol import ModelCard, SamplingOptions
+from paved.http.json_body import JSONBodyError, parse_json
 from paved.kserve.errors import invalid_argument
 from paved.kserve.wire import PAVED_CONSTRAINT
 
@@ -74,9 +74,9 @@ _OWN = {
 def parse_parameters(text: bytes | str, source: str) -> dict[str, Any]:
     """The JSON object in a `sampling_parameters` tensor."""
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_argument(f"{source} is not valid JSON: {e}") from e
+        value = parse_json(text)
+    except JSONBodyError as e:
+        raise invalid_argument(f"{source} is {e}") from e
     if not isinstance(value, dict):
         raise invalid_argument(f"{source} must be a JSON object, got {type(value).__name__}")
     path = unicode_text.unencodable_path(value)
@@ -89,9 +89,9 @@ def _json_value(value: Any, where: str) -> Any:
     """vLLM's backend sends nested objects as JSON text; accept both forms."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise invalid_argument(f"{where} is a string but not valid JSON: {e}") from e
+            value = parse_json(value)
+        except JSONBodyError as e:
+            raise invalid_argument(f"{where} is a string but {e}") from e
         # The outer parse saw only text; escapes inside it are decoded just now.
         path = unicode_text.unencodable_path(value)
         if path is not None:

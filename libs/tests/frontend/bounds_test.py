@@ -5,6 +5,7 @@ one refused (or paused), release, show it admitted."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 
@@ -16,6 +17,7 @@ from paved.frontend.registry import ModelRegistry
 from paved.frontend.responses import MERGE_QUEUE_SIZE, merge
 from paved.frontend.server import main
 from paved.http.body_limit import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
+from paved.http.json_body import MAX_DEPTH, JSONBodyError, parse_json
 
 
 # ---- chunked bodies buffered at once --------------------------------------------------------------
@@ -48,6 +50,27 @@ class _Client:
 async def _settle() -> None:
     for _ in range(20):
         await asyncio.sleep(0)
+
+
+def test_json_bodies_are_bounded_in_depth():
+    assert parse_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) == functools.reduce(
+        lambda v, _: [v], range(MAX_DEPTH - 1), []
+    )
+    assert parse_json('{"a": {"b": [1, {"c": null}]}}') == {"a": {"b": [1, {"c": None}]}}
+    # Many brackets, little depth: no refusal (a long conversation has a `{` per message).
+    assert len(parse_json(b"[" + b",".join([b"{}"] * 10000) + b"]")) == 10000
+    for raw in (
+        b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1),
+        '{"a":' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1),
+        b"[" * 100000 + b"]" * 100000,  # json.loads itself overflows: RecursionError
+    ):
+        with pytest.raises(JSONBodyError, match=f"nested more than {MAX_DEPTH} levels deep"):
+            parse_json(raw)
+    with pytest.raises(JSONBodyError, match="not valid UTF-8"):
+        parse_json(b'{"a": "\xff"}')
+    with pytest.raises(JSONBodyError, match="not valid JSON"):
+        parse_json(b"{nope")
+    assert issubclass(JSONBodyError, ValueError)
 
 
 def test_chunked_bodies_share_one_buffer_budget():

@@ -117,6 +117,17 @@ def test_lone_surrogate_is_400_not_500(gw):
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("depth", [129, 10000])
+def test_bodies_nested_too_deep_are_400_not_500(gw, depth):
+    # 1000+ levels made json.loads raise RecursionError, which escaped as a plain-text 500.
+    deep = b"[" * depth + b"]" * depth
+    r = _post(gw, b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"y":' + deep + b"}")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "the request body is nested more than 128 levels deep"
+    ok = b'{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"hi"}],"metadata":{}}'
+    assert _post(gw, ok).status_code == 200
+
+
 def test_exact_cache_rules(gw, client):
     messages = [{"role": "user", "content": f"q {secrets.token_hex(4)}"}]
     first, h = _chat(client, model="tiny", messages=messages, max_tokens=6, temperature=0)

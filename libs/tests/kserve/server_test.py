@@ -279,6 +279,7 @@ def test_constraints_reach_the_engine(gc, engine, params, backend, kind):
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"extra_args": {"other": 1}}, "other"),
         ("not json", "not valid JSON"),
+        ("[" * 3000 + "]" * 3000, "nested more than 128 levels deep"),
         # Valid JSON, not Unicode text: a lone surrogate escape (was a tokenizer TypeError).
         (r'{"stop": ["\ud800"]}', "stop.0 contains a lone UTF-16 surrogate"),
         (r'{"structured_outputs": "{\"regex\": \"\\ud800\"}"}', "regex contains a lone UTF-16 surrogate"),
@@ -585,6 +586,20 @@ def test_http_json_text_with_a_lone_surrogate_is_400(server):
     r = httpx.post(f"http://127.0.0.1:{server.http_port}/v2/models/{LLM}/infer", content=body)
     assert r.status_code == 400, r.text
     assert "surrogate" in r.json()["error"]
+
+
+@pytest.mark.parametrize("depth", [129, 5000])
+def test_http_bodies_nested_too_deep_are_400(server, depth):
+    # 5000 levels made json.loads raise RecursionError, answered as a 500.
+    deep = b"[" * depth + b"]" * depth
+    for path, body in (
+        ("infer", b'{"inputs":[{"name":"input__0","datatype":"FP32","shape":[1,32],"data":' + deep + b"}]}"),
+        ("generate", b'{"text_input":"a","parameters":{"x":' + deep + b"}}"),
+    ):
+        model = XGB if path == "infer" else LLM
+        r = httpx.post(f"http://127.0.0.1:{server.http_port}/v2/models/{model}/{path}", content=body)
+        assert r.status_code == 400, r.text
+        assert "nested more than 128 levels deep" in r.json()["error"]
 
 
 # ---- request ids and the access log ---------------------------------------------------------
