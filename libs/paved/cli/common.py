@@ -2,23 +2,36 @@
 
 Invariants: the admin key is sent only in the Authorization header and never printed (not in
 errors, not in reprs); every request has a 10 s deadline; any failure becomes a CliError whose
-message is one line (main prints it and exits 1).
+message is one line (main prints it and exits 1). Bad input is a usage error (exit 2) found
+before any request: every URL (option or environment variable) and the admin key are checked
+here, by connect(), and every value put into a URL path is a checked name, percent-encoded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 TIMEOUT_S = 10.0
-_DURATION = re.compile(r"(\d{1,12})([smhdw]?)")
+# [0-9], not \d: int() also takes other scripts' digits, "1_000" and surrounding spaces.
+_DURATION = re.compile(r"([0-9]{1,12})([smhdw]?)")
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 MAX_DURATION_S = 10 * 366 * 86400
+# A bearer token is sent in an HTTP header: printable ASCII only, and no spaces (a space or a
+# control character would be refused by httpx mid-request, or split the header).
+_ADMIN_KEY = re.compile(r"[\x21-\x7e]{1,4096}")
+# The control plane's model/version/region names and ids (control_plane.store.NAME_RE): starting
+# with a letter or digit also keeps "." and ".." out, so a checked name is one URL path segment.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class CliError(Exception):
@@ -36,21 +49,99 @@ def duration_s(text: str) -> int:
     return seconds
 
 
-def non_negative_int(text: str) -> int:
-    try:
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type for a decimal integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        if _INTEGER.fullmatch(text) is None:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"'{text}' must be between {low} and {high}")
+        return value
+
+    parse.__name__ = f"integer in {low}..{high}"
+    return parse
+
+
+def non_negative_int(text: str) -> int:
+    if _INTEGER.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
+    value = int(text)
     if not 0 <= value <= 2**53:
         raise argparse.ArgumentTypeError(f"'{text}' must be between 0 and 2^53")
     return value
 
 
-def gateway_url(text: str) -> str:
+def resource_name(text: str) -> str:
+    """argparse type: a model, version or region name, or an id ([A-Za-z0-9][A-Za-z0-9._-]{0,127})."""
+    if _NAME.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid name {text!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit"
+        )
+    return text
+
+
+def segment(value: str) -> str:
+    """One URL path segment. Values are checked names already; encoding is the second guard."""
+    return urllib.parse.quote(value, safe="")
+
+
+def json_value(text: str) -> Any:
+    """json.loads without NaN/Infinity, which JSON lacks (httpx refuses to send them)."""
+
+    def constant(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=constant)
+
+
+def base_url(text: str) -> str:
+    """argparse type: an http(s)://HOST[:PORT][/PATH] base URL (no query or fragment)."""
     url = text.strip().rstrip("/")
-    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
-        raise argparse.ArgumentTypeError(f"invalid gateway URL '{text}': expected http://HOST:PORT")
+
+    def bad(why: str) -> argparse.ArgumentTypeError:
+        return argparse.ArgumentTypeError(f"invalid URL {text!r}: {why}; expected http://HOST:PORT")
+
+    if not url.isascii() or not url.isprintable() or any(c.isspace() for c in url):
+        raise bad("spaces, control or non-ASCII characters")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # parses it: a ValueError for "abc" or 65536
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if parts.scheme not in ("http", "https"):
+        raise bad("the scheme must be http or https")
+    if not parts.hostname:
+        raise bad("no host")
+    if port is not None and not 1 <= port <= 65535:
+        raise bad("the port must be 1..65535")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise bad("no query or fragment allowed")
+    try:
+        httpx.URL(url + "/x")  # what the requests will be built from
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise bad(str(exc).splitlines()[0] if str(exc) else "not a URL") from None
     return url
+
+
+# The old name, kept for callers outside the CLI package.
+gateway_url = base_url
+
+
+def admin_key(text: str) -> str:
+    """argparse type for --admin-key; the message never repeats the key."""
+    key = text.strip()
+    if _ADMIN_KEY.fullmatch(key) is None:
+        raise argparse.ArgumentTypeError(_ADMIN_KEY_RULE)
+    return key
+
+
+_ADMIN_KEY_RULE = "the admin key must be 1-4096 printable ASCII characters, without spaces"
+
+
+def admin_key_option(group: argparse._ArgumentGroup, help_text: str) -> None:
+    group.add_argument("--admin-key", type=admin_key, default=None, help=help_text)
 
 
 def gateway_options() -> argparse.ArgumentParser:
@@ -59,14 +150,12 @@ def gateway_options() -> argparse.ArgumentParser:
     group = parent.add_argument_group("gateway")
     group.add_argument(
         "--gateway",
-        type=gateway_url,
+        type=base_url,
         default=None,
         help=f"gateway base URL (env PAVED_GATEWAY_URL, default {DEFAULT_GATEWAY})",
     )
-    group.add_argument(
-        "--admin-key",
-        default=None,
-        help="the gateway's admin key; prefer the env var PAVED_ADMIN_KEY (command lines are visible in ps)",
+    admin_key_option(
+        group, "the gateway's admin key; prefer the env var PAVED_ADMIN_KEY (command lines are visible in ps)"
     )
     return parent
 
@@ -89,6 +178,34 @@ def limits_body(args: argparse.Namespace) -> dict[str, int] | None:
     return given or None
 
 
+def connect(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    *,
+    url: str | None,
+    env: str,
+    default: str,
+    prefix: str = "/admin/v1",
+    service: str = "gateway",
+) -> AdminClient:
+    """The client for a leaf command: `url` (its URL option, checked by argparse already) or the
+    environment variable `env` or `default`, and --admin-key or PAVED_ADMIN_KEY. Anything wrong
+    is a usage error naming the variable at fault, before any request."""
+    if url is None:
+        try:
+            url = base_url(os.environ.get(env) or default)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"{env}: {exc}")
+    key = args.admin_key
+    if key is None:
+        key = (os.environ.get("PAVED_ADMIN_KEY") or "").strip()
+        if not key:
+            parser.error("no admin key: set PAVED_ADMIN_KEY (or pass --admin-key)")
+        if _ADMIN_KEY.fullmatch(key) is None:
+            parser.error(f"PAVED_ADMIN_KEY: {_ADMIN_KEY_RULE}")
+    return AdminClient(url, key, prefix=prefix, service=service)
+
+
 class AdminClient:
     """An admin API over HTTP: the gateway's /admin/v1 (default) or the control plane's /v1."""
 
@@ -100,16 +217,7 @@ class AdminClient:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, parser: argparse.ArgumentParser) -> AdminClient:
-        gateway = args.gateway
-        if gateway is None:
-            try:
-                gateway = gateway_url(os.environ.get("PAVED_GATEWAY_URL") or DEFAULT_GATEWAY)
-            except argparse.ArgumentTypeError as exc:
-                parser.error(f"PAVED_GATEWAY_URL: {exc}")
-        admin_key = (args.admin_key or os.environ.get("PAVED_ADMIN_KEY") or "").strip()
-        if not admin_key:
-            parser.error("no admin key: set PAVED_ADMIN_KEY (or pass --admin-key)")
-        return cls(gateway, admin_key)
+        return connect(args, parser, url=args.gateway, env="PAVED_GATEWAY_URL", default=DEFAULT_GATEWAY)
 
     def __repr__(self) -> str:
         return f"AdminClient({self.gateway!r}, <admin key redacted>)"

@@ -17,17 +17,46 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
+from collections.abc import Callable
 from typing import Any
 
-from paved.cli.common import AdminClient, CliError, duration_s, gateway_url, non_negative_int
+from paved.cli.common import (
+    AdminClient,
+    admin_key_option,
+    base_url,
+    bounded_int,
+    connect,
+    duration_s,
+    json_value,
+    resource_name,
+    segment,
+)
 
 DEFAULT_CONTROL_PLANE = "http://127.0.0.1:8090"
+# The control plane's bounds (control_plane.api), checked here so that they are usage errors.
+MAX_REPLICAS = 256
+MAX_PHASES = 20
+_PERCENT = re.compile(r"[0-9]{1,3}")
+
+
+def _text(what: str, max_len: int) -> Callable[[str], str]:
+    """An argparse type for a non-empty string of at most max_len characters."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        if len(text) > max_len:
+            raise argparse.ArgumentTypeError(f"{what} is over {max_len} characters")
+        return text
+
+    parse.__name__ = what
+    return parse
 
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = json_value(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
@@ -40,40 +69,42 @@ def _options() -> argparse.ArgumentParser:
     group = parent.add_argument_group("control plane")
     group.add_argument(
         "--control-plane",
-        type=gateway_url,
+        type=base_url,
         default=None,
         help=f"control-plane base URL (env PAVED_CONTROL_PLANE_URL, default {DEFAULT_CONTROL_PLANE})",
     )
-    group.add_argument("--admin-key", default=None, help="prefer the env var PAVED_ADMIN_KEY")
+    admin_key_option(group, "prefer the env var PAVED_ADMIN_KEY")
     group.add_argument("--json", action="store_true", help="print the API's JSON")
     return parent
 
 
 def _client(args: argparse.Namespace, parser: argparse.ArgumentParser) -> AdminClient:
-    url = args.control_plane
-    if url is None:
-        try:
-            url = gateway_url(os.environ.get("PAVED_CONTROL_PLANE_URL") or DEFAULT_CONTROL_PLANE)
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"PAVED_CONTROL_PLANE_URL: {exc}")
-    key = (args.admin_key or os.environ.get("PAVED_ADMIN_KEY") or "").strip()
-    if not key:
-        parser.error("no admin key: set PAVED_ADMIN_KEY (or pass --admin-key)")
-    return AdminClient(url, key, prefix="/v1", service="control plane")
+    return connect(
+        args,
+        parser,
+        url=args.control_plane,
+        env="PAVED_CONTROL_PLANE_URL",
+        default=DEFAULT_CONTROL_PLANE,
+        prefix="/v1",
+        service="control plane",
+    )
 
 
 def _phases(text: str) -> list[int]:
-    try:
-        phases = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError("--phases takes percentages, e.g. 25,50,100") from None
+    pieces = [p.strip() for p in text.split(",")]
+    if not all(_PERCENT.fullmatch(p) for p in pieces):
+        raise argparse.ArgumentTypeError("--phases takes percentages, e.g. 25,50,100")
+    phases = [int(p) for p in pieces]
     if (
         not phases
+        or len(phases) > MAX_PHASES
         or phases[-1] != 100
         or any(not 0 < p <= 100 for p in phases)
         or phases != sorted(set(phases))
     ):
-        raise argparse.ArgumentTypeError("--phases must rise strictly and end at 100, e.g. 25,50,100")
+        raise argparse.ArgumentTypeError(
+            f"--phases must rise strictly and end at 100 (at most {MAX_PHASES}), e.g. 25,50,100"
+        )
     return phases
 
 
@@ -82,7 +113,7 @@ def _param(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--param {text!r}: expected KEY=VALUE (VALUE as JSON, or a string)")
     try:
-        return key, json.loads(value)
+        return key, json_value(value)
     except ValueError:
         return key, value
 
@@ -102,15 +133,22 @@ def register(commands: argparse._SubParsersAction) -> None:
     dsub = deploy.add_subparsers(dest="deploy_command", metavar="COMMAND", required=True)
 
     create = dsub.add_parser("create", parents=[common], help="register MODEL@VERSION from a package")
-    create.add_argument("model")
-    create.add_argument("version")
-    create.add_argument("package_uri")
+    create.add_argument("model", type=resource_name)
+    create.add_argument("version", type=resource_name)
+    create.add_argument("package_uri", type=_text("PACKAGE_URI", 2048))
     create.add_argument("--strategy", choices=("red_black", "versioned"), default="red_black")
-    create.add_argument("--replicas", type=non_negative_int, default=1)
-    create.add_argument("--min", dest="min_replicas", type=non_negative_int, default=1)
-    create.add_argument("--max", dest="max_replicas", type=non_negative_int, default=4)
-    create.add_argument("--region", action="append", dest="regions", help="repeatable (default: local)")
-    create.add_argument("--engine", default="package", help="'package' or a sim:// URI (simulated engine)")
+    create.add_argument("--replicas", type=bounded_int(0, MAX_REPLICAS), default=1)
+    create.add_argument("--min", dest="min_replicas", type=bounded_int(0, MAX_REPLICAS), default=1)
+    create.add_argument("--max", dest="max_replicas", type=bounded_int(1, MAX_REPLICAS), default=4)
+    create.add_argument(
+        "--region", action="append", dest="regions", type=resource_name, help="repeatable (default: local)"
+    )
+    create.add_argument(
+        "--engine",
+        type=_text("--engine", 1024),
+        default="package",
+        help="'package' or a sim:// URI (simulated engine)",
+    )
     create.add_argument("--no-gc", action="store_true", help="never garbage-collect this version")
     create.add_argument(
         "--route",
@@ -121,6 +159,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
 
     def run_create(args: argparse.Namespace) -> int:
+        if args.min_replicas > args.max_replicas:
+            create.error(f"--min ({args.min_replicas}) is above --max ({args.max_replicas})")
         body = {
             "model_id": args.model,
             "version": args.version,
@@ -143,7 +183,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     create.set_defaults(run=run_create)
 
     listing = dsub.add_parser("list", parents=[common], help="list deployments")
-    listing.add_argument("--model")
+    listing.add_argument("--model", type=resource_name)
 
     def run_list(args: argparse.Namespace) -> int:
         params = {"model_id": args.model} if args.model else None
@@ -158,36 +198,40 @@ def register(commands: argparse._SubParsersAction) -> None:
     listing.set_defaults(run=run_list)
 
     scale = dsub.add_parser("scale", parents=[common], help="set the replicas per region")
-    scale.add_argument("model")
-    scale.add_argument("version")
-    scale.add_argument("replicas", type=non_negative_int)
+    scale.add_argument("model", type=resource_name)
+    scale.add_argument("version", type=resource_name)
+    scale.add_argument("replicas", type=bounded_int(0, MAX_REPLICAS))
 
     def run_scale(args: argparse.Namespace) -> int:
         d = _client(args, scale).request(
-            "PATCH", f"/deployments/{args.model}/{args.version}", json={"replicas": args.replicas}
+            "PATCH",
+            f"/deployments/{segment(args.model)}/{segment(args.version)}",
+            json={"replicas": args.replicas},
         )
         return _print(args, d, [f"{d['model_id']}@{d['version']}: {d['replicas']} replicas per region"])
 
     scale.set_defaults(run=run_scale)
 
     current = dsub.add_parser("current", parents=[common], help="versioned: the version the alias follows")
-    current.add_argument("model")
-    current.add_argument("version")
+    current.add_argument("model", type=resource_name)
+    current.add_argument("version", type=resource_name)
 
     def run_current(args: argparse.Namespace) -> int:
         d = _client(args, current).request(
-            "PUT", f"/models/{args.model}/current", json={"version": args.version}
+            "PUT", f"/models/{segment(args.model)}/current", json={"version": args.version}
         )
         return _print(args, d, [f"{d['model_id']} now follows {d['version']}"])
 
     current.set_defaults(run=run_current)
 
     delete = dsub.add_parser("delete", parents=[common], help="scale away and delete a deployment")
-    delete.add_argument("model")
-    delete.add_argument("version")
+    delete.add_argument("model", type=resource_name)
+    delete.add_argument("version", type=resource_name)
 
     def run_delete(args: argparse.Namespace) -> int:
-        body = _client(args, delete).request("DELETE", f"/deployments/{args.model}/{args.version}")
+        body = _client(args, delete).request(
+            "DELETE", f"/deployments/{segment(args.model)}/{segment(args.version)}"
+        )
         return _print(args, body, [f"deleted {args.model}@{args.version}"])
 
     delete.set_defaults(run=run_delete)
@@ -195,8 +239,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     rollout = commands.add_parser("rollout", help="start, watch and abort rollouts")
     rsub = rollout.add_subparsers(dest="rollout_command", metavar="COMMAND", required=True)
     start = rsub.add_parser("start", parents=[common], help="roll MODEL to VERSION")
-    start.add_argument("model")
-    start.add_argument("version")
+    start.add_argument("model", type=resource_name)
+    start.add_argument("version", type=resource_name)
     start.add_argument("--phases", type=_phases, help="traffic percentages, e.g. 25,50,100")
     start.add_argument("--interval", type=duration_s, help="time per phase before analysis, e.g. 30s")
     start.add_argument("--force", action="store_true", help="red-black despite an I/O fingerprint change")
@@ -221,7 +265,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     start.set_defaults(run=run_start)
 
     rlist = rsub.add_parser("list", parents=[common], help="list rollouts")
-    rlist.add_argument("--model")
+    rlist.add_argument("--model", type=resource_name)
 
     def run_rlist(args: argparse.Namespace) -> int:
         params = {"model_id": args.model} if args.model else None
@@ -240,12 +284,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         ("abort", "POST", "/abort", "roll back (at the next step)"),
     ):
         leaf = rsub.add_parser(name, parents=[common], help=helptext)
-        leaf.add_argument("rollout_id")
+        leaf.add_argument("rollout_id", type=resource_name, metavar="ID")
 
         def run(
             args: argparse.Namespace, method: str = method, suffix: str = suffix, leaf: Any = leaf
         ) -> int:
-            r = _client(args, leaf).request(method, f"/rollouts/{args.rollout_id}{suffix}")
+            r = _client(args, leaf).request(method, f"/rollouts/{segment(args.rollout_id)}{suffix}")
             return _print(
                 args,
                 r,
@@ -258,12 +302,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         leaf.set_defaults(run=run)
 
     audit = commands.add_parser("audit", parents=[common], help="the control plane's decisions")
-    audit.add_argument("--model")
-    audit.add_argument("--rollout")
-    audit.add_argument("--limit", type=non_negative_int, default=50)
+    audit.add_argument("--model", type=resource_name)
+    audit.add_argument("--rollout", type=resource_name, metavar="ID")
+    audit.add_argument("--limit", type=bounded_int(1, 1000), default=50, help="events, 1..1000")
 
     def run_audit(args: argparse.Namespace) -> int:
-        params = {"limit": str(max(1, args.limit))}
+        params = {"limit": str(args.limit)}
         if args.model:
             params["model_id"] = args.model
         if args.rollout:
@@ -277,12 +321,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     gc = commands.add_parser("gc", parents=[common], help="garbage-collect inactive versioned deployments")
     gc.add_argument("--since-created", type=duration_s, help="retention since creation, e.g. 30d")
     gc.add_argument("--since-traffic", type=duration_s, help="retention since the last traffic, e.g. 7d")
-    gc.add_argument("--min-kept", type=non_negative_int, default=2)
+    gc.add_argument(
+        "--min-kept", type=bounded_int(1, 1000), default=2, help="versions kept per model, 1..1000"
+    )
     gc.add_argument("--dry-run", action="store_true")
 
     def run_gc(args: argparse.Namespace) -> int:
-        if args.min_kept < 1:
-            raise CliError("--min-kept must be at least 1")
         body = {
             "retain_s_since_created": args.since_created,
             "retain_s_since_traffic": args.since_traffic,

@@ -18,7 +18,15 @@ import re
 import sys
 from typing import Any
 
-from paved.cli.common import AdminClient, CliError, duration_s, gateway_options, limit_options, limits_body
+from paved.cli.common import (
+    AdminClient,
+    CliError,
+    duration_s,
+    gateway_options,
+    limit_options,
+    limits_body,
+    segment,
+)
 
 _TENANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _KEY_ID = re.compile(r"(?:pvd_)?([a-z2-7]{12})")
@@ -39,6 +47,13 @@ def _key_id(text: str) -> str:
     return match.group(1)
 
 
+def _key_name(text: str) -> str:
+    # The gateway's MAX_KEY_NAME_LEN; a control character would garble `keys list`'s table.
+    if len(text) > 128 or not text.isprintable():
+        raise argparse.ArgumentTypeError("--name must be at most 128 printable characters")
+    return text
+
+
 def _models(text: str) -> list[str]:
     models = [m.strip() for m in text.split(",")]
     if not all(models):
@@ -54,7 +69,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     create = keys_sub.add_parser("create", parents=[common], help="create a key (printed once)")
     create.add_argument("--tenant", required=True, type=_tenant_name, help="the tenant the key belongs to")
-    create.add_argument("--name", default="", help="a label for the key")
+    create.add_argument("--name", type=_key_name, default="", help="a label for the key")
     create.add_argument(
         "--expires-in",
         type=duration_s,
@@ -144,7 +159,7 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    key = _client(args).request("POST", f"/keys/{args.key_id}/revoke")
+    key = _client(args).request("POST", f"/keys/{segment(args.key_id)}/revoke")
     print(f"Revoked key {key.get('prefix')} (tenant {key.get('tenant')}) at {key.get('revoked_at')}.")
     return 0
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paved.cli.common import AdminClient, CliError, gateway_options
+from paved.cli.common import AdminClient, CliError, gateway_options, segment
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _REF = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}(?:@[1-9][0-9]{0,8})?")
@@ -46,6 +46,12 @@ def _optional_ref(text: str) -> str:
     return text if text == "" else _template_ref(text)
 
 
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("--file needs a path ('-' for stdin)")
+    return text
+
+
 def _tenant_name(text: str) -> str:
     if _TENANT.fullmatch(text) is None:
         raise argparse.ArgumentTypeError(f"invalid tenant name '{text}': use [a-z0-9][a-z0-9._-]{{0,62}}")
@@ -59,7 +65,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     create = sub.add_parser("create", parents=[common], help="create a template (a new version if it exists)")
     create.add_argument("name", type=_template_name, metavar="NAME")
-    create.add_argument("--file", metavar="F.json", help="the messages as JSON ('-' for stdin)")
+    create.add_argument("--file", type=_path, metavar="F.json", help="the messages as JSON ('-' for stdin)")
     create.add_argument("--system", metavar="TEXT", help="a system message (Jinja2 source); not with --file")
     create.add_argument("--user", metavar="TEXT", help="a user message (Jinja2 source); not with --file")
     create.add_argument("--description", default=None, help="what the template is for")
@@ -156,7 +162,7 @@ def _list(args: argparse.Namespace) -> int:
     if args.name is None:
         data = client.request("GET", "/templates").get("data", [])
     else:
-        data = client.request("GET", f"/templates/{args.name}").get("data", [])
+        data = client.request("GET", f"/templates/{segment(args.name)}").get("data", [])
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -172,9 +178,9 @@ def _show(args: argparse.Namespace) -> int:
     client = _client(args)
     name, _, version = args.ref.partition("@")
     if version:
-        template = client.request("GET", f"/templates/{name}/{version}")
+        template = client.request("GET", f"/templates/{segment(name)}/{segment(version)}")
     else:
-        versions = client.request("GET", f"/templates/{name}").get("data", [])
+        versions = client.request("GET", f"/templates/{segment(name)}").get("data", [])
         if not versions:
             raise CliError(f"no prompt template '{name}'")
         template = max(versions, key=lambda t: t["version"])
@@ -192,7 +198,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _tenant(args: argparse.Namespace) -> int:
     client = _client(args)
-    path = f"/tenants/{args.tenant}/prompting"
+    path = f"/tenants/{segment(args.tenant)}/prompting"
     prompting = client.request("GET", path)
     if args.system_prompt is not None or args.default_template is not None:
         body = {

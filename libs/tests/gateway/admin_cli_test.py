@@ -5,7 +5,9 @@ Covers: every admin route refusing a missing or wrong admin key with a 401 OpenA
 (before the body is even parsed); body validation (400); tenants create/list/patch; keys
 create (plaintext shown once) / list (prefix, never the secret) / revoke, with the created key
 authenticating until revoked; exit codes 0 / 1 (API or connection error, one line on stderr) / 2
-(usage); the admin key never printed.
+(usage: also every bad URL option or variable, bad admin key, out-of-range number and id that
+would change a URL path, on the gateway's and the control plane's commands, before any
+request); the admin key never printed.
 """
 
 from __future__ import annotations
@@ -241,6 +243,10 @@ def test_cli_connection_error_exits_1(capsys, monkeypatch):
         ["keys"],
         ["tenants", "create", "acme", "--models", "a,,b"],
         ["tenants", "list", "--gateway", "ftp://x"],
+        ["keys", "create", "--tenant", "acme", "--name", "x" * 129],
+        ["keys", "create", "--tenant", "acme", "--name", "two\nlines"],
+        ["keys", "create", "--tenant", "acme", "--rpm", "1_000"],
+        ["keys", "create", "--tenant", "acme", "--expires-in", "\u0663d"],  # an Arabic-Indic 3
         ["nosuchcommand"],
         [],
     ],
@@ -251,6 +257,130 @@ def test_cli_usage_errors_exit_2(capsys, monkeypatch, argv):
     monkeypatch.setenv("PAVED_GATEWAY_URL", "http://127.0.0.1:9")
     code, _, err = cli(capsys, *argv)
     assert code == 2 and "usage:" in err
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    """Runs argv, which must fail as a usage error: exit 2, argparse's usage and one error line,
+    no traceback, and no request (nothing listens at port 9, which would be an exit 1)."""
+    code, out, err = cli(capsys, *argv)
+    assert code == 2 and out == "", (argv, err)
+    assert "usage:" in err and "Traceback" not in err, (argv, err)
+    return err.strip().splitlines()[-1]
+
+
+BAD_URLS = [
+    "http://127.0.0.1:abc",  # httpx.InvalidURL traceback, once
+    "http://[::1",  # the same
+    "http://127.0.0.1:0",
+    "http://127.0.0.1:65536",
+    "http://:8080",
+    "http://",
+    "ftp://127.0.0.1:21",
+    "127.0.0.1:8080",
+    "http://127.0.0.1:8080/?q=1",
+    "http://127.0.0.1:8080/#x",
+    "http://127.0.0.1:80\x00",
+    "http://h\u00e9st:80",
+    "",
+]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+@pytest.mark.parametrize(
+    ("argv", "option", "env"),
+    [
+        (["keys", "list"], "--gateway", "PAVED_GATEWAY_URL"),
+        (["templates", "list"], "--gateway", "PAVED_GATEWAY_URL"),
+        (["deploy", "list"], "--control-plane", "PAVED_CONTROL_PLANE_URL"),
+        (["gc", "--dry-run"], "--control-plane", "PAVED_CONTROL_PLANE_URL"),
+    ],
+)
+def test_cli_bad_urls_are_usage_errors_naming_the_option(capsys, monkeypatch, url, argv, option, env):
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    monkeypatch.setenv("PAVED_GATEWAY_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("PAVED_CONTROL_PLANE_URL", "http://127.0.0.1:9")
+    line = usage_error(capsys, [*argv, f"{option}={url}"])
+    assert f"argument {option}: invalid URL" in line
+    # An empty variable means "the default"; an environment variable cannot hold a NUL.
+    if url and "\x00" not in url:
+        monkeypatch.setenv(env, url)
+        line = usage_error(capsys, argv)
+        # The variable at fault is named (a control-plane URL was once "invalid gateway URL").
+        assert f"{env}: invalid URL" in line and "gateway URL" not in line
+
+
+@pytest.mark.parametrize("url", ["http://[::1]:9", "https://127.0.0.1:9/base/", "HTTP://127.0.0.1:9"])
+def test_cli_good_urls_get_as_far_as_connecting(capsys, monkeypatch, url):
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    code, _, err = cli(capsys, "keys", "list", "--gateway", url)
+    assert code == 1 and "cannot reach the gateway" in err and err.count("\n") == 1
+
+
+BAD_KEYS = ["\u00e9", "caf\u00e9-key", "a\nb", "a b", "a\tb", "a\x7fb", "a\x00b"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+@pytest.mark.parametrize("argv", [["keys", "list"], ["templates", "list"], ["rollout", "list"]])
+def test_cli_bad_admin_keys_are_usage_errors(capsys, monkeypatch, key, argv):
+    """A key httpx cannot put in a header was a UnicodeEncodeError traceback, or a misleading
+    "cannot reach the gateway" (exit 1); the message names the source and never echoes the key."""
+    monkeypatch.setenv("PAVED_GATEWAY_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("PAVED_CONTROL_PLANE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    line = usage_error(capsys, [*argv, "--admin-key", key])
+    assert "argument --admin-key: the admin key must be" in line and key not in line
+    if "\x00" not in key:  # an environment variable cannot hold a NUL
+        monkeypatch.setenv("PAVED_ADMIN_KEY", key)
+        line = usage_error(capsys, argv)
+        assert "PAVED_ADMIN_KEY: the admin key must be" in line and key not in line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "--min-kept", "0"],  # once a CliError: exit 1
+        ["gc", "--min-kept", "1001"],
+        ["gc", "--since-created", "0s"],
+        ["audit", "--limit", "0"],  # once silently raised to 1
+        ["audit", "--limit", "1001"],
+        ["audit", "--rollout", ""],
+        ["audit", "--model", "a/b"],
+        # Ids and names are URL path segments: empty, "..", "/" or "?" would reach another
+        # endpoint (an empty id made `rollout abort` POST /v1/rollouts/abort: a 404, exit 1).
+        ["rollout", "abort", ""],
+        ["rollout", "abort", ".."],
+        ["rollout", "status", "."],
+        ["rollout", "status", "ro_1/abort"],
+        ["rollout", "status", "ro_1?x=1"],
+        ["rollout", "status", "ro_1%2Fabort"],
+        ["rollout", "list", "--model", ""],
+        ["rollout", "start", "tiny", ""],
+        ["rollout", "start", "..", "v1"],
+        ["rollout", "start", "tiny", "v1", "--interval", "0"],
+        ["rollout", "start", "tiny", "v1", "--phases", ",".join(str(p) for p in range(80, 101))],
+        ["rollout", "start", "tiny", "v1", "--phases", "\u0665\u0660,100"],
+        ["deploy", "delete", "tiny", ""],
+        ["deploy", "delete", "tiny", "../../models/tiny"],
+        ["deploy", "current", "a/b", "v1"],
+        ["deploy", "scale", "tiny", "v1", "257"],
+        ["deploy", "scale", "tiny", "v1", "-1"],
+        ["deploy", "scale", "tiny", "..", "1"],
+        ["deploy", "list", "--model", ""],
+        ["deploy", "create", "tiny", "v1", ""],
+        ["deploy", "create", "tiny", "v1", "pkg", "--engine", ""],
+        ["deploy", "create", "tiny", "v1", "pkg", "--region", ""],
+        ["deploy", "create", "tiny", "v1", "pkg", "--replicas", "257"],
+        ["deploy", "create", "tiny", "v1", "pkg", "--max", "0"],
+        ["deploy", "create", "tiny", "v1", "pkg", "--min", "5", "--max", "2"],
+        # httpx refuses NaN when it encodes the body: a ValueError traceback, once.
+        ["deploy", "create", "tiny", "v1", "pkg", "--route", '{"max_model_len": NaN}'],
+        ["deploy", "create", "tiny", "v1", "pkg", "--route", '{"x": Infinity}'],
+    ],
+)
+def test_control_plane_usage_errors_exit_2(capsys, monkeypatch, argv):
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    monkeypatch.setenv("PAVED_CONTROL_PLANE_URL", "http://127.0.0.1:9")
+    usage_error(capsys, argv)
 
 
 def test_cli_without_admin_key_is_a_usage_error(capsys, monkeypatch):

@@ -175,10 +175,17 @@ def test_unreadable_files_exit_1(gateway, capsys, tmp_path):
         ["templates", "list", "UPPER"],
         ["templates", "tenant", "BAD"],
         ["templates", "tenant", "acme", "--default-template", "bad ref"],
+        # An empty path once opened "." and failed as an I/O error (exit 1).
+        ["templates", "create", "t", "--file", ""],
+        ["templates", "show", ""],
+        ["templates", "show", "../keys"],
+        ["templates", "list", "--gateway", "http://[::1"],
+        ["templates", "list", "--gateway", "http://127.0.0.1:abc"],
+        ["templates", "list", "--admin-key", "key with spaces"],
     ],
 )
 def test_usage_errors_exit_2(capsys, monkeypatch, argv):
     monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
     monkeypatch.setenv("PAVED_GATEWAY_URL", "http://127.0.0.1:9")  # nothing listens: no request is made
     code, _, err = cli(capsys, *argv)
-    assert code == 2 and "usage:" in err
+    assert code == 2 and "usage:" in err and "Traceback" not in err
