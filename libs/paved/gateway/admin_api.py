@@ -16,7 +16,9 @@ Invariants:
   pydantic models with extra="forbid" and bounds (the app turns validation errors into 400s).
 - No response carries a secret hash; the plaintext key appears only in the 201 of POST /keys.
 - A PATCH's `limits`, when present, replaces the tenant's limits whole (an omitted field means
-  "no limit of that kind").
+  "no limit of that kind"). An omitted PATCH field leaves that field as it is; an explicit null
+  is a 400 (as create answers for `models`), never "unchanged" nor "empty": `{"models": null}`
+  must not lock a tenant out of every model, and `{"limits": {}}` is how limits are cleared.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.routing import APIRoute
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 from paved.gateway.auth import AdminAuth
 from paved.gateway.errors import GatewayError
@@ -67,8 +78,21 @@ class TenantCreate(BaseModel):
 
 class TenantPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # None is only the default (the field was omitted): validators do not run on defaults, so
+    # `_no_null` sees exactly the nulls the client sent.
     models: list[_Model] | None = Field(default=None, max_length=MAX_MODELS)
     limits: LimitsBody | None = None
+
+    @field_validator("models", "limits", mode="before")
+    @classmethod
+    def _no_null(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            if info.field_name == "models":
+                raise ValueError('Input should be a valid list (omit "models" to leave them unchanged)')
+            raise ValueError(
+                'Input should be a valid object ({} clears every limit; omit "limits" to keep them)'
+            )
+        return value
 
 
 class KeyCreate(BaseModel):

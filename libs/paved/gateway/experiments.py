@@ -35,6 +35,12 @@ Invariants callers rely on:
   ratable once that replica flushes (a miss is looked up again after one flush interval, at
   most MAX_FEEDBACK_GRACE_S).
 - `results` flushes this replica first, so it includes everything recorded here.
+- Once bound to the gateway's routes and template registry (`bind`, done by the Orchestrator),
+  `create` refuses an experiment on an alias the routes in force do not have (400, param
+  "model"), an arm version no backend of that alias serves (400, "arms[i].version") and an arm
+  template the registry does not have (404 template_not_found, "arms[i].template", as a tenant's
+  default_template). Routes may change later: an arm whose version has since left the routes is
+  not applied (the orchestrator serves the request as if no experiment ran, and counts it).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import sqlalchemy as sa
 from fastapi import APIRouter, Request, Response
@@ -67,6 +73,10 @@ from paved.gateway.auth import AdminAuth, Authenticator
 from paved.gateway.errors import GatewayError
 from paved.gateway.state import TENANT_NAME_RE, GatewayStore
 from paved.sql import utc, utc_now
+
+if TYPE_CHECKING:
+    from paved.gateway.routes import ModelRoute
+    from paved.gateway.templates import TemplateRegistry
 
 logger = logging.getLogger("paved.gateway.experiments")
 
@@ -455,6 +465,16 @@ class ExperimentRegistry:
         # Bumped by this replica's own changes: a read that began before one must not undo it.
         self._generation = 0
         self.db_reads = 0  # snapshot reads (tests and metrics: the cache's effect is observable)
+        # Unbound (a bare library registry) nothing outside the experiment itself is checked.
+        self._route_of: Callable[[str], ModelRoute | None] | None = None
+        self._templates: TemplateRegistry | None = None
+
+    def bind(self, route_of: Callable[[str], ModelRoute | None], templates: TemplateRegistry | None) -> None:
+        """Check what `create` names against the gateway: `route_of(alias)` is the alias's route
+        in force (None: no such alias); `templates` None means the gateway renders no templates,
+        so an arm naming one is refused."""
+        self._route_of = route_of
+        self._templates = templates
 
     async def start(self) -> None:
         await self._store.create_tables(metadata)
@@ -537,9 +557,40 @@ class ExperimentRegistry:
             salt=secrets.token_hex(16),
             created_at=utc_now(),
         )
+        await self._check_targets(exp)
         await self._store.run(self._create_sync, exp)
         self._apply_local(exp)
         return exp
+
+    async def _check_targets(self, exp: Experiment) -> None:
+        """What the arms would serve must exist now: an experiment created on a typo would
+        otherwise answer its share of real users with 404s."""
+        if self._route_of is None:
+            return
+        route = self._route_of(exp.model)
+        if route is None:
+            raise _bad(f"model '{exp.model}' is not in the gateway's routes", "model")
+        for i, arm in enumerate(exp.arms):
+            if arm.version is not None and arm.version not in route.versions:
+                served = ", ".join(route.versions) or "none"
+                raise _bad(
+                    f"arms[{i}].version '{arm.version}' is not served for '{exp.model}' "
+                    f"(versions in the gateway's routes: {served})",
+                    f"arms[{i}].version",
+                )
+            if arm.template is None:
+                continue
+            param = f"arms[{i}].template"
+            if self._templates is None:
+                raise _bad("this gateway has no template registry", param)
+            try:
+                await self._templates.get(arm.template)
+            except GatewayError as exc:
+                if exc.status == 404:
+                    raise GatewayError(
+                        404, f"no prompt template '{arm.template}'", code="template_not_found", param=param
+                    ) from None
+                raise
 
     def _create_sync(self, exp: Experiment) -> None:
         t = experiments_table

@@ -34,6 +34,13 @@ Invariants:
   dropped) and the semantic lookup is a miss; the request itself goes on to its own admission.
 - A conversation is appended before the answer's last byte reaches the client, so a client
   that sends its next turn as soon as it has read the answer sees its previous turn.
+- Operator configuration that does not resolve never fails a request with a client error:
+  a route's `template` (or the tenant's default_template, or an arm's template) that the
+  registry does not have is skipped, falling through to the next of them, and an experiment
+  arm whose version no longer appears in the alias's routes is not applied (the request is
+  routed as if no experiment ran, and is not recorded for the arm). Each is logged once per
+  replica and counted in `paved_gateway_misconfigured_total{kind, model}`. A template the
+  client names itself stays a 404 (template_not_found).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import anyio
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter
 
 from paved.gateway import cache as cachelib
 from paved.gateway.errors import GatewayError
@@ -60,7 +69,7 @@ if TYPE_CHECKING:
     from paved.gateway.metrics import GatewayMetrics
     from paved.gateway.router import Router
     from paved.gateway.routes import CachePolicy, ModelRoute
-    from paved.gateway.templates import TemplateRegistry
+    from paved.gateway.templates import PromptTemplate, TemplateRegistry
     from paved.gateway.tokens import PromptCount, TokenCounter
     from paved.gateway.types import Principal
 
@@ -68,6 +77,25 @@ logger = logging.getLogger("paved.gateway")
 
 EXTENSION_FIELDS = ("template", "variables", "conversation_id", "cache")
 _INTERNAL_KEY = "paved-internal"
+# Distinct misconfigurations warned about per orchestrator (past this they are only counted).
+_MAX_WARNED = 1000
+
+# One counter per metrics registry: GatewayMetrics registries are per gateway (tests build many).
+_misconfigured_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+
+
+def _misconfigured_counter(registry: CollectorRegistry) -> Counter:
+    counter = _misconfigured_counters.get(registry)
+    if counter is None:
+        counter = Counter(
+            "paved_gateway_misconfigured",
+            "Requests served around operator configuration that did not resolve (kind: "
+            "route_template, tenant_template, arm_template, arm_version)",
+            ["kind", "model"],
+            registry=registry,
+        )
+        _misconfigured_counters[registry] = counter
+    return counter
 
 
 @dataclass(frozen=True)
@@ -256,6 +284,23 @@ class Orchestrator:
     experiments: ExperimentRegistry | None = None
     recorder: ExperimentRecorder | None = None
     default_max_tokens: int = 256
+    _warned: set[tuple[str, ...]] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.misconfigured = _misconfigured_counter(self.metrics.registry)
+        if self.experiments is not None:
+            router = self.router
+            self.experiments.bind(lambda alias: router.table.models.get(alias), self.templates)
+
+    def _misconfiguration(self, kind: str, model: str, detail: tuple[str, ...], message: str) -> None:
+        """Count a request served around configuration that did not resolve; warn once."""
+        self.misconfigured.labels(kind, model).inc()
+        key = (kind, model, *detail)
+        if key not in self._warned and len(self._warned) < _MAX_WARNED:
+            self._warned.add(key)
+            logger.warning(
+                "%s (further occurrences are counted in paved_gateway_misconfigured_total)", message
+            )
 
     async def start(self) -> None:
         for part in (self.templates, self.conversations, self.experiments, self.recorder):
@@ -304,6 +349,7 @@ class Orchestrator:
         sticky = user if isinstance(user, str) else principal.key_id
 
         template_ref = extension.get("template")
+        arm_template: str | None = None
         if template_ref is not None and not isinstance(template_ref, str):
             raise GatewayError(400, "template must be a string: name or name@version", param="template")
         if self.experiments is not None and endpoint in ("chat", "completions"):
@@ -318,17 +364,30 @@ class Orchestrator:
                     user=user if isinstance(user, str) else None,
                 )
                 arm = assign(experiment, unit)
-                plan.experiment = (experiment, arm)
-                plan.headers["x-paved-experiment"] = f"{experiment.name};arm={arm.name}"
-                if arm.version is not None:
-                    plan.model = f"{alias}@{arm.version}"
-                    self.router.route(plan.model)  # 404 if no backend serves the arm's version
-                if arm.template is not None and template_ref is None and chat:
-                    template_ref = arm.template
-                body.update(dict(arm.params))
+                if arm.version is not None and arm.version not in route.versions:
+                    # Checked when the experiment was created; the version has left the
+                    # routes since. Serving the alias as usual beats a 404 for this user, and
+                    # the arm's numbers must not count requests it did not serve.
+                    self._misconfiguration(
+                        "arm_version",
+                        alias,
+                        (experiment.name, arm.name, arm.version),
+                        f"experiment '{experiment.name}' arm '{arm.name}' pins {alias}@{arm.version}, "
+                        f"which is not in the routes; serving '{alias}' without the experiment",
+                    )
+                else:
+                    plan.experiment = (experiment, arm)
+                    plan.headers["x-paved-experiment"] = f"{experiment.name};arm={arm.name}"
+                    if arm.version is not None:
+                        plan.model = f"{alias}@{arm.version}"
+                    if arm.template is not None and template_ref is None and chat:
+                        arm_template = arm.template
+                    body.update(dict(arm.params))
 
         if chat:
-            await self._render(plan, principal, body, template_ref, extension.get("variables"), route)
+            await self._render(
+                plan, principal, body, template_ref, extension.get("variables"), route, arm_template
+            )
             if "conversation_id" in extension:
                 await self._fit(plan, body, extension["conversation_id"], route)
 
@@ -359,22 +418,52 @@ class Orchestrator:
         ref: str | None,
         variables: Any,
         route: ModelRoute,
+        arm_template: str | None = None,
     ) -> None:
+        """Render the client's template `ref` (a 404 when it does not exist) or, naming none,
+        the first configured one that exists: the arm's, the route's, the tenant's default."""
         if self.templates is None:
             if ref is not None or variables is not None:
                 raise GatewayError(400, "this gateway has no template registry", param="template")
             return
         prompting = await self.templates.tenant_prompting(plan.tenant)
-        ref = ref or route.template or prompting.default_template
-        if variables is not None and ref is None:
+        configured = [
+            (kind, r)
+            for kind, r in (
+                ("arm_template", arm_template),
+                ("route_template", route.template),
+                ("tenant_template", prompting.default_template),
+            )
+            if r
+        ]
+        if variables is not None and ref is None and not configured:
             raise GatewayError(400, "variables need a template", param="variables")
         messages = body.get("messages")
-        if messages is None and ref is not None:
+        if messages is None and (ref is not None or configured):
             messages = []
         if not isinstance(messages, list):
             return  # the upstream answers the real validation error
+        template: PromptTemplate | None = None
         if ref is not None:
             template = await self.templates.get(ref)
+        else:
+            for kind, configured_ref in configured:
+                try:
+                    template = await self.templates.get(configured_ref)
+                    break
+                except GatewayError as exc:
+                    if exc.status != 404:
+                        raise
+                    self._misconfiguration(
+                        kind,
+                        plan.alias,
+                        (configured_ref,),
+                        f"the {kind.replace('_', ' ')} '{configured_ref}' of '{plan.alias}' does not "
+                        "exist in the template registry; skipping it",
+                    )
+        if template is None and body.get("messages") is None:
+            return  # every configured template was skipped: as if none were configured
+        if template is not None:
             rendered = await self.templates.render(template, {} if variables is None else variables)
             messages = [*rendered, *messages]
             plan.template = template.ref

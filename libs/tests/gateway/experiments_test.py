@@ -1228,6 +1228,174 @@ def test_feedback_route_with_a_tenant_key(db_url):
     run(go())
 
 
+# -- bound to the gateway: routes and templates in force ------------------------------------------
+
+
+def _routes(*versions: str, template: str | None = None):
+    from paved.gateway.routes import parse_routes
+
+    backends = [{"id": f"b-{v}", "url": "http://127.0.0.1:9", "version": v} for v in versions]
+    route: dict[str, Any] = {"alias": "llama", "backends": backends}
+    if template is not None:
+        route["template"] = template
+    return parse_routes({"models": [route]})
+
+
+async def _orchestrator(store: GatewayStore, table) -> Any:
+    """An Orchestrator as paved.gateway.server wires one, over `table`; nothing is forwarded."""
+    from paved.gateway.metrics import GatewayMetrics
+    from paved.gateway.orchestrate import InternalClient, Orchestrator
+    from paved.gateway.router import Router
+    from paved.gateway.templates import TemplateRegistry
+    from paved.gateway.tokens import TokenCounter
+
+    router, metrics = Router(table), GatewayMetrics()
+    orchestrator = Orchestrator(
+        router=router,
+        tokens=TokenCounter(),
+        metrics=metrics,
+        internal=InternalClient(router, lambda: None, metrics),  # type: ignore[arg-type, return-value]
+        templates=TemplateRegistry(store, cache_s=0),
+        experiments=ExperimentRegistry(store, cache_s=0),
+        recorder=ExperimentRecorder(store, flush_s=3600),
+    )
+    await orchestrator.start()
+    await orchestrator.templates.create("greet", [{"role": "system", "content": "be brief"}])
+    return orchestrator
+
+
+def _misconfigured(orchestrator, kind: str) -> float:
+    value = orchestrator.metrics.registry.get_sample_value(
+        "paved_gateway_misconfigured_total", {"kind": kind, "model": "llama"}
+    )
+    return value or 0.0
+
+
+def _principal(key_id: str = "k1"):
+    from paved.gateway.types import Principal, Tenant
+
+    return Principal(key_id, "app", Tenant("t1", "acme"))
+
+
+async def _prepare(orchestrator, body: dict[str, Any], endpoint: str = "chat", key_id: str = "k1"):
+    route = orchestrator.router.route(body["model"])
+    return await orchestrator.prepare(_principal(key_id), endpoint, body, body["model"], route, {}, "r1")
+
+
+def test_create_refuses_models_versions_and_templates_the_gateway_does_not_have(db_url):
+    async def go():
+        store = await _store(db_url)
+        orchestrator = await _orchestrator(store, _routes("v1", "v2"))
+        registry = orchestrator.experiments
+        for model, arms, status, param in [
+            ("nosuch", TWO_ARMS, 400, "model"),
+            ("llama", [_arm(name="a", version="v9"), _arm(name="b")], 400, "arms[0].version"),
+            ("llama", [_arm(name="a"), _arm(name="b", version="v9")], 400, "arms[1].version"),
+            ("llama", [_arm(name="a"), _arm(name="b", template="nosuch")], 404, "arms[1].template"),
+            ("llama", [_arm(name="a"), _arm(name="b", template="greet@2")], 404, "arms[1].template"),
+        ]:
+            err = await _raises(status, registry.create, "exp", model, arms)
+            assert err.param == param, (model, arms, err.message)
+            if status == 404:
+                assert err.code == "template_not_found"
+        assert await registry.list() == []  # nothing refused was stored
+        arms = [
+            _arm(name="a", version="v1", template="greet@1"),
+            _arm(name="b", version="v2", template="greet"),
+        ]
+        exp = await registry.create("exp", "llama", arms)
+        assert [a.version for a in exp.arms] == ["v1", "v2"]
+
+        # The same over HTTP: OpenAI error bodies, 201 for the good one.
+        app = _app(registry, orchestrator.recorder, Authenticator(store, cache_s=0))
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            body = {"name": "ex1", "model": "llama", "arms": [{"name": "a", "weight": 1, "version": "v9"},
+                                                               {"name": "b", "weight": 1}]}  # fmt: skip
+            r = await c.post("/admin/v1/experiments", json=body, headers=admin)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "arms[0].version" and "v9" in error["message"], error
+            assert error["type"] == "invalid_request_error"
+            r = await c.post("/admin/v1/experiments", json={**body, "model": "nosuch"}, headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        await orchestrator.templates.close()
+        await orchestrator.stop()
+        await store.close()
+
+    run(go())
+
+
+def test_an_arm_whose_version_left_the_routes_serves_the_alias_and_is_counted(db_url, caplog):
+    async def go():
+        store = await _store(db_url)
+        orchestrator = await _orchestrator(store, _routes("v1", "v2"))
+        arms = [_arm(name="old", version="v1"), _arm(name="new", version="v2", params={"max_tokens": 7})]
+        await orchestrator.experiments.create("exp", "llama", arms, unit="key")
+        keys = [f"k{i}" for i in range(40)]
+        before = {}
+        for key in keys:
+            plan = await _prepare(orchestrator, {"model": "llama", "prompt": "hi"}, "completions", key)
+            before[key] = plan.experiment[1].name
+            assert plan.model == {"old": "llama@v1", "new": "llama@v2"}[before[key]]
+        assert set(before.values()) == {"old", "new"}
+
+        orchestrator.router.set_table(_routes("v2"))  # v1 retired while the experiment runs
+        for key in keys:
+            body = {"model": "llama", "prompt": "hi"}
+            plan = await _prepare(orchestrator, body, "completions", key)
+            if before[key] == "old":
+                # Not a 404: the alias as usual, outside the experiment (not recorded for it).
+                assert plan.experiment is None and plan.model == "llama", plan
+                assert "x-paved-experiment" not in plan.headers
+            else:
+                assert plan.experiment[1].name == "new" and plan.model == "llama@v2"
+                assert body["max_tokens"] == 7
+        stale = sum(1 for arm in before.values() if arm == "old")
+        assert _misconfigured(orchestrator, "arm_version") == stale
+        warnings = [r for r in caplog.records if "llama@v1" in r.getMessage()]
+        assert len(warnings) == 1  # once per replica, then only counted
+        await orchestrator.templates.close()
+        await orchestrator.stop()
+        await store.close()
+
+    run(go())
+
+
+def test_a_route_template_that_does_not_exist_is_skipped_not_a_client_error(db_url, caplog):
+    async def go():
+        store = await _store(db_url)
+        orchestrator = await _orchestrator(store, _routes("v1", template="nosuchtpl"))
+        messages = [{"role": "user", "content": "hi"}]
+        for _ in range(3):
+            body = {"model": "llama", "messages": list(messages)}
+            plan = await _prepare(orchestrator, body)
+            assert body["messages"] == messages and plan.template is None
+            assert "x-paved-template" not in plan.headers
+        assert _misconfigured(orchestrator, "route_template") == 3
+        assert len([r for r in caplog.records if "nosuchtpl" in r.getMessage()]) == 1
+
+        # The next configured template, the tenant's default, is what the route falls back to.
+        await store.create_tenant("acme")
+        await orchestrator.templates.set_tenant_prompting(
+            "acme", system_prompt=None, default_template="greet"
+        )
+        body = {"model": "llama", "messages": list(messages)}
+        plan = await _prepare(orchestrator, body)
+        assert plan.template == "greet@1"
+        assert body["messages"] == [{"role": "system", "content": "be brief"}, *messages]
+
+        # A template the client names itself is still the client's 404.
+        body = {"model": "llama", "messages": list(messages), "template": "nosuchtpl"}
+        err = await _raises(404, _prepare, orchestrator, body)
+        assert err.code == "template_not_found" and err.param == "template"
+        await orchestrator.templates.close()
+        await orchestrator.stop()
+        await store.close()
+
+    run(go())
+
+
 # -- PostgreSQL: two replicas on one database --------------------------------------------------
 
 _pg_names = itertools.count()
