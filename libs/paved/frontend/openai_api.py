@@ -150,15 +150,19 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
+    disconnected = False
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        disconnected = task not in done
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
             # Let the cancellation reach the engine stream (it aborts the request) first.
             await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
+    # (A cancelled gather of several prompts ends with a CancelledError exception, not
+    # cancelled: what decides is that the client went first.)
+    if disconnected or task.cancelled():
         # Nobody is listening any more; the status only shows up in metrics and logs.
         raise APIError(499, "client closed the request")
     return task.result()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
@@ -177,7 +177,13 @@ class OpenAIProxy:
         log["auth_ms"] = _ms(started, t_auth)
         self.metrics.stage.labels("auth").observe(t_auth - started)
 
-        body = _parse_body(await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            # Gone mid-upload: nobody reads an answer, and it is no server error.
+            log["status"] = 499
+            raise GatewayError(499, "client closed the request", code="client_closed_request") from None
+        body = _parse_body(raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "you must provide a model parameter", param="model", code="missing_model")

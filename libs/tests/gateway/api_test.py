@@ -311,6 +311,28 @@ async def _count_running(url: str) -> float:
     return total
 
 
+def test_a_client_gone_mid_upload_is_a_499_not_a_traceback(gateway, key):
+    host, port = gateway.url.removeprefix("http://").split(":")
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head.encode() + b'{"model": "tiny", "messages": [')
+    deadline = time.monotonic() + 10
+    while 499 not in _access_statuses(gateway):
+        assert time.monotonic() < deadline, gateway.tail()
+        time.sleep(0.05)
+    assert "Exception in ASGI application" not in gateway.tail(400)
+    assert "ClientDisconnect" not in gateway.tail(400)
+
+
+def _access_statuses(gateway) -> list[int]:
+    marker = "paved.gateway.access: "
+    lines = gateway.tail(400).splitlines()
+    return [json.loads(line.split(marker, 1)[1])["status"] for line in lines if marker in line]
+
+
 def test_disconnect_storm_aborts_upstream_requests(tmp_path):
     slow = ServerProcess("--engine", SLOW, ready_timeout_s=120)
     gw = None
