@@ -1,14 +1,19 @@
 """The control plane's REST API (FastAPI; the OpenAPI document is served at /openapi.json).
 
-Every route but /health/* needs the admin key (`Authorization: Bearer ...`). Errors are
-`{"error": {"message", "type", "param", "code"}}` with the status of the `ControlError` raised
-(400 bad input, 401 no key, 404 unknown, 409 conflict, 503 store down).
+Every route but /health/* needs the admin key (`Authorization: Bearer ...`). Under /v1/ the key
+is checked before anything reads the request body, so a caller without it gets 401 whatever it
+sends (no validation errors, no body read); a body over `max_body_bytes` (1 MiB by default) is
+then a 413 before it is parsed. Errors are `{"error": {"message", "type", "param", "code"}}` with
+the status of the `ControlError` raised (400 bad input, 401 no key, 404 unknown, 409 conflict,
+413 body too large, 503 store down).
 
     POST   /v1/deployments                      register (model_id, version) -> package
     GET    /v1/deployments[?model_id=]          list (fingerprint, state, desired per region)
     GET    /v1/deployments/{model}/{version}
     PATCH  /v1/deployments/{model}/{version}    replicas, bounds, autoscale, no_gc
-    DELETE /v1/deployments/{model}/{version}    scale away and mark deleted (not current, not mid-rollout)
+    DELETE /v1/deployments/{model}/{version}    mark deleted; 409 while it is current, mid-rollout,
+                                                or still has desired or live replicas (PATCH
+                                                replicas 0 first and wait for them to drain)
     PUT    /v1/models/{model}/current           versioned: the version the bare alias follows
     POST   /v1/rollouts                         start: first deploy, red_black or versioned
     GET    /v1/rollouts[?model_id=&status=]     list; GET /v1/rollouts/{id}
@@ -29,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paved.control_plane import gc as gc_mod
 from paved.control_plane import rollout as rollout_mod
@@ -39,9 +45,42 @@ from paved.control_plane.routes_feed import RoutesFeed, routes_api
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import AutoscalePolicy, Deployment, DeploymentSpec
 from paved.gateway.errors import GatewayError
+from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body, validation_message
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+# Admin bodies are small JSON documents (a deployment spec, a patch, rollout params); 1 MiB is
+# far above any real one and keeps a client from making the control plane hold a huge upload.
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+class _AdminGate:
+    """Checks the admin key of every /v1/ request before the body limit or FastAPI reads the
+    body: an unauthenticated caller learns nothing from its body (not whether it is valid, nor
+    too large), and a large one is answered without being read. The routes check it again
+    (they are also mounted where this gate is not, in tests)."""
+
+    def __init__(self, app: ASGIApp, check_admin: Any):
+        self.app = app
+        self.check_admin = check_admin
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            authorization = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value.decode("latin-1")
+                    break
+            try:
+                self.check_admin(authorization)
+            except GatewayError as e:
+                response = JSONResponse(
+                    error_body(e.status, e.message, None, e.code), e.status, headers=e.headers or None
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Model(BaseModel):
@@ -149,8 +188,14 @@ def create_app(
     *,
     leader: Any = None,
     extra_routers: list[APIRouter] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be a positive integer")
     app = FastAPI(title="paved control plane", version="1")
+    # Added last is outermost: the key check runs before the size check reads anything.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(_AdminGate, check_admin=check_admin)
     api = APIRouter(prefix="/v1")
 
     def auth(request: Request) -> None:
@@ -266,9 +311,23 @@ def create_app(
         running = await store.list_rollouts(model_id=model, status="running")
         if running:
             raise Conflict(f"{model} has a running rollout ({running[0].id})")
+        # Deleting a deployment that still serves would take its model away from every caller
+        # at once: the user scales it to 0 first (which drains, out of the routes first), as GC
+        # only ever deletes deployments that are no longer active.
+        desired, live = await controller.replicas_of(d)
+        if any(desired.values()) or live:
+            raise Conflict(
+                f"{model}@{version} still has replicas (desired per region {desired}, "
+                f"{len(live)} running); scale it to 0 first "
+                f'(PATCH /v1/deployments/{model}/{version} {{"min_replicas": 0, "replicas": 0}}), '
+                "then delete it once they have drained",
+                code="deployment_has_replicas",
+            )
         await controller.deactivate(d.id)
         await store.delete_deployment(d.id)
         await store.audit("deployment.deleted", f"deleted {model}@{version}", model_id=model, version=version)
+        # A replica started between the check and the delete is drained by the next pass.
+        controller.poke()
         return {"deleted": d.id}
 
     @api.put("/models/{model}/current")

@@ -4,7 +4,9 @@ gateway's routes. It is the `Fleet` the rollout state machine drives.
 One reconcile pass (every `interval_s`, on the leader only):
 1. Replicas: per active deployment and region, create replicas up to the desired count, drain
    the surplus (starting or unhealthy ones first, then the newest). A replica leaves the routes
-   (state `draining`, routes published) before its process is told to stop.
+   (state `draining`, routes published) before its process is told to stop. Live replicas of
+   a deleted deployment are drained the same way (the API refuses to delete one that still has
+   replicas, so these are only the leftovers of a race or of GC).
 2. Health: `starting` replicas become `ready` when the readiness probe passes (launcher ready,
    KServe ready where served, a structured smoke generation), `failed` when their process dies
    or the health timeout passes. `ready` replicas are probed for liveness; `live_failures`
@@ -43,6 +45,8 @@ from paved.control_plane.types import Deployment, Replica
 logger = logging.getLogger("paved.control_plane")
 
 _LIVE = ("starting", "ready", "unhealthy")
+# The states in which a replica serves or is about to: the ones a delete must not leave behind.
+LIVE_STATES = _LIVE
 
 
 class Controller:
@@ -173,6 +177,7 @@ class Controller:
         await self._health(replicas, by_id)
         replicas = await self.store.list_replicas()
         await self._converge(deployments, replicas)
+        await self._orphans(by_id, replicas)
         await self.publish_routes()
         await self._rollouts()
         await self._autoscale(deployments)
@@ -260,7 +265,7 @@ class Controller:
             for region in d.spec.regions:
                 if region not in self.drivers:
                     continue
-                desired = desired_by_region.get(region, 0 if d.state != "active" else d.spec.replicas)
+                desired = effective_desired(d, desired_by_region, region)
                 mine = [
                     r for r in replicas if r.deployment_id == d.id and r.region == region and r.state in _LIVE
                 ]
@@ -281,6 +286,29 @@ class Controller:
                             data={"replica": r.id, "desired": desired},
                         )
                         self._drain(r)
+
+    async def _orphans(self, by_id: dict[str, Deployment], replicas: list[Replica]) -> None:
+        """Drain live replicas of deleted deployments. _converge sees only the deployments that
+        exist, so without this a replica whose deployment was deleted (by a delete racing a
+        scale-up, or GC) would keep its process running and never be health-checked again."""
+        for r in replicas:
+            if r.deployment_id in by_id or r.state not in _LIVE:
+                continue
+            await self.store.update_replica(r.id, state="draining")
+            await self.store.audit(
+                "scale",
+                f"draining replica {r.id}: its deployment {r.deployment_id} was deleted",
+                data={"replica": r.id, "deployment": r.deployment_id},
+            )
+            self._drain(r)
+
+    async def replicas_of(self, d: Deployment) -> tuple[dict[str, int], list[Replica]]:
+        """What `d` still holds: its desired count per region (as _converge reads it) and its
+        replicas in a live state. A deployment may be deleted only when both are empty."""
+        desired_by_region = await self.store.get_desired(d.id)
+        desired = {region: effective_desired(d, desired_by_region, region) for region in d.spec.regions}
+        live = [r for r in await self.store.list_replicas(deployment_id=d.id) if r.state in _LIVE]
+        return desired, live
 
     async def _create(self, d: Deployment, region: str) -> None:
         driver = self.drivers[region]
@@ -529,3 +557,9 @@ class Controller:
                             "reason": decision.reason,
                         },
                     )
+
+
+def effective_desired(d: Deployment, desired_by_region: dict[str, int], region: str) -> int:
+    """The replicas `d` should have in `region`: the persisted count, else the spec's while the
+    deployment is active (none while it is not)."""
+    return desired_by_region.get(region, 0 if d.state != "active" else d.spec.replicas)

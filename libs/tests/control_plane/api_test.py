@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,7 +19,7 @@ from paved.control_plane.controller import Controller
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
-from paved.control_plane.types import Replica
+from paved.control_plane.types import DeploymentSpec, Replica
 from paved.gateway.auth import AdminAuth
 
 KEY = "admin-key-for-tests-0123456789"
@@ -165,3 +167,143 @@ def test_route_options_are_validated_and_published_with_the_alias(plane):
     (route,) = asyncio.run(controller.routes_table())["models"]
     assert "cache" not in route and "max_model_len" not in route
     _error(client.patch("/v1/deployments/tiny/v1", json={"route": {"strategy": "weighted"}}), 400)
+
+
+async def _raw(app, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, int]:
+    """One request straight through the ASGI app with a declared 120 MB body the client never
+    sends: (status, JSON body, how many times the app asked for the body)."""
+    sent: list[dict] = []
+    reads = 0
+
+    async def receive() -> dict:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": b"{" * 1024, "more_body": True}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-length", b"120000000"), *headers],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8090),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body), reads
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/deployments", {}),
+        ("PATCH", "/v1/deployments/tiny/v3", {"replicas": -1}),
+        ("PUT", "/v1/models/tiny/current", {}),
+        ("POST", "/v1/rollouts", {"model_id": 1}),
+        ("POST", "/v1/gc", {"min_kept": 0}),
+        ("POST", "/v1/deployments", "{not json"),
+    ],
+)
+def test_no_admin_key_is_401_before_the_body_is_looked_at(client, method, path, body):
+    del client.headers["Authorization"]
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        error = _error(client.request(method, path, headers=headers, **kwargs), 401)
+        assert error["code"] in ("missing_api_key", "invalid_api_key"), error
+
+
+def test_admin_bodies_are_bounded_and_unauthenticated_ones_never_read(plane):
+    client, _, _ = plane
+    app = client.app
+    big = b'{"model_id": "' + b"m" * (2 * 1024 * 1024) + b'"}'
+    error = _error(client.post("/v1/deployments", content=big), 413)
+    assert error["code"] == "request_too_large" and str(1024 * 1024) in error["message"], error
+    status, body, reads = asyncio.run(_raw(app, "POST", "/v1/deployments", []))
+    assert (status, body["error"]["code"], reads) == (401, "missing_api_key", 0)
+    auth = [(b"authorization", f"Bearer {KEY}".encode())]
+    status, body, reads = asyncio.run(_raw(app, "POST", "/v1/deployments", auth))
+    assert (status, body["error"]["code"], reads) == (413, "request_too_large", 0)
+    # Under the limit, a body is still read and validated as before.
+    _error(client.post("/v1/deployments", json={}), 400)
+
+
+def test_delete_refuses_a_deployment_with_replicas_until_it_is_scaled_to_0(plane):
+    client, store, controller = plane
+    base = {"model_id": "tiny", "version": "v1", "package_uri": tiny_package(), "engine": "sim://tiny"}
+    assert client.post("/v1/deployments", json={**base, "min_replicas": 0}).status_code == 201
+
+    async def serve() -> None:
+        d = await store.get_deployment("tiny", "v1")
+        assert d is not None
+        await controller.activate(d.id)
+        await controller.scale(d.id, "local", 1)
+        await store.add_replica(
+            Replica(
+                id="rep_v1", deployment_id=d.id, region="local", state="ready",
+                url="http://127.0.0.1:1", admin_url="http://127.0.0.1:1",
+            )
+        )  # fmt: skip
+
+    asyncio.run(serve())
+    error = _error(client.delete("/v1/deployments/tiny/v1"), 409)
+    assert error["code"] == "deployment_has_replicas" and '"replicas": 0' in error["message"], error
+    assert client.get("/v1/deployments/tiny/v1").status_code == 200
+    r = client.patch("/v1/deployments/tiny/v1", json={"replicas": 0})
+    assert r.status_code == 200 and r.json()["desired"] == {"local": 0}, r.text
+    # Desired 0, but the replica has not drained yet (the controller's loop is not running).
+    error = _error(client.delete("/v1/deployments/tiny/v1"), 409)
+    assert "1 running" in error["message"], error
+    asyncio.run(store.update_replica("rep_v1", state="stopped"))
+    r = client.delete("/v1/deployments/tiny/v1")
+    assert r.status_code == 200, r.text
+    _error(client.get("/v1/deployments/tiny/v1"), 404)
+
+
+class _RecordingDriver:
+    """A driver whose replicas are records only: it notes which ones it was told to drain."""
+
+    def __init__(self) -> None:
+        self.drained: list[str] = []
+
+    async def drain(self, replica: Replica, timeout_s: float = 30.0) -> None:
+        self.drained.append(replica.id)
+
+    async def delete(self, replica: Replica) -> None:
+        self.drained.append(replica.id)
+
+    async def alive(self, replica: Replica) -> bool:
+        return True
+
+
+def test_the_controller_drains_replicas_of_a_deleted_deployment(tmp_path: Path):
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        driver = _RecordingDriver()
+        drivers: dict[str, Any] = {"local": driver}
+        controller = Controller(store, drivers, RoutesFeed(store), GatewayAnalyzer([]), drain_delay_s=0.0)
+        try:
+            spec = DeploymentSpec(
+                model_id="tiny", version="v1", package_uri=tiny_package(), strategy="red_black",
+                min_replicas=0, max_replicas=1, replicas=1, regions=("local",), engine="sim://tiny",
+            )  # fmt: skip
+            d = await store.create_deployment(spec, {})
+            await store.add_replica(
+                Replica(
+                    id="rep_v1", deployment_id=d.id, region="local", state="ready",
+                    url="http://127.0.0.1:1", admin_url="http://127.0.0.1:1",
+                )
+            )  # fmt: skip
+            # What a delete racing a scale-up (or GC) leaves: a live replica, its deployment gone.
+            await store.delete_deployment(d.id)
+            await controller.reconcile()
+            await asyncio.gather(*controller._draining.values())
+            assert driver.drained == ["rep_v1"]
+            (replica,) = await store.list_replicas()
+            assert replica.state == "stopped"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
