@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from paved.engine import text
 
@@ -24,6 +32,8 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
+# Flags are StrictBool: pydantic's lax mode would also take "yes", "off" or 1, which OpenAI
+# refuses, and a client that sent them meant something else.
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -49,7 +59,7 @@ class JsonSchemaFormat(Request):
     description: str | None = None
     # `schema` shadows a BaseModel attribute, hence the alias.
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormatText(Request):
@@ -77,7 +87,7 @@ class StructuredOutputs(Request):
     regex: NonEmptyStr | None = None
     choice: list[NonEmptyStr] | None = Field(default=None, min_length=1)
     grammar: NonEmptyStr | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -101,7 +111,7 @@ class StructuredOutputs(Request):
 
 
 class StreamOptions(Request):
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class SamplingFields(Body):
@@ -114,7 +124,7 @@ class SamplingFields(Body):
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -125,7 +135,7 @@ class SamplingFields(Body):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     structured_outputs: StructuredOutputs | None = None
     # Per-request args for engine plugins; paved reads `paved_constraint` (a paved spec, as an
     # object or its JSON text). Other keys are rejected: no plugin here would read them.
@@ -213,7 +223,7 @@ class FunctionDefinition(Request):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(Request):
@@ -234,11 +244,11 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
-    logprobs: bool | None = False
+    logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # OpenAI fields accepted because their only meaning here is the default behaviour.
     store: Literal[False] | None = None
     metadata: dict[str, str] | None = None
@@ -274,7 +284,7 @@ class CompletionRequest(SamplingFields):
         ]
     )
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
     suffix: str | None = None

@@ -198,6 +198,10 @@ def test_developer_role_and_text_parts(client, engine):
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
         ({**CHAT, "frobnicate": 1}, "unrecognized request argument supplied: frobnicate", "frobnicate"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "only allowed when stream", None),
+        ({**CHAT, "stream": "yes"}, "valid boolean", "stream"),
+        ({**CHAT, "stream": 1}, "valid boolean", "stream"),
+        ({**CHAT, "logprobs": "true"}, "valid boolean", "logprobs"),
+        ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "valid boolean", None),
         (
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "",
