@@ -44,6 +44,7 @@ from paved.control_plane.fingerprint import fingerprint_package
 from paved.control_plane.routes_feed import RoutesFeed, routes_api
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import AutoscalePolicy, Deployment, DeploymentSpec
+from paved.engine.sim_config import SimConfig
 from paved.gateway.errors import GatewayError
 from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body, validation_message
@@ -222,6 +223,14 @@ def create_app(
             )
         if body.engine != "package" and not body.engine.startswith("sim://"):
             raise BadRequest("engine must be 'package' or a sim:// URI (the simulated engine)")
+        if body.engine != "package":
+            # The whole URI is checked here, not when a replica starts: a bad option used to pass
+            # and fail every replica of the first rollout. (Only here: rows stored before keep
+            # loading.) Replicas may run elsewhere, so a tokenizer directory is not looked for.
+            try:
+                SimConfig.from_uri(body.engine, model=body.model_id, check_files=False)
+            except ValueError as e:
+                raise BadRequest(f"engine: {e}", code="bad_engine") from None
         try:
             fingerprint = await _to_thread(fingerprint_package, body.package_uri)
         except (OSError, ValueError) as e:

@@ -93,6 +93,20 @@ def test_semantic_errors(client):
         "/no/such"
         in _error(client.post("/v1/deployments", json={**base, "package_uri": "/no/such"}), 400)["message"]
     )
+    # The whole sim:// URI is checked at creation (these once passed and failed every replica).
+    for engine, needle in [
+        ("sim://tiny?tokens_per_s=abc", "tokens_per_s must be a number"),
+        ("sim://tiny?tokens_per_s=-5", "tokens_per_s must be a finite number >= 0"),
+        ("sim://tiny?max_num_seqs=0", "max_num_seqs must be an integer >= 1"),
+        ("sim://nosuch", "names model 'nosuch'"),
+        ("sim://tiny?x=1", "unknown option(s) ['x']"),
+    ]:
+        error = _error(client.post("/v1/deployments", json={**base, "version": "bad", "engine": engine}), 400)
+        assert error["code"] == "bad_engine" and needle in error["message"], error
+    _error(client.get("/v1/deployments/tiny/bad"), 404)  # nothing was stored
+    # A tokenizer directory is the replica's machine's: not looked for here.
+    ok = {**base, "version": "tok", "engine": "sim://tiny?tokenizer=/on/the/replica/host"}
+    assert client.post("/v1/deployments", json=ok).status_code == 201
     assert client.post("/v1/deployments", json=base).status_code == 201
     _error(client.post("/v1/deployments", json=base), 409)
     _error(client.get("/v1/deployments/tiny/v9"), 404)
