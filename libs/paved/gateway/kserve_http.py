@@ -321,7 +321,15 @@ def kserve_http_routes(
         if not principal.allows(name):
             raise ModelNotAllowedError(name)
         model = f"{name}@{version}" if version else name
-        router.route(model)
+        if not any(b.kserve_http for b in router.route(model).backends):
+            # (Its replicas serve KServe gRPC or the OpenAI API: the pick below would run out of
+            # candidates and call them all unhealthy.)
+            raise GatewayError(
+                400,
+                f"model '{name}' is not served over KServe HTTP by this gateway; use KServe gRPC "
+                "or the OpenAI API",
+                code="protocol_not_supported",
+            )
         body = await _read_body(request, max_body_bytes) if method == "POST" else b""
         tokens = 0
         if suffix in ("/infer", "/generate", "/generate_stream"):

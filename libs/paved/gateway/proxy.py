@@ -192,6 +192,15 @@ class OpenAIProxy:
             raise ModelNotAllowedError(model)
         route = self.router.route(model)
         log["model"] = alias
+        if route.kind == "kserve":
+            # Its replicas speak KServe v2 only: forwarding would come back as their bare 404.
+            raise GatewayError(
+                400,
+                f"model '{alias}' is a KServe v2 model and is not served over the OpenAI API; call it "
+                f"over KServe v2 (gRPC ModelInfer, or POST /v2/models/{alias}/infer)",
+                param="model",
+                code="model_not_supported",
+            )
         stream = body.get("stream") is True
         if stream and endpoint == "embeddings":
             raise GatewayError(400, "embeddings cannot be streamed", param="stream")

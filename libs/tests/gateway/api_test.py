@@ -45,6 +45,11 @@ def gateway(frontends, tmp_path_factory):
         [
             {"alias": "tiny", "strategy": "least_outstanding", "backends": [_backend(s) for s in frontends]},
             {"alias": "secret-model", "backends": [_backend(frontends[0], upstream_model="tiny")]},
+            {
+                "alias": "scorer",
+                "kind": "kserve",
+                "backends": [_backend(frontends[0], id="scorer-0", kserve_http="http://127.0.0.1:9")],
+            },
         ],
     )
     gw = GatewayProcess(
@@ -309,6 +314,20 @@ async def _count_running(url: str) -> float:
         if line.startswith("vllm:num_requests_running"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_a_kserve_model_over_the_openai_api_is_a_clear_400(gateway):
+    gateway.tenant("scoring", models=["scorer"])
+    key = gateway.key("scoring")
+    for path, body in [
+        ("/v1/chat/completions", {"model": "scorer", "messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/embeddings", {"model": "scorer", "input": "x"}),
+    ]:
+        r = httpx.post(gateway.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert r.status_code == 400, r.text  # was the replica's bare 404 {"error": "Not Found"}
+        error = _error(r)
+        assert error["code"] == "model_not_supported" and error["param"] == "model"
+        assert "KServe v2 model" in error["message"]
 
 
 def test_a_client_gone_mid_upload_is_a_499_not_a_traceback(gateway, key):

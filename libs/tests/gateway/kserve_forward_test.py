@@ -387,11 +387,16 @@ def test_http_refusals(gw, hc):
         (gw.headers(gw.xgb_key), LLM, 404),
         (gw.headers(), "nope", 404),
         (gw.headers(), "down", 503),
+        # No backend serves KServe HTTP: not "none of its backends is healthy".
+        (gw.headers(), "openai-only", 400),
+        (gw.headers(), "recorded", 400),
     ]:
         with pytest.raises(InferenceServerException) as e:
             hc.infer(model, [xgb_input(httpclient)], headers=headers)
         assert str(status) in code_of(e.value), (model, e.value)
         assert e.value.message()
+        if status == 400:
+            assert "not served over KServe HTTP" in e.value.message(), e.value.message()
 
 
 def test_rate_limit_is_resource_exhausted_with_retry_after(gw):
