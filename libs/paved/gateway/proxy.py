@@ -713,11 +713,12 @@ def _completion_budget(endpoint: str, body: dict[str, Any], default: int) -> int
     """Tokens the answer may generate: max_tokens (or max_completion_tokens) times n."""
     if endpoint in ("embeddings", "rank"):
         return 0
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    value = body.get(field)
     if value is None:
         value = default
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise GatewayError(400, "max_tokens must be a non-negative integer", param="max_tokens")
+        raise GatewayError(400, f"{field} must be a non-negative integer", param=field)
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
         raise GatewayError(400, "n must be an integer between 1 and 128", param="n")

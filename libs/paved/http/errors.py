@@ -15,6 +15,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",

@@ -288,8 +288,8 @@ class TensorSpec:
                 )
             if dims[0] < 1 or dims[0] > max_batch_size:
                 raise invalid_argument(
-                    f"inference request batch-size must be <= {max_batch_size} for '{model}' "
-                    f"(input '{self.name}' has batch size {dims[0]})"
+                    f"inference request batch-size must be between 1 and {max_batch_size} for "
+                    f"'{model}' (input '{self.name}' has batch size {dims[0]})"
                 )
             dims = dims[1:]
         if len(dims) != len(self.dims) or any(

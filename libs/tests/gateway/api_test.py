@@ -316,6 +316,17 @@ async def _count_running(url: str) -> float:
     return total
 
 
+def test_a_bad_max_completion_tokens_is_named(gateway, key):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=10,
+    )
+    assert r.status_code == 400 and _error(r)["param"] == "max_completion_tokens", r.text
+
+
 def test_a_kserve_model_over_the_openai_api_is_a_clear_400(gateway):
     gateway.tenant("scoring", models=["scorer"])
     key = gateway.key("scoring")

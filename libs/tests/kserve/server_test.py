@@ -375,7 +375,7 @@ def test_unknown_model_is_not_found(gc, hc):
     [
         ("input__0", rows(2).astype(np.float64), "FP64", "data-type is 'FP64'"),
         ("input__0", rows(2)[:, :31].copy(), "FP32", "unexpected shape"),
-        ("input__0", np.zeros((65, 32), np.float32), "FP32", "batch-size must be <= 64"),
+        ("input__0", np.zeros((65, 32), np.float32), "FP32", "batch-size must be between 1 and 64"),
         ("features", rows(2), "FP32", "unexpected inference input 'features'"),
     ],
 )

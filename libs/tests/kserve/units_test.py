@@ -61,8 +61,9 @@ def test_fixed_size_raw_and_json():
 def test_tensor_spec_checks_batch_and_wildcards():
     spec = tensors.TensorSpec("in", "FP32", (-1, 4))
     spec.check("m", "FP32", [8, 3, 4], max_batch_size=8)
-    with pytest.raises(KServeError, match="batch-size must be <= 8"):
-        spec.check("m", "FP32", [9, 3, 4], max_batch_size=8)
+    for batch in (9, 0, -1):  # 0 and -1 once read "must be <= 8"
+        with pytest.raises(KServeError, match=rf"batch-size must be between 1 and 8 .* batch size {batch}\)"):
+            spec.check("m", "FP32", [batch, 3, 4], max_batch_size=8)
     with pytest.raises(KServeError, match=r"Expected \[-1, -1, 4\], got \[2, 3, 5\]"):
         spec.check("m", "FP32", [2, 3, 5], max_batch_size=8)
     with pytest.raises(KServeError, match="data-type is 'INT64'"):
