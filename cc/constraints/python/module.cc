@@ -276,13 +276,30 @@ PyObject* Guarded(const Body& body) {
   return nullptr;
 }
 
+// What every batch method starts with: its arguments bound, the masker, and the states (first,
+// so that the arrays are checked against the rows that will be filled).
+template <size_t N>
+struct BatchCall {
+  PyObject* args[N];
+  BatchMasker* masker;
+  StatesArg states;
+};
+
+template <size_t N>
+BatchCall<N> StartBatchCall(const char* fn, const char* const (&names)[N], PyObject* self, PyObject* const* args,
+                            Py_ssize_t nargs, PyObject* kwnames) {
+  BatchCall<N> call;
+  BindArgs(fn, names, args, nargs, kwnames, call.args);
+  call.masker = &SelfMasker(self);
+  call.states = StatesOf(call.args[0]);
+  return call;
+}
+
 PyObject* FillBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return Guarded([&]() -> PyObject* {
     static const char* const kNames[] = {"states", "bitmask"};
-    PyObject* a[2];
-    BindArgs("fill_bitmask", kNames, args, nargs, kwnames, a);
-    BatchMasker& masker = SelfMasker(self);
-    const StatesArg states = StatesOf(a[0]);
+    auto [a, masker_ptr, states] = StartBatchCall("fill_bitmask", kNames, self, args, nargs, kwnames);
+    BatchMasker& masker = *masker_ptr;
     const int64_t rows = states.rows;
     auto* out = ArrayData<int32_t>(a[1], "bitmask", "int32", py::detail::npy_api::NPY_INT32_,
                                    {rows, int64_t{masker.num_words()}});
@@ -294,10 +311,8 @@ PyObject* FillBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssize_t na
 PyObject* FillUniqueBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return Guarded([&]() -> PyObject* {
     static const char* const kNames[] = {"states", "unique", "row_index"};
-    PyObject* a[3];
-    BindArgs("fill_unique_bitmask", kNames, args, nargs, kwnames, a);
-    BatchMasker& masker = SelfMasker(self);
-    const StatesArg states = StatesOf(a[0]);
+    auto [a, masker_ptr, states] = StartBatchCall("fill_unique_bitmask", kNames, self, args, nargs, kwnames);
+    BatchMasker& masker = *masker_ptr;
     const int64_t rows = states.rows;
     auto* out = ArrayData<int32_t>(a[1], "unique", "int32", py::detail::npy_api::NPY_INT32_,
                                    {rows, int64_t{masker.num_words()}});
@@ -319,10 +334,8 @@ PyObject* FillUniqueBitmaskMethod(PyObject* self, PyObject* const* args, Py_ssiz
 PyObject* ApplyMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return Guarded([&]() -> PyObject* {
     static const char* const kNames[] = {"states", "logits"};
-    PyObject* a[2];
-    BindArgs("apply", kNames, args, nargs, kwnames, a);
-    BatchMasker& masker = SelfMasker(self);
-    const StatesArg states = StatesOf(a[0]);
+    auto [a, masker_ptr, states] = StartBatchCall("apply", kNames, self, args, nargs, kwnames);
+    BatchMasker& masker = *masker_ptr;
     const int64_t rows = states.rows;
     auto* out = ArrayData<float>(a[1], "logits", "float32", py::detail::npy_api::NPY_FLOAT_,
                                  {rows, int64_t{masker.vocab_size()}});

@@ -430,3 +430,52 @@ def test_cli_as_a_subprocess(gateway, store):
     assert wrong.returncode == 1 and "invalid admin key" in wrong.stderr and wrong.stdout == ""
     bad = paved("keys", "create", "--tenant", "acme", "--expires-in", "forever")
     assert bad.returncode == 2 and "invalid duration" in bad.stderr
+
+
+# ---- the tenant PATCH over httpx's ASGI transport ----------------------------------------------
+def test_patch_refuses_null_fields_and_changes_nothing(store):
+    """`{"models": null}` once answered 200 (the CLI's tester saw the tenant locked out of every
+    model); `{"limits": null}` answered 200 and did nothing. Create refuses a null models too."""
+    app = make_app(store)
+
+    async def go():
+        headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", headers=headers) as c:
+            body = {"name": "acme", "models": ["llama"], "limits": {"tokens_per_min": 100}}
+            assert (await c.post("/admin/v1/tenants", json=body)).status_code == 201
+            r = await c.post("/admin/v1/tenants", json={"name": "other", "models": None})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "models", r.text
+            for patch, param in (
+                ({"models": None}, "models"),
+                ({"limits": None}, "limits"),
+                ({"models": None, "limits": {"max_concurrent": 1}}, "models"),
+                ({"models": ["llama"], "limits": None}, "limits"),
+            ):
+                r = await c.patch("/admin/v1/tenants/acme", json=patch)
+                assert r.status_code == 400, (patch, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["param"] == param, error
+                assert "valid" in error["message"], error
+            [tenant] = (await c.get("/admin/v1/tenants")).json()["data"]
+            assert tenant["models"] == ["llama"] and tenant["limits"]["tokens_per_min"] == 100
+
+            r = await c.patch("/admin/v1/tenants/acme", json={})
+            assert r.status_code == 200 and r.json()["models"] == ["llama"]
+            assert r.json()["limits"]["tokens_per_min"] == 100
+            r = await c.patch("/admin/v1/tenants/acme", json={"limits": {}})
+            assert r.status_code == 200 and r.json()["models"] == ["llama"]
+            assert r.json()["limits"] == {
+                "requests_per_min": None,
+                "tokens_per_min": None,
+                "max_concurrent": None,
+            }
+            r = await c.patch("/admin/v1/tenants/acme", json={"models": []})
+            assert (
+                r.status_code == 200
+                and r.json()["models"] == []
+                and r.json()["limits"]
+                == {"requests_per_min": None, "tokens_per_min": None, "max_concurrent": None}
+            )
+
+    asyncio.run(go())
