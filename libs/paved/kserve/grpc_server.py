@@ -206,6 +206,11 @@ def decode_request(
                 "are not supported by this server"
             )
         model.check_input(tensor.name, tensor.datatype, tensor.shape)
+        if raw and tensor.HasField("contents"):
+            # Two sources for one tensor: which one the client meant is a guess (Triton refuses).
+            raise invalid_argument(
+                f"input '{tensor.name}' has both contents and raw_input_contents; use one of them"
+            )
         if raw:
             inputs[tensor.name] = from_raw(tensor.name, tensor.datatype, tensor.shape, raw[i])
         else:

@@ -407,6 +407,20 @@ def test_inconsistent_raw_size_is_invalid_argument(server):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input__0" in info.value.details()
 
 
+def test_contents_and_raw_contents_together_are_invalid_argument(server):
+    request = service_pb2.ModelInferRequest(model_name=XGB)
+    tensor = request.inputs.add(name="input__0", datatype="FP32", shape=[1, 32])
+    tensor.contents.fp32_contents.extend([1.0] * 32)
+    request.raw_input_contents.append(np.zeros((1, 32), np.float32).tobytes())
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel,
+        pytest.raises(grpc.RpcError) as info,
+    ):
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "both contents and raw_input_contents" in info.value.details()
+
+
 def test_oversized_messages(gc, hc):
     big = np.zeros((LIMIT // 128 + 64, 32), np.float32)  # > 1 MiB
     error = grpc_error(lambda: gc.infer(XGB, [tensor(grpcclient, "input__0", big, "FP32")]))
