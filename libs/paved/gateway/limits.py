@@ -86,7 +86,8 @@ class _Limit:
     """One limit of one subject, and what this request needs from it."""
 
     subject: str  # "key" or "tenant"
-    subject_id: str
+    subject_id: str  # what the counters are keyed by
+    label: str  # what messages call it: the key's id, the tenant's name (not its internal id)
     kind: str
     capacity: int
     need: int
@@ -98,7 +99,7 @@ class _Limit:
 
     @property
     def name(self) -> str:
-        return f"{self.subject} '{self.subject_id}'"
+        return f"{self.subject} '{self.label}'"
 
 
 @dataclass
@@ -153,11 +154,11 @@ def _plan(
     """The limits this request must pass, key first (only tokens/min with `tokens_only`); with
     `refuse`, raises at once for what no wait can ever admit."""
     limits: list[_Limit] = []
-    subjects: tuple[tuple[str, str, Limits], ...] = (
-        ("key", principal.key_id, principal.key_limits),
-        ("tenant", principal.tenant.id, principal.tenant.limits),
+    subjects: tuple[tuple[str, str, str, Limits], ...] = (
+        ("key", principal.key_id, principal.key_id, principal.key_limits),
+        ("tenant", principal.tenant.id, principal.tenant.name, principal.tenant.limits),
     )
-    for subject, subject_id, config in subjects:
+    for subject, subject_id, label, config in subjects:
         for kind, capacity, need in (
             (_RPM, config.requests_per_min, 1),
             (_TPM, config.tokens_per_min, tokens),
@@ -167,7 +168,7 @@ def _plan(
                 continue
             if not _is_count(capacity):
                 raise ValueError(f"{subject} {subject_id!r}: {_SNAPSHOT_NAMES[kind]} must be an int >= 0")
-            limits.append(_Limit(subject, subject_id, kind, capacity, need))
+            limits.append(_Limit(subject, subject_id, label, kind, capacity, need))
     for lim in limits:
         if not refuse or lim.need <= lim.capacity:
             continue

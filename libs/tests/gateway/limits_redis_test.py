@@ -70,7 +70,7 @@ def test_requests_tokens_and_concurrency(url):
         assert a.headers["x-ratelimit-limit-requests"] == "2"
         assert a.headers["x-ratelimit-remaining-requests"] == "1"
         err = await refused(lim, p, 59)  # the tenant has ~20 tokens left
-        assert "tenant 't1'" in err.message and "tokens per minute" in err.message
+        assert "tenant 'Tenant'" in err.message and "tokens per minute" in err.message
         await lim.acquire(p, 10)
         err = await refused(lim, p, 0)
         assert "key 'k1'" in err.message and "requests per minute" in err.message
@@ -132,7 +132,7 @@ def test_tokens_only_takes_tokens_but_no_request_or_slot(url):
         assert 250 <= settled <= 250 + 10 * (time.monotonic() - t0) + 1
         with pytest.raises(RateLimitedError) as info:
             await lim.acquire(p, 590, tokens_only=True)
-        assert "tenant 't1'" in info.value.message and "tokens per minute" in info.value.message
+        assert "tenant 'Tenant'" in info.value.message and "tokens per minute" in info.value.message
         with pytest.raises(GatewayError) as too_big:
             await lim.acquire(p, 601, tokens_only=True)
         assert too_big.value.code == "tokens_exceed_limit"

@@ -60,7 +60,7 @@ def test_requests_per_min_bucket_refills_continuously(side):
         run(lim.acquire(p, 0))
     err = refused(lim, p, 0)
     assert err.status == 429 and err.code == "rate_limit_exceeded"
-    assert f"{side} '{'k1' if side == 'key' else 't1'}'" in err.message
+    assert f"{side} '{'k1' if side == 'key' else 'Tenant'}'" in err.message  # its name, not its id
     assert "requests per minute" in err.message
     # 3/min refills one request every 20 s.
     assert err.headers["Retry-After"] == "20"
@@ -97,7 +97,7 @@ def test_oversize_request_is_refused_without_retry_after():
     assert not isinstance(err, RateLimitedError)
     assert err.status == 429 and err.code == "tokens_exceed_limit"
     assert "Retry-After" not in err.headers
-    assert "tenant 't1'" in err.message and "max_tokens" in err.message
+    assert "tenant 'Tenant'" in err.message and "max_tokens" in err.message
     # Nothing was taken: the full capacity is still there.
     run(lim.acquire(p, 100))
 
@@ -133,7 +133,7 @@ def test_tokens_only_takes_tokens_but_no_request_or_slot():
     assert run(lim.snapshot(p))["tenant"]["tokens_per_min"]["remaining"] == 250
     # Refused all-or-nothing on tokens like any request; oversize is tokens_exceed_limit.
     err = refused_tokens_only(lim, p, 251)
-    assert "tenant 't1'" in err.message and "remaining 250" in err.message
+    assert "tenant 'Tenant'" in err.message and "remaining 250" in err.message
     with pytest.raises(GatewayError) as info:
         run(lim.acquire(p, 601, tokens_only=True))
     assert info.value.code == "tokens_exceed_limit"
@@ -196,7 +196,7 @@ def test_refusal_by_tenant_takes_nothing_from_key():
     run(lim.acquire(p, 100))
     for _ in range(5):
         err = refused(lim, p, 50)
-        assert "tenant 't1'" in err.message and "key 'k1'" not in err.message
+        assert "tenant 'Tenant'" in err.message and "key 'k1'" not in err.message
     snap = run(lim.snapshot(p))["key"]
     assert snap["requests_per_min"]["remaining"] == 9
     assert snap["tokens_per_min"]["remaining"] == 900
@@ -220,7 +220,7 @@ def test_both_subjects_charged_and_other_keys_share_the_tenant():
     # Key b has its own key bucket but the same tenant: 40 left there.
     b = principal(key=Limits(tokens_per_min=80), tenant=tenant, key_id="b")
     err = refused(lim, b, 50)
-    assert "tenant 't1'" in err.message
+    assert "tenant 'Tenant'" in err.message
     run(lim.acquire(b, 40))
 
 
