@@ -99,6 +99,14 @@ def _json_value(value: Any, where: str) -> Any:
     return value
 
 
+def _as_bool(value: Any) -> Any:
+    """Triton's vLLM backend sends parameters as text ("false", "True"): its flags become
+    booleans here, where the OpenAI request model takes JSON booleans only."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value
+
+
 def _int(params: dict, key: str, source: str, *, minimum: int, maximum: int | None = None) -> int | None:
     value = params.get(key)
     if value is None:
@@ -136,10 +144,13 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
         hint = " (set it as an input tensor)" if "stream" in unknown else ""
         raise invalid_argument(f"{source}: unknown sampling parameter(s) {unknown}{hint}")
     for key, default in _DEFAULT_ONLY.items():
-        if key in params and params[key] != default and not (default in ([], None) and not params[key]):
+        value = _as_bool(params[key]) if isinstance(default, bool) and key in params else params.get(key)
+        if key in params and value != default and not (default in ([], None) and not value):
             raise invalid_argument(f"{source}.{key}={params[key]!r} is not supported (only {default!r})")
 
     fields: dict[str, Any] = {k: v for k, v in params.items() if k in _FIELDS}
+    if "ignore_eos" in fields:
+        fields["ignore_eos"] = _as_bool(fields["ignore_eos"])
     if "guided_decoding" in params:
         if "structured_outputs" in params:
             raise invalid_argument(f"{source}: structured_outputs and guided_decoding both given; send one")

@@ -159,7 +159,7 @@ def test_vllm_backend_parameters_map_onto_sampling_options():
             "ignore_eos": "false",
             "logit_bias": {"5": -1},
             "logprobs": 2,
-            "skip_special_tokens": True,
+            "skip_special_tokens": "True",  # the backend's text form of a flag
         },
         CARD,
         "sampling_parameters",
