@@ -95,18 +95,29 @@ def test_metrics_port_merges_engine_files_and_the_frontend_once_ready(tmp_path, 
         # A request, so that the frontend's counters have a sample to show.
         assert _get(f"http://127.0.0.1:{http_port}/v1/models")[0] == 200
 
-        status, body = _get(f"http://127.0.0.1:{metrics_port}/metrics")
-        assert status == 200, body
-        samples = _samples(body)
+        # The frontend counts a request once its response is sent, so a scrape right after the
+        # answer can precede the count (a fresh-clone CI run saw it): scrape until it is there.
+        def counted(samples) -> bool:
+            return any(
+                n == "paved_http_requests_total" and dict(lb).get("route") == "/v1/models"
+                for n, lb in samples
+            )
+
+        deadline = time.monotonic() + 30
+        while True:
+            status, body = _get(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert status == 200, body
+            samples = _samples(body)
+            if counted(samples) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert _up(samples, "frontend") == 1.0 and _up(samples, "engine") == 1.0, body.decode()
         names = {name for name, _ in samples}
         # The frontend's families (its admission gauges, the sim engine's vLLM gauges) ...
         assert {"paved_ready", "paved_queued_sequences", "vllm:num_requests_waiting"} <= names, names
         # ... and the engine's multiprocess files: the frontend's prometheus_client counters are
         # written there under PROMETHEUS_MULTIPROC_DIR, so the first source (engine) has them.
-        assert any(
-            n == "paved_http_requests_total" and dict(lb).get("route") == "/v1/models" for n, lb in samples
-        ), names
+        assert counted(samples), names
         assert list((tmp_path / "prom").glob("*.db")), "the child wrote no multiprocess files"
         # Still one family per name (the proxy dropped the frontend's copies).
         families = [f.name for f in text_string_to_metric_families(body.decode())]
