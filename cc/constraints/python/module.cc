@@ -115,6 +115,16 @@ struct BatchStates {
   std::vector<const State*> rows;
 };
 
+// The C++ object behind `obj` if it is an initialized instance of `type` (or of a subclass),
+// else nullptr. (An instance made by Type.__new__ alone has none yet, and pybind11's caster
+// would hand out its uninitialized storage.)
+template <typename T>
+T* InitializedValue(PyObject* obj, const py::detail::type_info* type) {
+  if (!PyObject_TypeCheck(obj, type->type)) return nullptr;
+  auto v_h = reinterpret_cast<py::detail::instance*>(obj)->get_value_and_holder(type, false);
+  return v_h && v_h.holder_constructed() ? v_h.value_ptr<T>() : nullptr;
+}
+
 // The states argument as a list or tuple (PySequence_Fast) and its length. Its length is the
 // batch's: the arrays are checked against it and exactly its items are filled, whatever the
 // original sequence's __len__ says, and no Python code runs between those checks and the fill.
@@ -132,8 +142,8 @@ StatesArg StatesOf(PyObject* states) {
 
 BatchStates& CollectStates(const StatesArg& states) {
   // pybind11's isinstance<State>() and cast<>() look the type up by typeid (hashing its name)
-  // on every call: with a B=64 batch that was ~15% of a fill_bitmask step. A caster built from
-  // the type_info looked up once checks a State object's type by pointer instead.
+  // on every call: with a B=64 batch that was ~15% of a fill_bitmask step. The type_info looked
+  // up once checks a State object's type by pointer instead (InitializedValue).
   static const py::detail::type_info* const state_type = py::detail::get_type_info(typeid(State));
   thread_local BatchStates batch;
   batch.owners.clear();
@@ -158,20 +168,13 @@ BatchStates& CollectStates(const StatesArg& states) {
       batch.rows.push_back(nullptr);
       continue;
     }
-    py::detail::type_caster_generic caster(state_type);
-    // (A State made by State.__new__ alone has no state: pybind11's caster would hand out
-    // uninitialized storage.)
-    bool ok = caster.load(item, /*convert=*/false);
-    if (ok) {
-      auto v_h = reinterpret_cast<py::detail::instance*>(item)->get_value_and_holder(state_type, false);
-      ok = v_h && v_h.holder_constructed();
-    }
-    if (!ok) {
+    const State* state = InitializedValue<State>(item, state_type);
+    if (state == nullptr) {
       batch.owners.clear();
       batch.rows.clear();
       throw py::value_error("states[" + std::to_string(i) + "] must be a State or None");
     }
-    batch.rows.push_back(static_cast<const State*>(caster.value));
+    batch.rows.push_back(state);
     batch.owners.push_back(py::reinterpret_borrow<py::object>(item));
   }
   return batch;
@@ -226,16 +229,12 @@ void BindArgs(const char* fn, const char* const (&names)[N], PyObject* const* ar
     if (a == nullptr) throw usage();
 }
 
-// The masker behind `self`. (The method descriptor has checked the type; an instance made by
-// BatchMasker.__new__ alone has no masker yet, and pybind11's caster would hand out the
-// uninitialized storage.)
+// The masker behind `self` (the method descriptor has checked the type).
 BatchMasker& SelfMasker(PyObject* self) {
   static const py::detail::type_info* const masker_type = py::detail::get_type_info(typeid(BatchMasker));
-  if (!PyObject_TypeCheck(self, masker_type->type)) throw py::type_error("a BatchMasker is needed");
-  auto v_h = reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder(masker_type, false);
-  if (!v_h || !v_h.holder_constructed())
-    throw py::type_error("the BatchMasker is not initialized (__init__ was not called)");
-  return *v_h.value_ptr<BatchMasker>();
+  BatchMasker* masker = InitializedValue<BatchMasker>(self, masker_type);
+  if (masker == nullptr) throw py::type_error("the BatchMasker is not initialized (__init__ was not called)");
+  return *masker;
 }
 
 // The data of array `a` after CheckArray's checks, reading the ndarray's fields when it is the
@@ -245,22 +244,17 @@ T* ArrayData(PyObject* a, const char* name, const char* dtype, int type_num, std
   constexpr int kFlags = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_ |
                          py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
   constexpr char kNative = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
-  bool plain = py::detail::npy_api::get().PyArray_Check_(a);
-  if (plain) {
-    const auto* arr = py::detail::array_proxy(a);
-    const auto* descr = py::detail::array_descriptor_proxy(arr->descr);
-    const char order = descr->byteorder;
-    plain = arr->nd == static_cast<int>(shape.size()) && (arr->flags & kFlags) == kFlags &&
-            descr->type_num == type_num && (order == '=' || order == '|' || order == kNative);
-    int d = 0;
-    for (auto it = shape.begin(); plain && it != shape.end(); ++it) plain = arr->dimensions[d++] == *it;
-  }
-  if (!plain) {
-    if (!py::detail::npy_api::get().PyArray_Check_(a))
-      throw py::type_error(std::string(name) + " must be a numpy " + dtype + " array");
-    CheckArray<T>(py::reinterpret_borrow<py::array>(a), name, dtype, shape);
-  }
-  return reinterpret_cast<T*>(py::detail::array_proxy(a)->data);
+  if (!py::detail::npy_api::get().PyArray_Check_(a))
+    throw py::type_error(std::string(name) + " must be a numpy " + dtype + " array");
+  const auto* arr = py::detail::array_proxy(a);
+  const auto* descr = py::detail::array_descriptor_proxy(arr->descr);
+  const char order = descr->byteorder;
+  bool plain = arr->nd == static_cast<int>(shape.size()) && (arr->flags & kFlags) == kFlags &&
+               descr->type_num == type_num && (order == '=' || order == '|' || order == kNative);
+  int d = 0;
+  for (auto it = shape.begin(); plain && it != shape.end(); ++it) plain = arr->dimensions[d++] == *it;
+  if (!plain) CheckArray<T>(py::reinterpret_borrow<py::array>(a), name, dtype, shape);
+  return reinterpret_cast<T*>(arr->data);
 }
 
 // Runs body() and hands its result to Python, or sets the Python error of what it threw.
