@@ -45,8 +45,6 @@ from paved.control_plane.types import Deployment, Replica
 logger = logging.getLogger("paved.control_plane")
 
 _LIVE = ("starting", "ready", "unhealthy")
-# The states in which a replica serves or is about to: the ones a delete must not leave behind.
-LIVE_STATES = _LIVE
 
 
 class Controller:
@@ -276,16 +274,14 @@ class Controller:
                     order = {"starting": 0, "unhealthy": 0, "ready": 1}
                     victims = sorted(mine, key=lambda r: (order[r.state], -self._started_at.get(r.id, 0.0)))
                     for r in victims[: len(mine) - desired]:
-                        await self.store.update_replica(r.id, state="draining")
-                        await self.store.audit(
-                            "scale",
+                        await self._start_draining(
+                            r,
                             f"draining replica {r.id} of {d.spec.model_id}@{d.spec.version} in {region} "
                             f"(desired {desired}, had {len(mine)})",
                             model_id=d.spec.model_id,
                             version=d.spec.version,
                             data={"replica": r.id, "desired": desired},
                         )
-                        self._drain(r)
 
     async def _orphans(self, by_id: dict[str, Deployment], replicas: list[Replica]) -> None:
         """Drain live replicas of deleted deployments. _converge sees only the deployments that
@@ -294,13 +290,17 @@ class Controller:
         for r in replicas:
             if r.deployment_id in by_id or r.state not in _LIVE:
                 continue
-            await self.store.update_replica(r.id, state="draining")
-            await self.store.audit(
-                "scale",
+            await self._start_draining(
+                r,
                 f"draining replica {r.id}: its deployment {r.deployment_id} was deleted",
                 data={"replica": r.id, "deployment": r.deployment_id},
             )
-            self._drain(r)
+
+    async def _start_draining(self, r: Replica, message: str, **audit: Any) -> None:
+        """Mark `r` draining (out of the routes), audit why, and drain it in the background."""
+        await self.store.update_replica(r.id, state="draining")
+        await self.store.audit("scale", message, **audit)
+        self._drain(r)
 
     async def replicas_of(self, d: Deployment) -> tuple[dict[str, int], list[Replica]]:
         """What `d` still holds: its desired count per region (as _converge reads it) and its

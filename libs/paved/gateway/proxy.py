@@ -181,7 +181,6 @@ class OpenAIProxy:
             raw = await request.body()
         except ClientDisconnect:
             # Gone mid-upload: nobody reads an answer, and it is no server error.
-            log["status"] = 499
             raise GatewayError(499, "client closed the request", code="client_closed_request") from None
         body = _parse_body(raw)
         model = body.get("model")

@@ -144,7 +144,7 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
         hint = " (set it as an input tensor)" if "stream" in unknown else ""
         raise invalid_argument(f"{source}: unknown sampling parameter(s) {unknown}{hint}")
     for key, default in _DEFAULT_ONLY.items():
-        value = _as_bool(params[key]) if isinstance(default, bool) and key in params else params.get(key)
+        value = _as_bool(params.get(key)) if isinstance(default, bool) else params.get(key)
         if key in params and value != default and not (default in ([], None) and not value):
             raise invalid_argument(f"{source}.{key}={params[key]!r} is not supported (only {default!r})")
 
