@@ -109,6 +109,13 @@ class GatewayMetrics:
             ("model",),
             registry=r,
         )
+        self.misconfigured = Counter(
+            "paved_gateway_misconfigured",
+            "Requests served around operator configuration that did not resolve (kind: "
+            "route_template, tenant_template, arm_template, arm_version)",
+            ("kind", "model"),
+            registry=r,
+        )
         self.internal = Histogram(
             "paved_gateway_internal_call_duration_seconds",
             "The gateway's own calls through the platform (summaries, cache embeddings), by purpose",

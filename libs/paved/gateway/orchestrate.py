@@ -49,7 +49,6 @@ import asyncio
 import json
 import logging
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -57,7 +56,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import anyio
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter
 
 from paved.gateway import cache as cachelib
 from paved.gateway.errors import GatewayError
@@ -79,23 +77,6 @@ EXTENSION_FIELDS = ("template", "variables", "conversation_id", "cache")
 _INTERNAL_KEY = "paved-internal"
 # Distinct misconfigurations warned about per orchestrator (past this they are only counted).
 _MAX_WARNED = 1000
-
-# One counter per metrics registry: GatewayMetrics registries are per gateway (tests build many).
-_misconfigured_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-
-
-def _misconfigured_counter(registry: CollectorRegistry) -> Counter:
-    counter = _misconfigured_counters.get(registry)
-    if counter is None:
-        counter = Counter(
-            "paved_gateway_misconfigured",
-            "Requests served around operator configuration that did not resolve (kind: "
-            "route_template, tenant_template, arm_template, arm_version)",
-            ["kind", "model"],
-            registry=registry,
-        )
-        _misconfigured_counters[registry] = counter
-    return counter
 
 
 @dataclass(frozen=True)
@@ -287,14 +268,13 @@ class Orchestrator:
     _warned: set[tuple[str, ...]] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.misconfigured = _misconfigured_counter(self.metrics.registry)
         if self.experiments is not None:
             router = self.router
             self.experiments.bind(lambda alias: router.table.models.get(alias), self.templates)
 
     def _misconfiguration(self, kind: str, model: str, detail: tuple[str, ...], message: str) -> None:
         """Count a request served around configuration that did not resolve; warn once."""
-        self.misconfigured.labels(kind, model).inc()
+        self.metrics.misconfigured.labels(kind, model).inc()
         key = (kind, model, *detail)
         if key not in self._warned and len(self._warned) < _MAX_WARNED:
             self._warned.add(key)
