@@ -49,13 +49,17 @@ def duration_s(text: str) -> int:
     return seconds
 
 
+def _integer(text: str) -> int:
+    if _INTEGER.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
+    return int(text)
+
+
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
     """An argparse type for a decimal integer in [low, high]."""
 
     def parse(text: str) -> int:
-        if _INTEGER.fullmatch(text) is None:
-            raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
-        value = int(text)
+        value = _integer(text)
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"'{text}' must be between {low} and {high}")
         return value
@@ -65,9 +69,7 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
 
 
 def non_negative_int(text: str) -> int:
-    if _INTEGER.fullmatch(text) is None:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
-    value = int(text)
+    value = _integer(text)
     if not 0 <= value <= 2**53:
         raise argparse.ArgumentTypeError(f"'{text}' must be between 0 and 2^53")
     return value
@@ -123,10 +125,6 @@ def base_url(text: str) -> str:
     except (httpx.InvalidURL, ValueError) as exc:
         raise bad(str(exc).splitlines()[0] if str(exc) else "not a URL") from None
     return url
-
-
-# The old name, kept for callers outside the CLI package.
-gateway_url = base_url
 
 
 def admin_key(text: str) -> str:
@@ -198,11 +196,13 @@ def connect(
             parser.error(f"{env}: {exc}")
     key = args.admin_key
     if key is None:
-        key = (os.environ.get("PAVED_ADMIN_KEY") or "").strip()
-        if not key:
+        raw = os.environ.get("PAVED_ADMIN_KEY") or ""
+        if not raw.strip():
             parser.error("no admin key: set PAVED_ADMIN_KEY (or pass --admin-key)")
-        if _ADMIN_KEY.fullmatch(key) is None:
-            parser.error(f"PAVED_ADMIN_KEY: {_ADMIN_KEY_RULE}")
+        try:
+            key = admin_key(raw)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"PAVED_ADMIN_KEY: {exc}")
     return AdminClient(url, key, prefix=prefix, service=service)
 
 
