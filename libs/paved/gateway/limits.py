@@ -35,8 +35,10 @@ Semantics (identical in `InProcessLimiter` and `RedisLimiter`):
 `RedisLimiter` shares the limits between gateway replicas: one acquire is ONE Lua script over
 all the subjects' keys, timed by Redis `TIME` (never a replica's clock), so no replica can slip
 between another's check and increment. Every key carries a TTL (a bucket's lasts until it would
-be full again) so idle subjects vanish. Redis errors and timeouts fail closed: every call is
-bounded by `timeout_s` and raises `GatewayError(503, code="limiter_unavailable")` with
+be full again) so idle subjects vanish. A connection error is retried once on a fresh
+connection (a restarted Redis breaks every pooled connection once); an acquire is idempotent
+per reservation id, so its retry never counts a request twice. Redis errors and timeouts fail
+closed: every call is bounded by `timeout_s` and raises `GatewayError(503, code="limiter_unavailable")` with
 Retry-After 1 rather than admitting unlimited traffic or hanging; a `finish` failing so may be
 retried (the app should log and drop it: the slot frees itself with its lease). One RedisLimiter
 serves one event loop (redis-py's asyncio connections are bound to it). The keys of one
@@ -448,20 +450,30 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
 
 # KEYS[1]: the reservation's marker; KEYS[1+i]: limit i. ARGV[1]: lease (s); ARGV[2]: reservation
-# id; limit i: ARGV[3i] kind, ARGV[3i+1] capacity, ARGV[3i+2] need. Checks everything, then
-# writes everything or nothing. Returns {1|0, value_1, ...} (values as strings: Lua numbers
-# would be truncated to integers).
+# id; ARGV[3]: replay window (ms); limit i: ARGV[3i+1] kind, ARGV[3i+2] capacity, ARGV[3i+3]
+# need. Checks everything, then writes everything or nothing. Returns {1|0, value_1, ...}
+# (values as strings: Lua numbers would be truncated to integers).
+# Idempotent per reservation id: an admission stores its reply in the marker, and a second run
+# with the same id (the client's retry after a connection error that lost the first reply)
+# returns that reply without counting the request again. The marker of a reservation holding
+# nothing to settle (requests/min only) lives for the replay window alone: no finish deletes it.
 _LUA_ACQUIRE = (
     _LUA_BUCKET
     + """
+local done = redis.call('GET', KEYS[1])
+if done then
+  local out = {1}
+  for v in string.gmatch(done, '[^,]+') do out[#out + 1] = v end
+  return out
+end
 local lease = tonumber(ARGV[1])
 local rid = ARGV[2]
 local n = #KEYS - 1
 local vals = {}
 local ok = true
 for i = 1, n do
-  local key, kind = KEYS[i + 1], ARGV[3 * i]
-  local cap, need = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+  local key, kind = KEYS[i + 1], ARGV[3 * i + 1]
+  local cap, need = tonumber(ARGV[3 * i + 2]), tonumber(ARGV[3 * i + 3])
   if kind == 'con' then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
     vals[i] = redis.call('ZCARD', key)
@@ -471,11 +483,11 @@ for i = 1, n do
     if vals[i] < need then ok = false end
   end
 end
+local held = false
 if ok then
-  local held = false
   for i = 1, n do
-    local key, kind = KEYS[i + 1], ARGV[3 * i]
-    local cap, need = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+    local key, kind = KEYS[i + 1], ARGV[3 * i + 1]
+    local cap, need = tonumber(ARGV[3 * i + 2]), tonumber(ARGV[3 * i + 3])
     if kind == 'con' then
       redis.call('ZADD', key, now + lease, rid)
       redis.call('PEXPIRE', key, math.ceil(lease * 1000) + 1000)
@@ -485,10 +497,14 @@ if ok then
     end
     if kind ~= 'rpm' then held = true end
   end
-  if held then redis.call('SET', KEYS[1], '1', 'PX', math.ceil(lease * 1000)) end
 end
 local out = {ok and 1 or 0}
 for i = 1, n do out[i + 1] = string.format('%.17g', vals[i]) end
+if ok then
+  local ttl = tonumber(ARGV[3])
+  if held then ttl = math.ceil(lease * 1000) end
+  redis.call('SET', KEYS[1], table.concat(out, ',', 2), 'PX', ttl)
+end
 return out
 """
 )
@@ -565,6 +581,7 @@ class RedisLimiter(_BaseLimiter):
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("RedisLimiter url must start with redis://, rediss:// or unix://")
@@ -576,15 +593,20 @@ class RedisLimiter(_BaseLimiter):
             raise ValueError(f"max_connections must be a positive int, got {max_connections!r}")
         self._prefix = key_prefix
         self._timeout_s = float(timeout_s)
-        # No retries inside redis-py: one deadline covers the whole call, and failing fast
-        # (503 + Retry-After) beats silently spending the request's latency budget.
+        # A pooled connection whose server restarted fails on its next use (every idle one in
+        # the pool does, once): so a connection error is retried once, at once, on a fresh
+        # socket (redis-py closes the failed one and reconnects). Timeouts are not retried: one
+        # deadline covers the whole call, and failing fast (503 + Retry-After) beats silently
+        # spending the request's latency budget. A retried command may already have run (the
+        # connection broke after Redis had it): finish and read are idempotent, and acquire
+        # replays its first reply by reservation id (see _LUA_ACQUIRE), so nothing counts twice.
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=self._timeout_s,
             socket_timeout=self._timeout_s,
             socket_connect_timeout=self._timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._redis = aioredis.Redis.from_pool(pool)
         self._last_error_log = -math.inf
@@ -621,7 +643,8 @@ class RedisLimiter(_BaseLimiter):
             ) from None
 
     async def _admit(self, rid: str, limits: list[_Limit]) -> tuple[bool, list[float]]:
-        args: list[str | int | float] = [repr(self._lease_s), rid]
+        # A retry comes within the call's deadline, so the replay window outlasts it.
+        args: list[str | int | float] = [repr(self._lease_s), rid, math.ceil(self._timeout_s * 1000) + 1000]
         for lim in limits:
             args += [lim.kind, lim.capacity, lim.need]
         reply = await self._eval(_ACQUIRE, [self._marker(rid), *map(self._key, limits)], args)

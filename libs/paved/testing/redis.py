@@ -65,8 +65,11 @@ def _log_tail(path: str) -> str:
 
 
 @contextlib.contextmanager
-def redis_server(binary: str = REDIS_SERVER, *, start_timeout_s: float = 20.0) -> Iterator[str]:
-    """Starts `binary` on 127.0.0.1 at a free port and yields `redis://127.0.0.1:PORT/0`.
+def redis_server(
+    binary: str = REDIS_SERVER, *, start_timeout_s: float = 20.0, port: int | None = None
+) -> Iterator[str]:
+    """Starts `binary` on 127.0.0.1 at a free port (or `port`: a restart on the same address)
+    and yields `redis://127.0.0.1:PORT/0`.
 
     Invariant: when the block exits, the server has exited and its directory is gone."""
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
@@ -74,13 +77,13 @@ def redis_server(binary: str = REDIS_SERVER, *, start_timeout_s: float = 20.0) -
     workdir = tempfile.mkdtemp(prefix="paved-redis-")
     logfile = os.path.join(workdir, "log")
     proc: subprocess.Popen[bytes] | None = None
-    port = 0
+    fixed, port = port, 0
     try:
         deadline = time.monotonic() + start_timeout_s
         # The free port can be taken between probing and binding: then the server exits and
-        # another port is tried.
-        for _ in range(5):
-            port = _free_port()
+        # another port is tried (a fixed port is tried once).
+        for _ in range(1 if fixed else 5):
+            port = fixed or _free_port()
             proc = subprocess.Popen(  # noqa: S603 (the caller's own binary, fixed arguments)
                 [
                     binary,
