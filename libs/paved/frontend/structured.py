@@ -8,18 +8,24 @@ max_tokens runs out), otherwise to vLLM's xgrammar. Whatever cannot be enforced 
 a constraint is never dropped.
 
 Checking a spec costs up to hundreds of milliseconds (JSON Schema meta-validation, paved's
-native subset check and automaton limits), so `resolve_async` runs it on a small admission
-pool, never on the event loop, and every outcome is memoized by the spec's canonical digest:
-a schema sent again costs one hash (also off the loop).
+native subset check and automaton limits); a request's own cost is one digest of its spec.
+`resolve_async` plans a request (which source, the spec's canonical digest) on the event
+loop when its constraint fields are small (`INLINE_SPEC_CHARS`), else on the admission pool;
+the outcome of each distinct spec is memoized by that digest. Only a spec not yet memoized
+is checked, once, on the admission pool: requests that carry a spec whose check is running
+wait on that check (single flight). `MAX_CHECKS` bounds the distinct specs being checked at
+once, a bound an attacker sending many distinct specs meets, never a burst of one spec.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -35,6 +41,7 @@ from paved.frontend.schemas import (
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
     SamplingFields,
+    Tool,
 )
 
 T = TypeVar("T")
@@ -58,13 +65,35 @@ class Resolved:
     tool_mode: ToolMode | None = None
 
 
+@dataclass(frozen=True)
+class _Check:
+    """A constraint still to be checked: `run` is the check (it raises a 400 APIError for a
+    spec that cannot be enforced), memoized under `key`, the spec's canonical digest."""
+
+    key: tuple
+    run: Callable[[], Constraint]
+    param: str
+    tool_mode: ToolMode | None = None
+
+
 # Admission work runs on its own threads so that a burst of heavy specs cannot take the
-# default executor (tokenization of long prompts) with it; past the queue bound a request is
-# refused (503) instead of waiting behind an unbounded backlog.
+# default executor (tokenization of long prompts) with it.
 ADMISSION_THREADS = 2
-ADMISSION_QUEUE = 64
 _pool = background_executor(ADMISSION_THREADS, "paved-admit")
+# Distinct specs being checked at once; a new spec past it is refused (503), so that many
+# distinct heavy specs cannot queue unbounded CPU work. Requests repeating a spec being
+# checked wait on that check and take nothing from this bound.
+MAX_CHECKS = 64
+# Constraint fields up to this size (characters of their strings plus a few per node) are
+# digested on the event loop, well under a millisecond; larger ones are digested on the pool.
+INLINE_SPEC_CHARS = 64 * 1024
+# KServe's resolver runs whole on the pool (`off_loop`); past this many such calls pending,
+# a request is refused (503) instead of waiting behind an unbounded backlog.
+ADMISSION_QUEUE = 64
 _pending = threading.BoundedSemaphore(ADMISSION_QUEUE)
+# Spec key -> the running check's outcome (a Constraint, or a 400's text).
+_checks: dict[tuple, Future] = {}
+_checks_lock = threading.Lock()
 
 
 def has_constraint(request: SamplingFields) -> bool:
@@ -93,16 +122,153 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
 
 
 async def resolve_async(request: SamplingFields, card: ModelCard) -> Resolved:
-    """`resolve`, off the event loop when the request carries a constraint."""
+    """`resolve` without blocking the event loop: the spec's digest on the loop when it is
+    small, the check (once per distinct spec) on the admission pool."""
     if not has_constraint(request):
         return resolve(request, card)
-    return await off_loop(resolve, request, card)
+    if _inline(request):
+        plan = _plan(request, card)
+    else:
+        # The digest is O(spec size), like the body's parse the server already did: it waits
+        # for the pool, bounded by the bodies accepted, not refused.
+        plan = await asyncio.get_running_loop().run_in_executor(_pool, _plan, request, card)
+    if isinstance(plan, Resolved):
+        return plan
+    outcome = _memoized(plan.key)
+    if outcome is None:
+        outcome = await _single_flight(plan)
+    return _finish(plan, outcome)
 
 
 def resolve(request: SamplingFields, card: ModelCard) -> Resolved:
     """The constraint (and tool-call mode) `request` asks for, validated and routed.
 
     Blocking (see `resolve_async`)."""
+    plan = _plan(request, card)
+    if isinstance(plan, Resolved):
+        return plan
+    outcome = _memoized(plan.key)
+    if outcome is None:
+        outcome = _check(plan)
+    return _finish(plan, outcome)
+
+
+# ---- the memo and the single flight ---------------------------------------------------------
+ROUTE_CACHE_ENTRIES = 256
+# Spec key -> the Constraint, or the 400's text.
+_routes: LockedLRU[tuple, Constraint | str] = LockedLRU(ROUTE_CACHE_ENTRIES)
+
+
+def _memoized(key: tuple) -> Constraint | str | None:
+    hit = _routes.get(key)
+    if isinstance(hit, Constraint) and hit.backend == "paved":
+        from paved.constraints import spec as paved_spec
+
+        # Engines trust a paved spec without re-validating it only while `spec.admit` still
+        # remembers issuing it (an identity check); one it forgot is admitted again.
+        if not paved_spec.is_admitted(hit.value, hit.key):
+            return None
+    return hit
+
+
+def _check(plan: _Check) -> Constraint | str:
+    """Run `plan`'s check and memoize its outcome (a 400's text too). Blocking."""
+    try:
+        outcome: Constraint | str = plan.run()
+    except APIError as e:
+        if e.status != 400:
+            raise
+        outcome = e.message
+    _routes.put(plan.key, outcome)
+    return outcome
+
+
+async def _single_flight(plan: _Check) -> Constraint | str:
+    with _checks_lock:
+        # Memoized while this request was being planned? (A check stores its outcome before
+        # it leaves `_checks`, so under the lock one of the two always has it.)
+        outcome = _memoized(plan.key)
+        if outcome is not None:
+            return outcome
+        shared = _checks.get(plan.key)
+        if shared is None:
+            if len(_checks) >= MAX_CHECKS:
+                raise EngineOverloadedError(
+                    f"{MAX_CHECKS} distinct output constraints are already being checked (the "
+                    "admission limit on new specs); retry shortly"
+                )
+            shared = _checks[plan.key] = Future()
+            _pool.submit(_run_shared, plan, shared)
+    # Shielded: a waiter that disconnects must not cancel the check the others wait on.
+    return await asyncio.shield(asyncio.wrap_future(shared))
+
+
+def _run_shared(plan: _Check, shared: Future) -> None:
+    try:
+        outcome = _check(plan)
+    except BaseException as e:  # noqa: BLE001 - every waiter gets it (a bug: their 500)
+        with _checks_lock:
+            del _checks[plan.key]
+        shared.set_exception(e)
+        return
+    with _checks_lock:
+        del _checks[plan.key]
+    shared.set_result(outcome)
+
+
+def _finish(plan: _Check, outcome: Constraint | str) -> Resolved:
+    if isinstance(outcome, str):
+        raise APIError(400, outcome, param=plan.param)
+    return Resolved(outcome, plan.tool_mode)
+
+
+def _inline(request: SamplingFields) -> bool:
+    """Whether the request's constraint fields are small enough to plan on the event loop.
+
+    A walk that gives up as soon as the budget is spent: O(INLINE_SPEC_CHARS) at most."""
+    budget = INLINE_SPEC_CHARS
+    stack: list[Any] = list(_constraint_fields(request))
+    while stack:
+        value = stack.pop()
+        budget -= 8
+        if isinstance(value, str):
+            budget -= len(value)
+        elif isinstance(value, dict | list):
+            budget -= 8 * len(value)  # before expanding it: a huge container stops here
+            if budget >= 0:
+                stack.extend(value.items() if isinstance(value, dict) else value)
+        elif isinstance(value, tuple):  # a dict item
+            stack.extend(value)
+        elif isinstance(value, Tool):
+            stack.append(value.function.parameters)
+        if budget < 0:
+            return False
+    return True
+
+
+def _constraint_fields(request: SamplingFields) -> Iterator[Any]:
+    rf = request.response_format
+    if isinstance(rf, ResponseFormatJsonSchema):
+        yield rf.json_schema.schema_
+    so = request.structured_outputs
+    if so is not None:
+        yield from (so.json_, so.regex, so.choice, so.grammar)
+    if request.vllm_xargs:
+        yield request.vllm_xargs
+    if isinstance(request, ChatCompletionRequest) and request.tools:
+        yield request.tools
+
+
+def _digest(value: Any) -> str:
+    """The SHA-256 of `value`'s canonical JSON text (ValueError: NaN or Infinity in it)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# ---- planning: which source, and its spec's digest --------------------------------------------
+def _plan(request: SamplingFields, card: ModelCard) -> Resolved | _Check:
+    """The request's constraint source, validated; the answer itself when nothing needs a
+    check, else the check to run (or find memoized)."""
     sources: list[tuple[str, Any]] = []
     rf = request.response_format
     if isinstance(rf, ResponseFormatJsonObject | ResponseFormatJsonSchema):
@@ -138,26 +304,22 @@ def resolve(request: SamplingFields, card: ModelCard) -> Resolved:
     name, value = sources[0]
     if name == "response_format":
         if isinstance(value, ResponseFormatJsonObject):
-            return Resolved(_json(_ANY_OBJECT, card, name, json_object=True))
+            return _json(_ANY_OBJECT, card, name, json_object=True)
         schema = value.json_schema.schema_
         if schema is None:
             raise APIError(
                 400, "response_format.json_schema.schema is required", param="response_format.json_schema"
             )
-        return Resolved(_json(schema, card, "response_format.json_schema.schema"))
+        return _json(schema, card, "response_format.json_schema.schema")
     if name == "tool_choice":
-        return Resolved(_json(value, card, "tools"), tool_mode)
+        check = _json(value, card, "tools")
+        return _Check(check.key, check.run, check.param, tool_mode)
     if name == "structured_outputs":
-        return Resolved(_structured_outputs(value, card))
-    return Resolved(_paved_spec(value, card, name))
+        return _structured_outputs(value, card)
+    return _paved_spec(value, card, name)
 
 
-ROUTE_CACHE_ENTRIES = 256
-# (schema digest, backends, json_object) -> the Constraint, or the 400's text.
-_routes: LockedLRU[tuple, Constraint | str] = LockedLRU(ROUTE_CACHE_ENTRIES)
-
-
-def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -> Constraint:
+def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -> _Check:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -166,23 +328,11 @@ def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -
     if not isinstance(schema, dict):
         raise APIError(400, "a JSON schema must be an object", param=param)
     try:
-        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        digest = _digest(schema)
     except ValueError as e:  # NaN/Infinity: not JSON, and no backend could compare against it
         raise APIError(400, f"the JSON schema is not valid JSON: {e}", param=param) from e
-    key = (hashlib.sha256(text.encode()).hexdigest(), card.constraint_backends, json_object)
-    hit = _routes.get(key)
-    if hit is None:
-        try:
-            hit = _route_json(schema, card, param, json_object)
-        except APIError as e:
-            if e.status != 400:
-                raise
-            _routes.put(key, e.message)
-            raise
-        _routes.put(key, hit)
-    if isinstance(hit, str):
-        raise APIError(400, hit, param=param)
-    return hit
+    key = ("json", digest, card.constraint_backends, json_object)
+    return _Check(key, functools.partial(_route_json, schema, card, param, json_object), param)
 
 
 def _route_json(schema: dict, card: ModelCard, param: str, json_object: bool) -> Constraint:
@@ -218,7 +368,7 @@ def _check_schema(schema: dict, param: str) -> None:
         raise APIError(400, f"invalid JSON schema: {e}", param=param) from e
 
 
-def _structured_outputs(value, card: ModelCard) -> Constraint:
+def _structured_outputs(value, card: ModelCard) -> Resolved | _Check:
     if value.json_ is not None:
         return _json(value.json_, card, "structured_outputs.json")
     if value.json_object:
@@ -230,16 +380,23 @@ def _structured_outputs(value, card: ModelCard) -> Constraint:
             400, f"model {card.id!r} does not support structured_outputs", param="structured_outputs"
         )
     if value.regex is not None:
-        return Constraint("xgrammar", "regex", value.regex)
+        return Resolved(Constraint("xgrammar", "regex", value.regex))
     if value.choice is not None:
-        return Constraint("xgrammar", "choice", list(value.choice))
-    return Constraint("xgrammar", "grammar", value.grammar)
+        return Resolved(Constraint("xgrammar", "choice", list(value.choice)))
+    return Resolved(Constraint("xgrammar", "grammar", value.grammar))
 
 
-def _paved_spec(raw: Any, card: ModelCard, param: str) -> Constraint:
+def _paved_spec(raw: Any, card: ModelCard, param: str) -> Resolved | _Check:
     if "paved" not in card.constraint_backends:
         raise APIError(400, f"paved's constraint engine is not enabled for model {card.id!r}", param=param)
-    return _validated_spec(raw, param)
+    if isinstance(raw, str):  # a spec's JSON text: `admit` memoizes texts by their own digest
+        key: tuple = ("paved_text", hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest())
+    else:
+        try:
+            key = ("paved", _digest(raw))
+        except ValueError:  # not JSON: admit says so at once, naming the field
+            return Resolved(_validated_spec(raw, param))
+    return _Check(key, functools.partial(_validated_spec, raw, param), param)
 
 
 def _validated_spec(raw: Any, param: str) -> Constraint:

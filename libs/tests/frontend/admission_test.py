@@ -1,12 +1,17 @@
 """Admission of bodies and constraints through the HTTP layer, over the simulated engine.
 
-Unicode edge cases are refused with OpenAI errors (never a 500), and a constraint whose check
-is slow runs off the event loop: other requests are served while it is being checked.
+Unicode edge cases are refused with OpenAI errors (never a 500), a constraint whose check
+is slow runs off the event loop (other requests are served while it is being checked), and a
+burst of one spec is served whole, its check run once; only many distinct specs at once are
+refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
+import uuid
 
 import httpx
 import pytest
@@ -14,21 +19,32 @@ from fake_engine import FakeEngine
 from servers import serve_in_thread
 
 from paved.constraints import spec as specs
+from paved.frontend import structured
 from paved.frontend.app import create_app
 from paved.frontend.registry import ModelRegistry
 
 JSON = {"content-type": "application/json"}
+BURST = 300
 
 
-@pytest.fixture(scope="module")
-def url():
-    registry = ModelRegistry([FakeEngine()], {"fake": 64})
+def _serve(registry: ModelRegistry):
     with serve_in_thread(create_app(registry)) as base:
         for _ in range(500):
             if httpx.get(base + "/health/ready").status_code == 200:
                 break
             threading.Event().wait(0.02)
         yield base
+
+
+@pytest.fixture(scope="module")
+def url():
+    yield from _serve(ModelRegistry([FakeEngine()], {"fake": 64}))
+
+
+@pytest.fixture(scope="module")
+def burst_url():
+    """The default admission bound (1024 sequences), and an engine that queues 1024."""
+    yield from _serve(ModelRegistry([FakeEngine()]))
 
 
 @pytest.mark.parametrize(
@@ -149,3 +165,117 @@ def test_big_enum_schema_is_a_catalogue_and_checked_once(url, monkeypatch):
         assert r.json()["choices"][0]["message"]["content"].strip('"') in set(values)
     # The route is memoized by the schema's digest: validated at most once for three requests.
     assert len(calls) <= 1
+
+
+def _schema_body(tag: str) -> dict:
+    schema = {
+        "title": tag,  # a spec no other test sent: its first check happens here
+        "type": "object",
+        "properties": {"score": {"type": "integer"}},
+        "required": ["score"],
+        "additionalProperties": False,
+    }
+    return {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "rate it"}],
+        "max_tokens": 24,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
+
+
+async def _post_all(url: str, bodies: list[dict]) -> list[asyncio.Task]:
+    """One connection per body, all sent at once; the tasks of their responses."""
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=0)
+    client = httpx.AsyncClient(base_url=url, limits=limits, timeout=120)
+    tasks = [asyncio.ensure_future(client.post("/v1/chat/completions", json=b)) for b in bodies]
+    asyncio.gather(*tasks, return_exceptions=True).add_done_callback(
+        lambda _: asyncio.ensure_future(client.aclose())
+    )
+    return tasks
+
+
+def _burst(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async def main():
+        return await asyncio.gather(*await _post_all(url, bodies))
+
+    return asyncio.run(main())
+
+
+def _assert_served(responses: list[httpx.Response]) -> None:
+    refused = [(r.status_code, r.text) for r in responses if r.status_code != 200]
+    assert not refused, f"{len(refused)} of {len(responses)} refused, e.g. {refused[0]}"
+    for r in responses:
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["score"], int)
+
+
+def test_a_burst_of_one_schema_is_served_and_checked_once(burst_url, monkeypatch):
+    """300 concurrent requests with one new schema: the first one's check is held until all
+    300 have arrived, so the other 299 wait for it; all are served and it ran once. A second
+    burst finds it memoized."""
+    arrived, everyone_in = 0, threading.Event()
+    real_resolve = structured.resolve_async
+
+    async def counting(request, card):
+        nonlocal arrived
+        arrived += 1  # on the event loop: no lock needed
+        if arrived == BURST:
+            everyone_in.set()
+        return await real_resolve(request, card)
+
+    checks = []
+    real_route = structured._route_json
+
+    def held(*args):
+        checks.append(args)
+        everyone_in.wait(60)  # bounded: the assertions below say what happened
+        return real_route(*args)
+
+    monkeypatch.setattr(structured, "resolve_async", counting)
+    monkeypatch.setattr(structured, "_route_json", held)
+    body = _schema_body(f"burst-{uuid.uuid4()}")
+
+    _assert_served(_burst(burst_url, [body] * BURST))
+    assert everyone_in.is_set(), f"only {arrived} requests arrived"
+    assert len(checks) == 1
+
+    _assert_served(_burst(burst_url, [body] * BURST))  # warm: one digest each
+    assert len(checks) == 1
+
+
+def test_distinct_specs_past_the_bound_are_refused_with_retry_after(burst_url, monkeypatch):
+    """MAX_CHECKS distinct specs being checked at once hold the bound: a further new spec is
+    a 503 with Retry-After naming the limit; the ones admitted are served once released."""
+    bound, extra = 4, 3
+    monkeypatch.setattr(structured, "MAX_CHECKS", bound)
+    release = threading.Event()
+    real_route = structured._route_json
+
+    def held(*args):
+        release.wait(60)
+        return real_route(*args)
+
+    monkeypatch.setattr(structured, "_route_json", held)
+    bodies = [_schema_body(f"distinct-{uuid.uuid4()}") for _ in range(bound + extra)]
+
+    async def main():
+        tasks = await _post_all(burst_url, bodies)
+        try:
+            pending, first = set(tasks), []
+            while len(first) < extra and pending:
+                done, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break
+                first.extend(t.result() for t in done)
+        finally:
+            release.set()
+        return first, await asyncio.gather(*tasks)
+
+    first, responses = asyncio.run(main())
+    assert len(first) == extra, "the requests past the bound were not answered while the others waited"
+    for r in first:
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        error = r.json()["error"]
+        assert error["code"] == "overloaded"
+        assert f"{bound} distinct output constraints are already being checked" in error["message"]
+    assert sorted(r.status_code for r in responses) == [200] * bound + [503] * extra
