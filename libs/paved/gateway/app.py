@@ -216,20 +216,17 @@ def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestr
         except JSONBodyError as e:
             raise GatewayError(400, f"the request body is {e}") from None
         entry = body.get("entry") if isinstance(body, dict) else None
-        if not isinstance(entry, str) or not 2 < len(entry) <= 200:
+        if not orchestrator.entry_ids.well_formed(entry):
             raise GatewayError(400, "entry must be the x-paved-cache-entry of a cached answer", param="entry")
         tenant = principal.tenant.name
+        # A forged id, another tenant's and an expired one get the same 404: the answer must
+        # not tell a tenant whether anyone else made a request.
+        opened = orchestrator.entry_ids.open(tenant, entry)
         evicted = False
-        if entry.startswith("e:"):
-            if orchestrator.exact is None:
-                raise GatewayError(404, "no such cache entry", code="cache_entry_not_found")
-            try:
-                key = bytes.fromhex(entry[2:])
-            except ValueError:
-                raise GatewayError(400, "entry is not a cache entry id", param="entry") from None
-            evicted = await orchestrator.exact.delete(key)
-        elif orchestrator.semantic is not None:
-            evicted = await orchestrator.semantic.evict(tenant, entry)
+        if opened is not None and opened.exact_key is not None and orchestrator.exact is not None:
+            evicted = await orchestrator.exact.delete(opened.exact_key)
+        elif opened is not None and opened.semantic_id is not None and orchestrator.semantic is not None:
+            evicted = await orchestrator.semantic.evict(tenant, opened.semantic_id)
         if not evicted:
             raise GatewayError(404, "no such cache entry (it may have expired)", code="cache_entry_not_found")
         gateway.metrics.cache_false_hits.labels(tenant).inc()

@@ -25,6 +25,12 @@ Invariants callers rely on:
   second, not one per request); nothing here raises to the client for a cache outage.
 - Bounded: the in-process exact cache by bytes (LRU) and per entry; Redis entries per entry and
   by TTL (SET PX); the semantic cache by `max_entries` (oldest first) and TTL.
+- Entry ids (`EntryIds`, the x-paved-cache-entry a false-hit report names) are
+  `<kind>:<payload hex>.<HMAC-SHA256 hex>`, the MAC keyed by a server secret over the tenant, the
+  kind and the payload: a tenant cannot forge one (not even for an exact key it can compute) nor
+  use another tenant's, and `open` answers None alike for a forged, foreign or unknown-kind id,
+  comparing MACs in constant time. The secret is shared by every replica on one state store (a
+  row of `gateway_cache_secret`, created once) and never logged.
 - Tenant isolation in the semantic cache is structural: one `VectorIndex` per (tenant, scope),
   so another tenant's vectors are never searched; every hit is re-checked against its entry's
   owner and scope; `evict` by another tenant fails. Entry ids are random 63-bit numbers (no
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -53,12 +60,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import sqlalchemy as sa
 from redis.exceptions import RedisError
+from sqlalchemy.exc import IntegrityError
 
 from paved.gateway.ann import VectorIndex
 
 if TYPE_CHECKING:
     import redis.asyncio
+
+    from paved.gateway.state import GatewayStore
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +77,10 @@ __all__ = [
     "IGNORED_FIELDS",
     "CacheKeys",
     "CachedAnswer",
+    "EntryIds",
     "ExactCache",
     "InProcessExactCache",
+    "OpenedEntry",
     "RedisExactCache",
     "SemanticCache",
     "SemanticHit",
@@ -686,6 +699,114 @@ class RedisExactCache:
         except (RedisError, OSError, TimeoutError) as e:
             self._failed("DEL", e)
             return False
+
+
+# ---- entry ids ---------------------------------------------------------------------------------
+_ROW_NAME = "cache-entry-ids"  # gateway_cache_secret.name of the entry-id MAC key
+_SECRET_BYTES = 32
+_ENTRY_KINDS = {"e": 32, "s": 8}  # exact: the 32-byte key; semantic: the 8-byte entry number
+_SIGNED_ENTRY = re.compile(r"([es]):([0-9a-f]{16}|[0-9a-f]{64})\.([0-9a-f]{64})")
+
+secret_metadata = sa.MetaData()
+secret_table = sa.Table(
+    "gateway_cache_secret",
+    secret_metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(128), nullable=False),
+)
+
+
+class EntryIds:
+    """Signs and opens x-paved-cache-entry ids (see the module docstring).
+
+    With a store, `start()` reads the secret every replica on that store shares (creating it
+    once); without one the secret is this process's own, which is enough for caches that live
+    in this process only (an id from another replica names nothing here anyway)."""
+
+    def __init__(self, store: GatewayStore | None = None, *, secret: bytes | None = None):
+        if secret is not None and len(secret) < 16:
+            raise ValueError("the cache entry secret must have at least 16 bytes")
+        self._store = store
+        self._secret: bytes | None = secret
+        if secret is None and store is None:
+            self._secret = secrets.token_bytes(_SECRET_BYTES)
+
+    def __repr__(self) -> str:  # never the secret
+        return f"EntryIds(shared={self._store is not None})"
+
+    async def start(self) -> None:
+        if self._secret is None and self._store is not None:
+            await self._store.create_tables(secret_metadata)
+            self._secret = await self._store.run(self._load_or_create_sync, self._store)
+
+    @staticmethod
+    def _load_or_create_sync(store: GatewayStore) -> bytes:
+        query = sa.select(secret_table.c.value).where(secret_table.c.name == _ROW_NAME)
+        for _ in range(2):
+            with store.engine.connect() as conn:
+                found = conn.execute(query).scalar()
+            if found is not None:
+                return bytes.fromhex(found)
+            try:
+                with store.engine.begin() as conn:
+                    fresh = secrets.token_bytes(_SECRET_BYTES)
+                    conn.execute(secret_table.insert().values(name=_ROW_NAME, value=fresh.hex()))
+                return fresh
+            except IntegrityError:
+                continue  # another replica created it first: read theirs
+        raise RuntimeError("the cache entry secret could be neither read nor created")
+
+    def _mac(self, tenant: str, kind: str, payload: bytes) -> str:
+        if self._secret is None:
+            raise RuntimeError("EntryIds.start() was not awaited")
+        name = tenant.encode()
+        message = b"%s\0%d\0%s%s" % (kind.encode(), len(name), name, payload)
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def _sign(self, tenant: str, kind: str, payload: bytes) -> str:
+        return f"{kind}:{payload.hex()}.{self._mac(tenant, kind, payload)}"
+
+    def exact(self, tenant: str, key: bytes) -> str:
+        return self._sign(tenant, "e", key)
+
+    def semantic(self, tenant: str, entry_id: str) -> str:
+        match = _ENTRY_ID.fullmatch(entry_id)
+        if match is None:
+            raise ValueError("not a semantic cache entry id")
+        return self._sign(tenant, "s", bytes.fromhex(match.group(1)))
+
+    @staticmethod
+    def _parse(entry: object) -> tuple[str, bytes, str] | None:
+        match = _SIGNED_ENTRY.fullmatch(entry) if isinstance(entry, str) else None
+        if match is None or len(match.group(2)) != 2 * _ENTRY_KINDS[match.group(1)]:
+            return None
+        return match.group(1), bytes.fromhex(match.group(2)), match.group(3)
+
+    @classmethod
+    def well_formed(cls, entry: object) -> bool:
+        """Whether `entry` has the shape of an entry id (says nothing of whose it is)."""
+        return cls._parse(entry) is not None
+
+    def open(self, tenant: str, entry: object) -> OpenedEntry | None:
+        """What `entry` names when it was signed for `tenant`; None otherwise (forged, another
+        tenant's, malformed: all alike)."""
+        parsed = self._parse(entry)
+        if parsed is None:
+            return None
+        kind, payload, mac = parsed
+        if not hmac.compare_digest(self._mac(tenant, kind, payload), mac):
+            return None
+        if kind == "e":
+            return OpenedEntry(exact_key=payload)
+        return OpenedEntry(semantic_id=_entry_id(int.from_bytes(payload, "big")))
+
+
+@dataclass(frozen=True)
+class OpenedEntry:
+    """An entry id a tenant may act on: one of an exact cache key or a SemanticCache id."""
+
+    exact_key: bytes | None = None
+    semantic_id: str | None = None
 
 
 # ---- semantic cache ----------------------------------------------------------------------------

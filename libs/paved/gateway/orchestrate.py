@@ -262,6 +262,8 @@ class Orchestrator:
     fitter: ContextFitter | None = None
     exact: cachelib.ExactCache | None = None
     semantic: cachelib.SemanticCache | None = None
+    # Signs x-paved-cache-entry ids; the server passes one over the state store (shared secret).
+    entry_ids: cachelib.EntryIds = field(default_factory=cachelib.EntryIds)
     experiments: ExperimentRegistry | None = None
     recorder: ExperimentRecorder | None = None
     default_max_tokens: int = 256
@@ -283,7 +285,7 @@ class Orchestrator:
             )
 
     async def start(self) -> None:
-        for part in (self.templates, self.conversations, self.experiments, self.recorder):
+        for part in (self.entry_ids, self.templates, self.conversations, self.experiments, self.recorder):
             if part is not None:
                 await part.start()
 
@@ -548,7 +550,7 @@ class Orchestrator:
             answer = await self.exact.get(keys.exact)
             if answer is not None:
                 self.metrics.cache.labels(plan.tenant, plan.alias, "exact").inc()
-                return Hit(answer, "exact", "e:" + keys.exact.hex())
+                return Hit(answer, "exact", self.entry_ids.exact(plan.tenant, keys.exact))
         if policy.semantic and self.semantic is not None and keys.text and policy.embedding_model:
             try:
                 plan.vector = await self._embed(plan, policy.embedding_model, keys.text)
@@ -560,7 +562,8 @@ class Orchestrator:
                 hit = await self.semantic.lookup(plan.tenant, keys.scope, plan.vector, policy.threshold)
                 if hit is not None:
                     self.metrics.cache.labels(plan.tenant, plan.alias, "semantic").inc()
-                    return Hit(hit.answer, f"semantic;score={hit.score:.4f}", hit.entry_id)
+                    entry = self.entry_ids.semantic(plan.tenant, hit.entry_id)
+                    return Hit(hit.answer, f"semantic;score={hit.score:.4f}", entry)
         self.metrics.cache.labels(plan.tenant, plan.alias, "miss").inc()
         plan.headers["x-paved-cache"] = "miss"
         return None

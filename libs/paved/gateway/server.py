@@ -261,6 +261,7 @@ def _orchestrator(args: argparse.Namespace, store: GatewayStore, proxy: OpenAIPr
         fitter=ContextFitter(conversations),
         exact=exact,
         semantic=semantic,
+        entry_ids=cache.EntryIds(store),
         experiments=ExperimentRegistry(store),
         recorder=ExperimentRecorder(store),
         default_max_tokens=args.default_max_tokens,

@@ -11,7 +11,10 @@ down, stopped mid-life or hung (each a miss, never an error); the semantic cache
 rules as properties (never a hit across tenants or scopes even for identical vectors, an entry
 always finds itself, evict by another tenant fails), TTL, max_entries; and VectorIndex: exact vs
 brute force, the switch to IVF, adds and removes made while a rebuild is held are not lost, a
-failing rebuild leaves the index searchable, recall on clustered data.
+failing rebuild leaves the index searchable, recall on clustered data. Entry ids
+(x-paved-cache-entry): signed per tenant (a property over tenants and entries: never opened by
+another tenant, never forged from a computable key), one secret for every replica on a store, and
+POST /v1/cache/false_hit answering another tenant's or a forged id exactly like an unknown one.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import socket
 import threading
 from collections import OrderedDict
 
+import httpx
 import numpy as np
 import openai.types
 import openai.types.chat
@@ -34,9 +39,12 @@ from hypothesis import strategies as st
 
 from paved.gateway import ann
 from paved.gateway.ann import VectorIndex
+from paved.gateway.app import Gateway, create_app
+from paved.gateway.auth import AdminAuth, Authenticator
 from paved.gateway.cache import (
     IGNORED_FIELDS,
     CachedAnswer,
+    EntryIds,
     InProcessExactCache,
     RedisExactCache,
     SemanticCache,
@@ -50,8 +58,10 @@ from paved.gateway.cache import (
 from paved.gateway.limits import InProcessLimiter
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
+from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.router import Router
 from paved.gateway.routes import parse_routes
+from paved.gateway.state import TENANT_NAME_RE, GatewayStore
 from paved.gateway.tokens import TokenCounter
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.redis import redis_server
@@ -1325,5 +1335,141 @@ def test_a_negative_reported_usage_is_ignored_not_a_failure():
         tenant = (await limiter.snapshot(principal))["tenant"]
         assert tenant["tokens_per_min"]["remaining"] == 1000 - 6
         assert _embed_tokens(metrics) is None
+
+    run(go())
+
+
+# -- entry ids: signed per tenant --------------------------------------------------------------
+
+TENANT_NAMES = st.from_regex(TENANT_NAME_RE, fullmatch=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tenants=st.lists(TENANT_NAMES, min_size=2, max_size=4, unique=True),
+    keys=st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=3),
+    numbers=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=3),
+    position=st.integers(0, 10**6),
+)
+def test_entry_ids_open_only_for_their_tenant_and_cannot_be_forged(tenants, keys, numbers, position):
+    ids = EntryIds()
+    for tenant in tenants:
+        signed = [(ids.exact(tenant, k), "exact_key", k) for k in keys]
+        signed += [(ids.semantic(tenant, f"sc-{n:016x}"), "semantic_id", f"sc-{n:016x}") for n in numbers]
+        for entry, field, value in signed:
+            assert EntryIds.well_formed(entry)
+            opened = ids.open(tenant, entry)
+            assert opened is not None and getattr(opened, field) == value
+            for other in tenants:
+                if other != tenant:
+                    assert ids.open(other, entry) is None
+            # Any one character changed (a flipped MAC or payload digit) opens nothing.
+            i = entry.index(":") + 1 + position % (len(entry) - entry.index(":") - 1)
+            if entry[i] != ".":
+                changed = entry[:i] + ("0" if entry[i] != "0" else "1") + entry[i + 1 :]
+                assert ids.open(tenant, changed) is None
+        for k in keys:
+            # What a tenant can compute (the key of a request it guesses another made) with any
+            # MAC of its choosing, or the MAC of another secret, is not an id.
+            assert ids.open(tenant, f"e:{k.hex()}.{hashlib.sha256(k).hexdigest()}") is None
+            assert ids.open(tenant, EntryIds().exact(tenant, k)) is None
+            assert ids.open(tenant, "e:" + k.hex()) is None and not EntryIds.well_formed("e:" + k.hex())
+
+
+def test_replicas_on_one_store_share_the_entry_secret(tmp_path):
+    async def go():
+        stores = [GatewayStore(f"sqlite:///{tmp_path / 'gw.db'}") for _ in range(2)]
+        ids = [EntryIds(s) for s in stores]
+        try:
+            await asyncio.gather(*(i.start() for i in ids))
+            entry = ids[0].exact("acme", b"k" * 32)
+            assert ids[1].exact("acme", b"k" * 32) == entry
+            assert ids[1].open("acme", entry).exact_key == b"k" * 32
+            assert ids[1].open("other", entry) is None
+            # A restart reads the same secret; a process without a store has its own.
+            again = EntryIds(stores[0])
+            await again.start()
+            assert again.open("acme", entry) is not None and EntryIds().open("acme", entry) is None
+            assert again._secret is not None and again._secret.hex() not in repr(again)
+        finally:
+            for s in stores:
+                await s.close()
+
+    run(go())
+
+
+def _false_hit_gateway(tmp_path):
+    """A gateway app (no backend: nothing here reaches one) with an in-process exact cache and
+    tenants acme and rival, each with a key."""
+    store = GatewayStore(f"sqlite:///{tmp_path / 'gw.db'}")
+    router = Router(parse_routes({"models": [{"alias": "chat", "backends": [{"id": "c", **BACKEND}]}]}))
+    metrics = GatewayMetrics()
+    authenticator = Authenticator(store, cache_s=0)
+    limiter = InProcessLimiter()
+    proxy = OpenAIProxy(
+        authenticator=authenticator, limiter=limiter, router=router, metrics=metrics,
+        tokens=TokenCounter(), config=ProxyConfig(),
+    )  # fmt: skip
+    orchestrator = Orchestrator(
+        router=router, tokens=proxy.tokens, metrics=metrics,
+        internal=InternalClient(router, lambda: proxy.session, metrics),
+        exact=InProcessExactCache(), semantic=SemanticCache(), entry_ids=EntryIds(store),
+    )  # fmt: skip
+    proxy.orchestrator = orchestrator
+    gateway = Gateway(
+        store=store, authenticator=authenticator, admin=AdminAuth("adm-" + "x" * 32), limiter=limiter,
+        router=router, proxy=proxy, metrics=metrics, orchestrator=orchestrator,
+    )  # fmt: skip
+    return gateway, create_app(gateway, manage_lifespan=False)
+
+
+def test_false_hit_answers_another_tenants_entry_like_an_unknown_one(tmp_path):
+    async def go():
+        gateway, app = _false_hit_gateway(tmp_path)
+        await gateway.start()
+        try:
+            keys = {}
+            for name in ("acme", "rival"):
+                await gateway.store.create_tenant(name)
+                keys[name] = (await gateway.store.create_key(name))[1]
+            orchestrator = gateway.orchestrator
+            body = {"messages": [{"role": "user", "content": "my secret question"}], "temperature": 0}
+            key = cache_keys(tenant="acme", model="chat@v1", template=None, endpoint="chat", body=body).exact
+            await orchestrator.exact.put(key, CachedAnswer(b"{}", 0.0), 60)
+            vector = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+            semantic = orchestrator.entry_ids.semantic(
+                "acme", await orchestrator.semantic.insert("acme", b"scope", vector, CachedAnswer(b"{}", 0.0))
+            )
+            exact = orchestrator.entry_ids.exact("acme", key)  # what acme's hit carried
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+
+                async def report(tenant, entry):
+                    r = await client.post(
+                        "/v1/cache/false_hit",
+                        json={"entry": entry},
+                        headers={"Authorization": f"Bearer {keys[tenant]}"},
+                    )
+                    return r.status_code, r.json()
+
+                unknown = await report("rival", orchestrator.entry_ids.exact("rival", b"u" * 32))
+                assert unknown[0] == 404
+                assert "0x" not in json.dumps(unknown)
+                # acme's own ids, the key rival can compute with any MAC: all exactly unknown.
+                forged = f"e:{key.hex()}.{hashlib.sha256(key).hexdigest()}"
+                for entry in (exact, semantic, forged):
+                    assert await report("rival", entry) == unknown
+                assert await orchestrator.exact.get(key) is not None
+                assert orchestrator.semantic.entries("acme") == 1
+                # The bare key (the old id format) is not an id at all: a 400, whoever sends it.
+                assert (await report("rival", "e:" + key.hex()))[0] == 400
+                # acme may evict its own, once.
+                assert await report("acme", exact) == (200, {"entry": exact, "evicted": True})
+                assert await orchestrator.exact.get(key) is None
+                assert (await report("acme", exact))[1] == unknown[1]
+                assert await report("acme", semantic) == (200, {"entry": semantic, "evicted": True})
+                assert orchestrator.semantic.entries("acme") == 0
+        finally:
+            await gateway.stop()
 
     run(go())
