@@ -8,6 +8,13 @@ the control plane publishes use the URL as the backend id), so a version's windo
 over its backends of the counter deltas between the sample taken at the window's start and
 the latest one.
 
+The window's start must survive a control-plane restart (the samples live in memory, and a
+restarted control plane would otherwise count only the requests since it started): the rollout
+persists `counters(...)`, the cumulative counters of the version's backends at the phase's start,
+and `analyze` subtracts them from the latest sample. A backend missing from those counters is
+counted from zero (it had no answers yet); one whose counters went down was reset by a gateway
+restart, and is counted from zero too (Prometheus' `increase` does the same).
+
 Errors are 5xx answers plus retried attempts (a failing backend whose requests the gateway
 saved by retrying is still failing); 4xx and 499 (client went away) are the caller's.
 """
@@ -23,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +46,30 @@ class _Sample:
     requests: dict[str, float] = field(default_factory=dict)  # backend -> answered
     errors: dict[str, float] = field(default_factory=dict)  # backend -> 5xx + retried
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # backend -> le -> count
+
+    def only(self, backends: set[str]) -> dict[str, Any]:
+        """These backends' counters as JSON (the histogram bounds as strings: JSON keys)."""
+        return {
+            "at": self.at,
+            "requests": {b: v for b, v in self.requests.items() if b in backends},
+            "errors": {b: v for b, v in self.errors.items() if b in backends},
+            "buckets": {
+                b: {repr(le): v for le, v in bs.items()} for b, bs in self.buckets.items() if b in backends
+            },
+        }
+
+    @classmethod
+    def parse(cls, data: Any) -> _Sample | None:
+        """The inverse of `only`; None for anything else (a baseline from an older version)."""
+        try:
+            return cls(
+                float(data["at"]),
+                {str(b): float(v) for b, v in data["requests"].items()},
+                {str(b): float(v) for b, v in data["errors"].items()},
+                {str(b): {float(le): float(v) for le, v in bs.items()} for b, bs in data["buckets"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
 
 
 def parse_gateway_metrics(text: str, at: float) -> _Sample:
@@ -67,6 +99,19 @@ def parse_gateway_metrics(text: str, at: float) -> _Sample:
                     le = float(s.labels["le"])
                     sample.buckets.setdefault(backend, {})[le] = s.value
     return sample
+
+
+def _since_reset(first: _Sample, last: _Sample, backends: set[str]) -> _Sample:
+    """`first` without the backends whose counters went down since (a gateway restarted)."""
+    reset = {b for b in backends if last.requests.get(b, 0.0) < first.requests.get(b, 0.0)}
+    if not reset:
+        return first
+    return _Sample(
+        first.at,
+        {b: v for b, v in first.requests.items() if b not in reset},
+        {b: v for b, v in first.errors.items() if b not in reset},
+        {b: v for b, v in first.buckets.items() if b not in reset},
+    )
 
 
 def _p99(first: _Sample, last: _Sample, backends: set[str]) -> float | None:
@@ -114,7 +159,8 @@ class GatewayAnalyzer:
             await asyncio.sleep(self.interval_s)
             await self.scrape_once()
 
-    async def scrape_once(self) -> None:
+    async def scrape_once(self) -> bool:
+        """Appends one sample of every gateway's counters; False when a gateway did not answer."""
         merged = _Sample(time.time())
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s))
         try:
@@ -136,20 +182,30 @@ class GatewayAnalyzer:
             # inconclusive, never a pass.
             self.last_error = f"{type(e).__name__}: {e}"
             logger.warning("gateway metrics scrape failed: %s", self.last_error)
-            return
+            return False
         self.last_error = None
         self._samples.append(merged)
+        return True
 
-    def analyze(self, backends: set[str], since: float) -> Analysis:
-        """The window from the last sample at or before `since` to the latest sample."""
+    def counters(self, backends: set[str]) -> dict[str, Any] | None:
+        """The latest sample's cumulative counters of `backends` (JSON, for `analyze`'s
+        `baseline`), or None without a sample."""
+        return self._samples[-1].only(backends) if self._samples else None
+
+    def analyze(self, backends: set[str], since: float, baseline: Any = None) -> Analysis:
+        """The window from `baseline` (counters persisted at its start) to the latest sample;
+        without a usable one, from the last sample at or before `since`."""
         samples = list(self._samples)
-        if len(samples) < 2:
+        first = _Sample.parse(baseline) if baseline is not None else None
+        if first is None:
+            if len(samples) < 2:
+                return Analysis(0, 0, None)
+            times = [s.at for s in samples]
+            first = samples[max(0, bisect.bisect_right(times, since) - 1)]
+        if not samples or first is samples[-1] or samples[-1].at <= first.at:
             return Analysis(0, 0, None)
-        times = [s.at for s in samples]
-        i = max(0, bisect.bisect_right(times, since) - 1)
-        first, last = samples[i], samples[-1]
-        if first is last:
-            return Analysis(0, 0, None)
+        last = samples[-1]
+        first = _since_reset(first, last, backends)
         requests = sum(last.requests.get(b, 0.0) - first.requests.get(b, 0.0) for b in backends)
         errors = sum(last.errors.get(b, 0.0) - first.errors.get(b, 0.0) for b in backends)
         return Analysis(round(requests), round(errors), _p99(first, last, backends))

@@ -447,14 +447,29 @@ class Controller:
         await self.store.set_kv("weights", {f"{m}|{r}": w for (m, r), w in self._weights.items()})
         await self.publish_routes()
 
-    async def analyze(self, model_id: str, version: str, region: str, since: float) -> Any:
+    async def _backends(self, model_id: str, version: str, region: str) -> set[str] | None:
         deployment = await self.store.get_deployment(model_id, version)
         if deployment is None:
+            return None
+        return {r.url for r in await self.store.list_replicas(deployment_id=deployment.id, region=region)}
+
+    async def counters(self, model_id: str, version: str, region: str) -> dict[str, Any] | None:
+        backends = await self._backends(model_id, version, region)
+        # Read now, not at the last periodic scrape; a gateway that did not answer gives no
+        # baseline (the analysis then falls back to this process's samples).
+        if backends is None or not self.analyzer.urls or not await self.analyzer.scrape_once():
+            return None
+        return self.analyzer.counters(backends)
+
+    async def analyze(
+        self, model_id: str, version: str, region: str, since: float, baseline: dict[str, Any] | None
+    ) -> Any:
+        backends = await self._backends(model_id, version, region)
+        if backends is None:
             return rollout_mod.Analysis(0, 0, None)
-        backends = {r.url for r in await self.store.list_replicas(deployment_id=deployment.id, region=region)}
         # The window ends now, not at the last periodic scrape.
         await self.analyzer.scrape_once()
-        return self.analyzer.analyze(backends, since)
+        return self.analyzer.analyze(backends, since, baseline)
 
     async def deactivate(self, deployment_id: str) -> None:
         await self.store.update_deployment(deployment_id, state="inactive")

@@ -18,7 +18,8 @@ Red-black (`strategy="red_black"` with a previous version), per wave of regions:
                   max(warm_reserve, N - new). When the headroom forbids reaching the goal, old is
                   lowered only by what the ready new replicas take over, and the weights follow
                   the ready capacity (never more new weight than p). Failures/timeout -> rolling_back
-    analysis:i    after interval_s: analyze the new version since its weight became p; error
+    analysis:i    after interval_s: analyze the new version since its weight became p (from the
+                  gateways' counters persisted when it did, so a restart loses nothing); error
                   rate > max_error_rate or p99 > max_p99_s -> rolling_back; fewer than
                   min_requests -> one more interval (at most 3 in all), then pass
     bake:k        between waves: bake_s with wave k at 100 % before wave k+1 starts
@@ -52,6 +53,7 @@ State JSON (`record.state`): mode ("red_black"|"versioned"|"first"), new_id, old
 (new/old: desired counts this rollout asked for; weight: the new version's last published
 weight or null; failed0: failed replicas of the new version before this rollout began),
 entered_at (when the phase began), weights_at (when the phase's weight was reached),
+baselines {region: the Fleet's counters of the new version at weights_at, or null},
 extra_intervals, promoted (bool), rollback {reason, status, region, step} while rolling back,
 abort_requested / abort_reason.
 """
@@ -207,7 +209,10 @@ class Fleet(Protocol):
     async def scale(self, deployment_id: str, region: str, replicas: int) -> None: ...
     async def counts(self, deployment_id: str, region: str) -> tuple[int, int]: ...  # (ready, failed)
     async def set_weights(self, model_id: str, region: str, weights: dict[str, float]) -> None: ...
-    async def analyze(self, model_id: str, version: str, region: str, since: float) -> Analysis: ...
+    async def counters(self, model_id: str, version: str, region: str) -> dict[str, Any] | None: ...
+    async def analyze(
+        self, model_id: str, version: str, region: str, since: float, baseline: dict[str, Any] | None
+    ) -> Analysis: ...
     async def activate(self, deployment_id: str) -> None: ...
     async def deactivate(self, deployment_id: str) -> None: ...
 
@@ -581,6 +586,10 @@ class _Step:
             return self.now + POLL_S
         self.st["weights_at"] = self.now
         self.st["extra_intervals"] = 0
+        # Persisted with the phase: a control plane restarted during the analysis still judges
+        # the requests answered before it restarted (its in-memory samples start at its start).
+        model, version = self.rec.model_id, self.rec.to_version
+        self.st["baselines"] = {region: await self.fleet.counters(model, version, region) for region in wave}
         await self._goto(f"analysis:{i}", f"{percent}% of traffic on {self.rec.to_version} in {wave}")
         return None
 
@@ -628,8 +637,9 @@ class _Step:
         for region in wave:
             # A replica that failed since the shift is as much a failure as a bad answer.
             await self._counts(region)
+            baseline = (self.st.get("baselines") or {}).get(region)
             a = await self.fleet.analyze(
-                self.rec.model_id, self.rec.to_version, region, self.st["weights_at"]
+                self.rec.model_id, self.rec.to_version, region, self.st["weights_at"], baseline
             )
             if a.requests < self.p.min_requests:
                 inconclusive.append(region)

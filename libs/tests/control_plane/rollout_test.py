@@ -6,22 +6,28 @@ versioned and first deploys, params validation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paved.control_plane import rollout
+from paved.control_plane.analysis import GatewayAnalyzer
+from paved.control_plane.controller import Controller
 from paved.control_plane.errors import BadRequest, ControlError
 from paved.control_plane.rollout import Analysis, RolloutParams, advance, check_fingerprint, request_abort
+from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore, RolloutRecord
-from paved.control_plane.types import DeploymentSpec
+from paved.control_plane.types import DeploymentSpec, Replica
+from paved.gateway.metrics import GatewayMetrics
 
 T0 = 1_000_000.0
 GOOD = Analysis(requests=100, errors=0, p99_s=0.2)
@@ -64,7 +70,12 @@ class FakeFleet:
         self.calls.append(("set_weights", model_id, region, dict(weights)))
         self.weights[(model_id, region)] = dict(weights)
 
-    async def analyze(self, model_id: str, version: str, region: str, since: float) -> Analysis:
+    async def counters(self, model_id: str, version: str, region: str) -> dict[str, Any] | None:
+        return None
+
+    async def analyze(
+        self, model_id: str, version: str, region: str, since: float, baseline: dict[str, Any] | None
+    ) -> Analysis:
         self.calls.append(("analyze", version, region, since))
         return self.analysis(version, region, self.weights.get((model_id, region), {}).get(version, 0.0))
 
@@ -396,6 +407,124 @@ def test_restart_mid_rollout_continues_from_the_persisted_record(tmp_path: Path)
         assert seq.count("starting") == 1 and seq.count("shift:1") == 1 and seq[-1] == "done"
         assert w.fleet.weight_history("local", "v2") == [0, 25, 50, 75, 100]
         await store2.close()
+
+    run(go())
+
+
+@dataclass
+class GatewayFleet(FakeFleet):
+    """The fake fleet, with the analysis of the real controller: its GatewayAnalyzer scraping a
+    gateway's /metrics (the gateway's own GatewayMetrics, served on loopback)."""
+
+    controller: Controller | None = None
+
+    async def counters(self, model_id: str, version: str, region: str) -> dict[str, Any] | None:
+        assert self.controller is not None
+        return await self.controller.counters(model_id, version, region)
+
+    async def analyze(
+        self, model_id: str, version: str, region: str, since: float, baseline: dict[str, Any] | None
+    ) -> Analysis:
+        assert self.controller is not None
+        self.calls.append(("analyze", version, region, since))
+        return cast(Analysis, await self.controller.analyze(model_id, version, region, since, baseline))
+
+
+class FakeGateway:
+    """A gateway's /metrics on loopback, counted by the gateway's own GatewayMetrics."""
+
+    def __init__(self) -> None:
+        self.metrics = GatewayMetrics()
+        self.url = ""
+
+    def answer(self, backend: str, status: str, n: int) -> None:
+        self.metrics.requests.labels(tenant="t", model="m", backend=backend, status=status).inc(n)
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[FakeGateway]:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            self.url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+            yield self
+        finally:
+            await runner.cleanup()
+
+
+def test_analysis_after_a_restart_counts_the_requests_before_it(tmp_path: Path) -> None:
+    """A control plane restarted during a phase's analysis judges the whole phase: the
+    gateways' cumulative counters at the phase's start are persisted with it, so the errors
+    answered before the restart are counted (the issue saw "over 21 requests" of ~75)."""
+    backend = "http://127.0.0.1:9/v2-a"
+
+    async def go(gateway: FakeGateway) -> None:
+        def answer(status: str, n: int) -> None:
+            gateway.answer(backend, status, n)
+
+        metrics_url = gateway.url
+        params = {"phases": [50, 100], "interval_s": 10, "max_error_rate": 0.1, "min_requests": 10}
+        w = await make_world(tmp_path, n=2, params=params)
+
+        def control_plane(store: ControlStore) -> GatewayFleet:
+            controller = Controller(store, {}, RoutesFeed(store), GatewayAnalyzer([metrics_url]))
+            fleet = GatewayFleet(store, regions=w.fleet.regions, controller=controller)
+            # The replicas outlive the control plane: the fake's view of them carries over.
+            fleet.desired, fleet.ready, fleet.pairs = w.fleet.desired, w.fleet.ready, w.fleet.pairs
+            return fleet
+
+        await w.store.add_replica(
+            Replica("rep_v2a", w.new_id, "local", "ready", backend, "http://127.0.0.1:9")
+        )
+        w.fleet = control_plane(w.store)
+        answer("200", 30)  # before the phase: not the phase's to judge
+        rec, now = await drive(w, until=lambda r: r.phase == "analysis:0")
+        answer("200", 40)
+        answer("503", 20)
+        await w.store.close()
+
+        store2 = ControlStore(w.url)
+        await store2.start()
+        fleet2 = control_plane(store2)
+        assert fleet2.controller is not None
+        await fleet2.controller.analyzer.scrape_once()  # its first sample, as at its start
+        answer("200", 15)
+        due = rec.state["weights_at"] + 10
+        rec, _ = await drive(World(store2, fleet2, rec, w.old_id, w.new_id, w.url), max(now, due))
+        assert rec.status == "rolled_back", rec.reason
+        assert "error rate 0.27 > 0.1 over 75 requests" in (rec.reason or "")
+        await store2.close()
+
+    async def main() -> None:
+        async with FakeGateway().serving() as gateway:
+            await go(gateway)
+
+    run(main())
+
+
+def test_analysis_counts_a_restarted_gateway_from_zero() -> None:
+    """A gateway's counters start again at zero when it restarts: the window then counts what
+    it answered since (a counter reset, as Prometheus' increase() reads it), never a negative."""
+    backend = "http://127.0.0.1:9/v2-a"
+
+    async def go() -> None:
+        first, restarted = FakeGateway(), FakeGateway()
+        async with first.serving():
+            analyzer = GatewayAnalyzer([first.url])
+            first.answer(backend, "200", 50)
+            assert await analyzer.scrape_once()
+            baseline = analyzer.counters({backend})
+        restarted.answer(backend, "200", 5)
+        restarted.answer(backend, "503", 2)
+        async with restarted.serving():
+            analyzer.urls = [restarted.url]
+            assert await analyzer.scrape_once()
+            assert analyzer.analyze({backend}, 0.0, baseline) == Analysis(7, 2, None)
 
     run(go())
 
