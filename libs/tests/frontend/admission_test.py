@@ -158,6 +158,14 @@ def test_big_enum_schema_is_a_catalogue_and_checked_once(url, monkeypatch):
     calls = []
     real = specs.validate_spec
     monkeypatch.setattr(specs, "validate_spec", lambda raw, **kw: calls.append(1) or real(raw, **kw))
+    planned_on = []
+    real_plan = structured._plan
+
+    def plan(request, card):
+        planned_on.append(threading.current_thread().name)
+        return real_plan(request, card)
+
+    monkeypatch.setattr(structured, "_plan", plan)
     for _ in range(3):
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -165,6 +173,8 @@ def test_big_enum_schema_is_a_catalogue_and_checked_once(url, monkeypatch):
         assert r.json()["choices"][0]["message"]["content"].strip('"') in set(values)
     # The route is memoized by the schema's digest: validated at most once for three requests.
     assert len(calls) <= 1
+    # Its digest is O(size): taken on the admission pool, never on the event loop.
+    assert len(planned_on) == 3 and all(name.startswith("paved-admit") for name in planned_on), planned_on
 
 
 def _schema_body(tag: str) -> dict:
