@@ -1,6 +1,6 @@
 """Choosing a backend for a request: version (pin, current, sticky split), health (readiness,
-passive ejection) and load balancing (weighted, least outstanding, prefix affinity with bounded
-load on distinct prefixes and on requests).
+passive ejection) and load balancing (weighted, least outstanding, prefix affinity scored by
+prefix match and load, with bounded load on distinct prefixes and on requests).
 
 Concurrency: a Router belongs to one event loop and is called only from it; every method is
 synchronous and completes without awaiting, so no locks are needed and `set_table` is atomic
@@ -14,9 +14,11 @@ Invariants:
   in-flight requests end, so `end` after a swap never fails and nothing leaks.
 - Passive ejection never leaves more than `max_ejection_percent` of a model's backends
   ejected (so with one backend, never); active readiness failures remove backends regardless.
-- Prefix affinity: a prefix seen before goes to the backend it was assigned while that backend is
-  a candidate below its request cap; the prefix table holds at most `max_affinity_keys` entries
-  per (alias, versions) and forgets a prefix idle for `affinity_key_ttl_s`.
+- Prefix affinity: a prefix seen before goes to the candidate below its request cap with the
+  best score (prefix match + load); with equal loads that is the backend the prefix was
+  assigned. The prefix table holds at most `max_affinity_keys` entries per (alias, versions),
+  each with at most `MAX_HOLDERS` other backends that served it, and forgets a prefix idle for
+  `affinity_key_ttl_s`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ MAX_RING_POINTS = 262_144
 # widest relative to the count), 10 % of room for many (so placement stays the hash's and does
 # not hinge on arrival order: two replicas seeing 2000 prefixes in opposite orders agree on ~96 %).
 PREFIX_BOUND = 1.1
+# Prefix match scores: the backend a prefix is assigned to holds it in its cache (1); one that
+# served it when load moved a request off the owner probably still holds it, but may have
+# evicted it since, and keeping the owner ahead keeps each prefix cached mostly in one place
+# (every prefix cached everywhere would cut each cache's room to its share, as round robin does).
+PREFIX_MATCH_OWNER = 1.0
+PREFIX_MATCH_HOLDER = 0.5
+MAX_HOLDERS = 4
+# A holder counts for this many requests begun on it after it served the prefix: a spilled
+# prefix sits in the other cache's free blocks and goes at the next evictions (in the bench's
+# 169-block caches, after ~8 requests); a bigger cache keeps it longer, and forgetting it early
+# only costs a spill at the owner's margin instead of the holder's.
+HOLDER_FRESH_REQUESTS = 8
+# Two scores this close are a tie (float sums of the same terms in another order).
+_SCORE_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,13 @@ class _State:
     ready: bool | None = None
     # In the table in force; False for a removed backend kept until its requests end.
     routed: bool = True
+    # The engine's own gauges (vllm:num_requests_waiting, vllm:kv_cache_usage_perc) as last
+    # observed, and when (router clock); None: never observed.
+    waiting: float = 0.0
+    kv_usage: float | None = None
+    gauges_at: float | None = None
+    # Requests begun here, ever: a clock for how long a spilled prefix stays in its cache.
+    started: int = 0
 
 
 class _Ring:
@@ -89,15 +112,19 @@ class _Ring:
 
 
 class _Prefixes:
-    """Which backend each recently seen prefix (its 64-bit hash) was assigned, and how many live
-    prefixes each backend holds. LRU order: the first entry is the least recently seen."""
+    """Which backend each recently seen prefix (its 64-bit hash) was assigned, which others
+    served it since (holders, at most MAX_HOLDERS: id -> that backend's `started` count when it
+    last did), and how many live prefixes each backend is assigned. LRU order: the first entry
+    is the least recently seen."""
 
     def __init__(self) -> None:
         self.owner: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self.holders: dict[int, dict[str, int]] = {}
         self.count: dict[str, int] = {}
 
     def drop(self, key: int) -> None:
         backend_id, _ = self.owner.pop(key)
+        self.holders.pop(key, None)
         left = self.count[backend_id] - 1
         if left:
             self.count[backend_id] = left
@@ -112,10 +139,23 @@ class _Prefixes:
             self.drop(key)
 
     def assign(self, key: int, backend_id: str, now: float) -> None:
-        if key in self.owner:
+        entry = self.owner.get(key)
+        if entry is not None and entry[0] == backend_id:
+            self.owner[key] = (backend_id, now)
+            self.owner.move_to_end(key)
+            return
+        if entry is not None:
             self.drop(key)
         self.owner[key] = (backend_id, now)
         self.count[backend_id] = self.count.get(backend_id, 0) + 1
+
+    def hold(self, key: int, backend_id: str, started: int) -> None:
+        """`backend_id`, not the owner, serves `key` (its cache will hold the prefix for a while)."""
+        held = self.holders.setdefault(key, {})
+        held.pop(backend_id, None)
+        held[backend_id] = started
+        if len(held) > MAX_HOLDERS:
+            del held[next(iter(held))]  # insertion order: the least recently served
 
 
 def _prefix_cap(fair: float) -> int:
@@ -149,6 +189,11 @@ class Router:
         bounded_load_slack: int = 8,
         affinity_key_ttl_s: float = 600.0,
         max_affinity_keys: int = 65_536,
+        prefix_weight: float = 1.0,
+        load_weight: float = 4.0,
+        kv_weight: float = 1.0,
+        load_smoothing: float = 12.0,
+        load_gauge_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         region: str | None = None,
@@ -175,6 +220,17 @@ class Router:
             raise ValueError("affinity_key_ttl_s must be > 0")
         if max_affinity_keys < 1:
             raise ValueError("max_affinity_keys must be >= 1")
+        for name, value in (
+            ("prefix_weight", prefix_weight),
+            ("load_weight", load_weight),
+            ("kv_weight", kv_weight),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0")
+        if not (load_smoothing > 0 and math.isfinite(load_smoothing)):
+            raise ValueError("load_smoothing must be > 0")
+        if not (load_gauge_ttl_s > 0 and math.isfinite(load_gauge_ttl_s)):
+            raise ValueError("load_gauge_ttl_s must be > 0")
         self._eject_after = eject_after_failures
         self._eject_base = eject_base_s
         self._eject_max = eject_max_s
@@ -183,6 +239,11 @@ class Router:
         self._slack = bounded_load_slack
         self._key_ttl = affinity_key_ttl_s
         self._max_keys = max_affinity_keys
+        self._prefix_weight = float(prefix_weight)
+        self._load_weight = float(load_weight)
+        self._kv_weight = float(kv_weight)
+        self._smoothing = float(load_smoothing)
+        self._gauge_ttl = load_gauge_ttl_s
         self._clock = clock
         self._rng = rng or random.Random()  # noqa: S311 (load spreading, not security)
         self._states: dict[str, _State] = {}
@@ -225,6 +286,7 @@ class Router:
             if kept.url != url:
                 kept.url = url
                 kept.ready = None
+                kept.gauges_at = None
         self._aliases_of = {k: tuple(v) for k, v in aliases_of.items()}
         self._rings = {}
         # Prefix assignments survive a swap (a kept backend keeps its prefixes; one that left
@@ -369,19 +431,33 @@ class Router:
     def _affinity(
         self, route: ModelRoute, versions: tuple[str, ...], candidates: list[Backend], affinity: bytes
     ) -> Backend:
-        """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018) at two
-        levels. Prefixes: a new prefix walks clockwise from its point to the first candidate
-        holding fewer than _prefix_cap(f) of the K live prefixes, f = (K + 1) * w / W (w its
-        weight, W the candidates' total), and stays there; hashing alone lands a few prefixes unevenly (16 on
-        2 backends: often 10/6), and the busier cache then overflows. Requests: the prefix's
-        backend serves it while it has fewer than max(ceil(c * f), ceil(f) + slack) of the T
-        requests in flight, f = (T + 1) * w / W its fair share; above that the request walks on
-        from the prefix's point to the first candidate below its cap. The slack keeps random
-        swings of a few requests from spilling at modest loads (at 32 in flight over 2
-        backends, c = 1.25 alone spills ~7 % of requests even with even prefixes), since a
-        spilled request costs a full prefill and evicts blocks from the other cache, while a
-        few more sequences in a running batch cost little. Both caps sum to more than the load,
-        so some candidate is always below them."""
+        """Prefix-aware, load-aware choice in three steps.
+
+        Prefixes: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
+        A new prefix walks clockwise from its point to the first candidate holding fewer than
+        _prefix_cap(f) of the K live prefixes, f = (K + 1) * w / W (w its weight, W the
+        candidates' total), and stays assigned there; hashing alone lands a few prefixes
+        unevenly (16 on 2 backends: often 10/6), and the busier cache then overflows.
+
+        Request cap (a hard guard): a candidate takes the request only while it has fewer than
+        max(ceil(c * f), ceil(f) + slack) of the T requests in flight, f = (T + 1) * w / W.
+        Both caps sum to more than the load, so some candidate is always below them.
+
+        Score (as llm-d's scheduler weighs a prefix-cache, a queue and a KV-utilization scorer):
+        among the candidates below the cap, the highest
+            prefix_weight * match + load_weight * (1 - (L - L_min) / (L_mean + smoothing))
+            + kv_weight * (1 - kv_usage)
+        wins; match is 1 for the prefix's owner, 0.5 for a backend that served it since, else 0;
+        L = (in flight + the engine's waiting queue) / weight, L_min and L_mean over the
+        candidates; the KV term counts only when every candidate's gauge is fresh. With the
+        defaults (1, 4, smoothing 12) the owner keeps a prefix until it carries over a quarter
+        of (L_mean + 12) more than the least loaded candidate: the 4th request more on an idle
+        pair, the 7th at 32 in flight on 2 backends (the 4th when the other served the prefix
+        within its last HOLDER_FRESH_REQUESTS requests). A spilled request costs a full prefill and evicts
+        blocks on the other backend, hence the margin; but an owner left to pile up requests
+        (the cap alone allows 25 / 7 of 32) slows every request it holds, which cost more TTFT
+        than the prefills saved (docs/benchmarks.md). Ties go to the owner, then clockwise from
+        the prefix's point, so gateway replicas with the same view agree."""
         ring = self._ring(route, versions)
         now = self._clock()
         point = _hash64(affinity)
@@ -420,12 +496,61 @@ class Router:
             cap = max(math.ceil(c * fair), math.ceil(fair) + slack)
             return self._states[b.id].outstanding < cap
 
-        owner = by_id.get(owner_id)
-        if owner is not None and below_cap(owner):
-            return owner
-        # Its backend is excluded, down or full: the request (not the prefix) goes elsewhere.
-        spill = self._walk(ring, start, below_cap, by_id)
-        return spill if spill is not None else self._least_outstanding(candidates)
+        eligible = [b for b in candidates if below_cap(b)]
+        if not eligible:
+            # Unreachable while the caps sum to more than the load; kept as a guard.
+            return self._least_outstanding(candidates)
+        chosen = self._best_scored(ring, start, eligible, owner_id, prefixes.holders.get(point, {}), now)
+        if chosen.id != owner_id:
+            prefixes.hold(point, chosen.id, self._states[chosen.id].started)
+        return chosen
+
+    def _load(self, state: _State, now: float) -> float:
+        """Requests at the backend: ours in flight plus its engine's waiting queue (fresh gauge)."""
+        fresh = state.gauges_at is not None and now - state.gauges_at < self._gauge_ttl
+        return state.outstanding + (state.waiting if fresh else 0.0)
+
+    def _best_scored(
+        self,
+        ring: _Ring,
+        start: int,
+        eligible: list[Backend],
+        owner_id: str,
+        holders: dict[str, int],
+        now: float,
+    ) -> Backend:
+        if len(eligible) == 1:
+            return eligible[0]
+        states = [self._states[b.id] for b in eligible]
+        raw = [self._load(s, now) for s in states]
+        loads = [r / b.weight for r, b in zip(raw, eligible, strict=True)]
+        least = min(loads)
+        scale = sum(raw) / sum(b.weight for b in eligible) + self._smoothing
+        kv: list[float] | None = []
+        for s in states:
+            if s.kv_usage is None or s.gauges_at is None or now - s.gauges_at >= self._gauge_ttl:
+                kv = None
+                break
+            kv.append(s.kv_usage)
+        scores: dict[str, float] = {}
+        for i, b in enumerate(eligible):
+            if b.id == owner_id:
+                match = PREFIX_MATCH_OWNER
+            elif b.id in holders and states[i].started - holders[b.id] <= HOLDER_FRESH_REQUESTS:
+                match = PREFIX_MATCH_HOLDER
+            else:
+                match = 0.0
+            score = self._prefix_weight * match + self._load_weight * (1.0 - (loads[i] - least) / scale)
+            if kv is not None:
+                score += self._kv_weight * (1.0 - kv[i])
+            scores[b.id] = score
+        best = max(scores.values()) - _SCORE_EPS
+        if scores.get(owner_id, -math.inf) >= best:
+            return next(b for b in eligible if b.id == owner_id)
+        by_id = {b.id: b for b in eligible}
+        chosen = self._walk(ring, start, lambda b: scores[b.id] >= best, by_id)
+        # Every eligible backend is on the ring (weight > 0, same versions): the walk finds one.
+        return chosen if chosen is not None else max(eligible, key=lambda b: scores[b.id])
 
     @staticmethod
     def _walk(
@@ -455,6 +580,7 @@ class Router:
             # Picked under a table swapped out before the request began: track it until it ends.
             state = self._states[backend_id] = _State(url="", routed=False)
         state.outstanding += 1
+        state.started += 1
 
     def end(self, backend_id: str, *, ok: bool) -> None:
         """A request ends; ok=False for a connect error, 5xx, timeout or reset."""
@@ -492,6 +618,22 @@ class Router:
         state.ejected_until = now + min(self._eject_max, self._eject_base * state.times_ejected)
         state.probation = False
         state.consecutive_failures = 0
+
+    def observe_load(self, backend_id: str, *, waiting: float, kv_usage: float | None = None) -> None:
+        """A backend engine's gauges from a scrape: `waiting` (vllm:num_requests_waiting) and
+        `kv_usage` (vllm:kv_cache_usage_perc, a 0..1 fraction; None if not exported). Prefix
+        affinity weighs them while younger than `load_gauge_ttl_s`; unknown ids are ignored."""
+        if isinstance(waiting, bool) or not isinstance(waiting, int | float) or not 0 <= waiting < math.inf:
+            raise ValueError(f"waiting must be a finite number >= 0, got {waiting!r}")
+        if kv_usage is not None and (
+            isinstance(kv_usage, bool) or not isinstance(kv_usage, int | float) or not 0 <= kv_usage <= 1
+        ):
+            raise ValueError(f"kv_usage must be a fraction in [0, 1], got {kv_usage!r}")
+        state = self._states.get(backend_id)
+        if state is not None and state.routed:
+            state.waiting = float(waiting)
+            state.kv_usage = None if kv_usage is None else float(kv_usage)
+            state.gauges_at = self._clock()
 
     def set_ready(self, backend_id: str, ready: bool) -> None:
         """The health checker's verdict; unknown ids (removed meanwhile) are ignored."""

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError, NoBackendError
-from paved.gateway.router import PREFIX_BOUND, Router
+from paved.gateway.router import HOLDER_FRESH_REQUESTS, PREFIX_BOUND, Router
 from paved.gateway.routes import (
     MAX_BACKENDS,
     RoutesError,
@@ -404,11 +404,12 @@ def test_prefix_affinity_bounded_load_spreads_a_hot_prefix() -> None:
 
 
 def test_prefix_affinity_slack_keeps_a_small_swing_home() -> None:
-    # 2 backends, the 20th request (19 in flight, fair share 20 / 2): c = 1.25 alone caps the
-    # home at ceil(1.25 * 10) = 13, a slack of 8 at 10 + 8 = 18, and the home fills to its cap.
+    # The request cap alone (load_weight 0: no load score): 2 backends, the 20th request (19 in
+    # flight, fair share 20 / 2): c = 1.25 caps the home at ceil(1.25 * 10) = 13, a slack of 8
+    # at 10 + 8 = 18, and the home fills to its cap.
     held = {}
     for slack in (0, 8):
-        r = Router(affinity_table(2), bounded_load=1.25, bounded_load_slack=slack)
+        r = Router(affinity_table(2), bounded_load=1.25, bounded_load_slack=slack, load_weight=0)
         picks = []
         for _ in range(20):
             p = r.pick("tiny", sticky_key="k", affinity=b"hot")
@@ -504,7 +505,8 @@ def test_prefix_affinity_route_bounded_load_overrides_the_default() -> None:
     assert t.revision != affinity_table(4).revision and affinity_table(4).models["tiny"].bounded_load is None
     loads = {}
     for name, tbl in (("route", t), ("default", affinity_table(4))):
-        r = Router(tbl, bounded_load=1.25, bounded_load_slack=0)
+        # The cap alone: the load score would spread the hot prefix before either cap.
+        r = Router(tbl, bounded_load=1.25, bounded_load_slack=0, load_weight=0)
         held = []
         for _ in range(40):
             p = r.pick("tiny", sticky_key="k", affinity=b"hot")
@@ -513,6 +515,107 @@ def test_prefix_affinity_route_bounded_load_overrides_the_default() -> None:
         loads[name] = max(Counter(held).values())
     assert loads["default"] <= math.ceil(1.25 * 40 / 4) + 1
     assert math.ceil(1.25 * 40 / 4) + 1 < loads["route"] <= math.ceil(2.0 * 40 / 4) + 1
+
+
+A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+
+
+def owned_by(r: Router, backend_id: str, tag: str = "") -> bytes:
+    """A prefix the router assigns to `backend_id` (assigned by this call, both idle)."""
+    for i in range(1000):
+        key = f"system prompt {tag}{i}".encode()
+        if r.pick("tiny", sticky_key="s", affinity=key).backend.id == backend_id:
+            return key
+    raise AssertionError(f"no prefix lands on {backend_id}")
+
+
+def test_prefix_affinity_with_equal_load_the_owner_wins() -> None:
+    r = Router(affinity_table(2))
+    keys = [owned_by(r, A), owned_by(r, B)]
+    for load in (0, 1, 5, 30):
+        for backend_id in (A, B):
+            while r.snapshot()[backend_id]["outstanding"] < load:
+                r.begin(backend_id)
+        for _ in range(3):
+            assert r.pick("tiny", sticky_key="x", affinity=keys[0]).backend.id == A
+            assert r.pick("tiny", sticky_key="x", affinity=keys[1]).backend.id == B
+    # Equal engine gauges change nothing either.
+    for backend_id in (A, B):
+        r.observe_load(backend_id, waiting=4, kv_usage=0.9)
+    assert r.pick("tiny", sticky_key="x", affinity=keys[0]).backend.id == A
+
+
+def test_prefix_affinity_moves_off_a_loaded_owner_to_the_idle_backend() -> None:
+    r = Router(affinity_table(2))
+    key = owned_by(r, A)
+    # A few more in flight on the owner are within its margin (a spill costs a prefill).
+    for _ in range(3):
+        r.begin(A)
+    assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == A
+    # 12 of ours in flight on the owner, none on the other: below the request cap
+    # (max(ceil(1.25 * 6.5), 7 + 8) = 15), so only the load score moves the request.
+    for _ in range(9):
+        r.begin(A)
+    assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == B
+    # The prefix stays assigned to A: once the load is gone it goes home.
+    for _ in range(12):
+        r.end(A, ok=True)
+    assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == A
+
+
+def test_prefix_affinity_weighs_the_engines_queue_and_kv_gauges() -> None:
+    clock = Clock()
+    r = Router(affinity_table(2), clock=clock, load_gauge_ttl_s=10)
+    queued, full = owned_by(r, A, "q"), owned_by(r, A, "f")
+    # Nothing of ours in flight (another gateway's requests fill A): its waiting queue moves it.
+    r.observe_load(A, waiting=12, kv_usage=0.5)
+    r.observe_load(B, waiting=0, kv_usage=0.5)
+    assert r.pick("tiny", sticky_key="x", affinity=queued).backend.id == B
+    # A gauge older than load_gauge_ttl_s no longer counts.
+    clock.now += 10
+    assert r.pick("tiny", sticky_key="x", affinity=queued).backend.id == A
+    # KV usage: a full cache on the owner vs an empty one tips a request over a small
+    # in-flight lead that the load score alone keeps home.
+    for _ in range(3):
+        r.begin(A)
+    r.observe_load(A, waiting=0, kv_usage=0.4)
+    r.observe_load(B, waiting=0, kv_usage=0.4)
+    assert r.pick("tiny", sticky_key="x", affinity=full).backend.id == A
+    r.observe_load(A, waiting=0, kv_usage=1.0)
+    r.observe_load(B, waiting=0, kv_usage=0.0)
+    assert r.pick("tiny", sticky_key="x", affinity=full).backend.id == B
+    # Bad gauges are refused; unknown ids ignored.
+    for bad in ({"waiting": -1}, {"waiting": math.nan}, {"waiting": True}, {"waiting": 0, "kv_usage": 1.5}):
+        with pytest.raises(ValueError):
+            r.observe_load(A, **bad)
+    r.observe_load("http://127.0.0.1:9999", waiting=1)
+    for name in ("prefix_weight", "load_weight", "kv_weight"):
+        with pytest.raises(ValueError, match=name):
+            Router(affinity_table(2), **{name: -1})
+    with pytest.raises(ValueError, match="load_smoothing"):
+        Router(affinity_table(2), load_smoothing=0)
+    with pytest.raises(ValueError, match="load_gauge_ttl_s"):
+        Router(affinity_table(2), load_gauge_ttl_s=math.inf)
+
+
+def test_prefix_affinity_spills_a_prefix_to_where_it_spilled_before() -> None:
+    # Once a request of the prefix went to B, B's cache holds it for a while: the next spill of
+    # that prefix needs half the owner's lead, while another of A's prefixes still stays home.
+    r = Router(affinity_table(2))
+    spilled, other = owned_by(r, A, "s"), owned_by(r, A, "o")
+    for _ in range(12):
+        r.begin(A)
+    assert r.pick("tiny", sticky_key="x", affinity=spilled).backend.id == B
+    for _ in range(9):
+        r.end(A, ok=True)
+    # A leads by 3: the held prefix goes to B, the other stays on its owner.
+    assert r.pick("tiny", sticky_key="x", affinity=spilled).backend.id == B
+    assert r.pick("tiny", sticky_key="x", affinity=other).backend.id == A
+    # B has begun many requests since: the prefix is likely evicted there, so it stays home.
+    for _ in range(HOLDER_FRESH_REQUESTS + 1):
+        r.begin(B)
+        r.end(B, ok=True)
+    assert r.pick("tiny", sticky_key="x", affinity=spilled).backend.id == A
 
 
 def test_prefix_affinity_without_affinity_is_least_outstanding() -> None:
