@@ -123,6 +123,36 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # Flow control (paved.gateway.flow): the per-model queue in front of dispatch.
+        self.queue_depth = Gauge(
+            "paved_gateway_queue_depth",
+            "Requests waiting in the gateway's queue for room at a model's backends, by model alias "
+            "and tenant",
+            ("model", "tenant"),
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "paved_gateway_queue_wait_seconds",
+            "Time a request waited in the gateway's queue before each dispatch (0 when it went "
+            "straight through), by model alias and tenant",
+            ("model", "tenant"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_refused = Counter(
+            "paved_gateway_queue_refused",
+            "Requests refused with 503 by the gateway's queue, by model alias, tenant and reason "
+            "(full, deadline)",
+            ("model", "tenant", "reason"),
+            registry=r,
+        )
+        self.queue_window = Gauge(
+            "paved_gateway_queue_window",
+            "Requests this gateway lets be in flight to a model before holding more (learned from "
+            "the backends' push-back; 0: not limited), by model alias",
+            ("model",),
+            registry=r,
+        )
         self.routes_revision = Gauge(
             "paved_gateway_routes_loaded_timestamp_seconds",
             "When the serving routes table was loaded",
