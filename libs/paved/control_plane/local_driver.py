@@ -200,18 +200,23 @@ class LocalDriver:
 
         drain = f"--drain-timeout {self.drain_timeout_s}"
         grpc = " --kserve-grpc-port {grpc_port}" if req.kserve else ""
+        # The frontend serves the public HTTP port itself once ready (no relay in the launcher).
+        handoff = " --listen-fd {http_fd}"
         if req.kind == "kserve":
             pass  # the launcher serves a kserve package through paved.kserve by itself
         elif req.engine.startswith("sim://"):
             argv += [
                 "--child-cmd",
                 f"{{python}} -m paved.frontend.server --engine {lit(req.engine)} --model {lit(req.model_id)} "
-                f"--port {{http_port}} {drain}{grpc}",
+                f"--port {{http_port}} {drain}{grpc}{handoff}",
             ]
         elif req.kserve:
             # The paved frontend over the package's engine (the launcher's config names the
             # model dir, the engine args and the private HTTP port), plus its KServe listener.
-            argv += ["--child-cmd", f"{{python}} -m paved.frontend.server --config {{config}}{grpc}"]
+            argv += [
+                "--child-cmd",
+                f"{{python}} -m paved.frontend.server --config {{config}}{grpc}{handoff}",
+            ]
         return argv
 
     def _spawn(self, req: ReplicaRequest, ports: tuple[int, ...]) -> Replica:

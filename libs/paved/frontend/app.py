@@ -42,13 +42,15 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_buffered_body_bytes: int | None = None,
     on_start_failure: Callable[[BaseException], None] | None = None,
+    on_started: Callable[[], None] | None = None,
     kserve: SideServer | None = None,
     on_kserve_started: Callable[[SideServer], None] | None = None,
     kserve_grace_s: float = 5.0,
 ) -> FastAPI:
     """The app over `models`. Engines start in the background once the server runs, so
     /health/live answers during the (long) boot and /health/ready turns 200 when all are warm.
-    If an engine cannot start, `on_start_failure` is told (the server main exits non-zero).
+    If an engine cannot start, `on_start_failure` is told (the server main exits non-zero);
+    once all have started, `on_started` (the server main then listens on a handed-off port).
 
     `kserve`, a not yet started KServe v2 server over the same engines, runs on the same event
     loop: its listeners bind before the engines boot (a busy port fails startup), and it stops,
@@ -85,6 +87,8 @@ def create_app(
                 logger.error("starting the engines failed", exc_info=error)
                 if on_start_failure is not None:
                     on_start_failure(error)
+            elif on_started is not None:
+                on_started()
 
         boot.add_done_callback(started)
         try:

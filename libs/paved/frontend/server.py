@@ -5,7 +5,8 @@ With no arguments it serves the tiny model fixture (//models/tiny) on 127.0.0.1:
 vLLM backend, or another paved) instead of running vLLM here; `--engine sim://MODEL?...` serves
 the simulated engine (paved.engine.sim: no model runs). `--kserve-grpc-port` /
 `--kserve-http-port` add KServe v2 listeners over the same engines (plus XGBoost models from
-`--kserve-model-dir`).
+`--kserve-model-dir`). `--listen-fd` serves an inherited socket too (the launcher's public
+port), listening on it only once every engine is ready.
 """
 
 from paved.engine import vllm_env
@@ -14,9 +15,11 @@ from paved.engine import vllm_env
 vllm_env.apply_defaults()
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -27,7 +30,7 @@ from paved.frontend import config as config_file  # noqa: E402
 from paved.frontend.app import create_app  # noqa: E402
 from paved.frontend.config import RemoteModelConfig, ServerConfig, make_engine  # noqa: E402
 from paved.frontend.registry import ModelRegistry  # noqa: E402
-from paved.http.sockets import SERVER_KEEPALIVE_S, bind  # noqa: E402
+from paved.http.sockets import LISTEN_BACKLOG, SERVER_KEEPALIVE_S, adopt, bind  # noqa: E402
 from paved.runfiles import tiny_model_dir  # noqa: E402
 
 logger = logging.getLogger("paved.frontend")
@@ -76,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default 128 MiB, or --max-body-bytes if larger)",
     )
     s.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on shutdown")
+    s.add_argument(
+        "--listen-fd",
+        type=int,
+        metavar="FD",
+        help="also serve this inherited TCP socket (bound, not yet listening: the launcher's public "
+        "port), listening on it only once every engine is ready, so until then it refuses "
+        "connections; --port stays the private port for readiness checks",
+    )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     k = p.add_argument_group("KServe v2 (off unless a port is given)")
     k.add_argument("--kserve-grpc-port", type=int, help="KServe v2 gRPC port (0: any free port)")
@@ -219,10 +230,44 @@ class _Server(uvicorn.Server):
     """uvicorn, plus: readiness turns 503 the moment a shutdown signal arrives (load balancers
     stop routing here while in-flight requests drain), and a failed engine start ends it."""
 
-    def __init__(self, config: uvicorn.Config, models: ModelRegistry):
+    def __init__(self, config: uvicorn.Config, models: ModelRegistry, public: socket.socket | None = None):
         super().__init__(config)
         self.models = models
         self.failed = False
+        # --listen-fd's socket, served once the engines are ready (`engines_started`).
+        self.public = public
+        self._engines_started = asyncio.Event()
+        self._public_task: asyncio.Task | None = None
+
+    def engines_started(self) -> None:
+        self._engines_started.set()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.public is not None and not self.should_exit:
+            self._public_task = asyncio.create_task(self._serve_public(self.public))
+
+    async def _serve_public(self, sock: socket.socket) -> None:
+        """Listen on the public socket once the engines are ready. Its server joins
+        `self.servers`, so a shutdown closes it first (new connections are refused) and drains
+        its connections with the others."""
+        await self._engines_started.wait()
+        if self.should_exit:
+            return
+        config = self.config
+
+        def protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            # As uvicorn's startup builds its own listeners' protocols.
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        # Its connections' TIME_WAIT then does not block the next server's bind of this port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=LISTEN_BACKLOG)
+        self.servers.append(server)
+        host, port = sock.getsockname()[:2]
+        logger.info("serving the public port %s:%d (listen fd %d)", host, port, sock.fileno())
 
     def handle_exit(self, sig, frame) -> None:
         self.models.draining = True
@@ -254,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.fail(error)
 
+    def engines_started() -> None:
+        if server is not None:
+            server.engines_started()
+
     def kserve_started(k) -> None:
         # Tests and scripts read this line for the (possibly ephemeral) KServe ports.
         print(f"paved frontend: KServe v2 gRPC {k.grpc_port} HTTP {k.http_port} on {k.host}", flush=True)
@@ -263,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=config.max_body_bytes,
         max_buffered_body_bytes=config.max_buffered_body_bytes,
         on_start_failure=start_failed,
+        on_started=engines_started,
         kserve=kserve,
         on_kserve_started=kserve_started,
         kserve_grace_s=min(config.drain_timeout_s, 30.0),
@@ -276,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"serve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         return 2
+    public = None
+    if args.listen_fd is not None:
+        try:
+            public = adopt(args.listen_fd)
+        except (OSError, ValueError) as e:
+            print(f"serve: --listen-fd {args.listen_fd}: {e}", file=sys.stderr)
+            return 2
     host, port = sock.getsockname()[:2]
     uv_config = uvicorn.Config(
         app,
@@ -285,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         access_log=args.access_log,
         log_level=args.log_level,
         timeout_keep_alive=SERVER_KEEPALIVE_S,
+        backlog=LISTEN_BACKLOG,
         # uvicorn annotates int but hands it to asyncio.wait_for, which takes fractions too.
         timeout_graceful_shutdown=config.drain_timeout_s,  # type: ignore[arg-type]
     )
-    server = _Server(uv_config, models)
+    server = _Server(uv_config, models, public)
     shown = f"[{host}]" if ":" in host else host
     names = ", ".join(m.name for m in config.models)
     # Tests and scripts read this line for the (possibly ephemeral) port.

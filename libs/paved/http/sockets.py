@@ -12,6 +12,12 @@ import socket
 # request that way.
 SERVER_KEEPALIVE_S = 75
 POOL_KEEPALIVE_S = 15.0
+# listen()'s backlog for paved's listeners: the kernel caps it at net.core.somaxconn (4096 by
+# default since Linux 5.4), so this asks for the deepest accept queue the host allows. asyncio's
+# default (100) overflowed under a 300-connection burst (a gateway opening one connection per
+# concurrent stream): the kernel dropped the surplus SYNs and those clients retried only after
+# 1 s, 3 s, 7 s, past a gateway's connect timeout.
+LISTEN_BACKLOG = 65535
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -20,4 +26,15 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
+    return sock
+
+
+def adopt(fd: int) -> socket.socket:
+    """The TCP socket behind an inherited descriptor (a launcher's reserved public port), kept
+    from this process's own children. Raises OSError / ValueError if `fd` is not one."""
+    sock = socket.socket(fileno=fd)
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        sock.detach()
+        raise ValueError(f"descriptor {fd} is not a TCP socket")
+    sock.set_inheritable(False)
     return sock

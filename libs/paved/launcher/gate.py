@@ -5,22 +5,44 @@ loopback ports it is given; the paved frontend, for one, opens its port at once 
 /health/ready 503 while the engine loads. The launcher binds the public ports at its start
 (`reserve`: bound, not listening, so a model that loads for minutes cannot lose its port to
 another process meanwhile, and a taken port fails the start at once), polls that readiness
-endpoint, and only when it answers 200 listens on them and relays bytes both ways (a TCP splice,
-so HTTP, SSE and gRPC / HTTP/2 pass unchanged). Before that a client gets "connection refused"
-(a bound socket that does not listen answers a SYN with a reset), never a half-started server;
-if the engine fails, the public port is never opened. On drain the public listeners close first
-(new connections are refused) while established ones carry their in-flight requests to the end.
+endpoint, and only when it answers 200 serves them. Before that a client gets "connection
+refused" (a bound socket that does not listen answers a SYN with a reset), never a half-started
+server; if the engine fails, the public port is never opened.
 
-Bounds: at most `max_connections` relayed connections at once (default 1024); one more is
-answered `503` with an OpenAI-style error body naming the limit on the HTTP route, and on the
-gRPC route with gRPC status UNAVAILABLE (14) naming it (a minimal HTTP/2 exchange: the server's
-SETTINGS, a trailers-only answer on the client's first stream, GOAWAY), so a gRPC client reads
-why rather than a bare reset. A relayed connection with
-no bytes in either direction for `idle_timeout_s` (default 600 s; 0: never) is closed: a
-vanished client cannot pin a slot and two file descriptors for ever. Long generations that
-send nothing for that long need a larger value (streams send tokens; gRPC clients keepalives).
+A public port is served one of two ways:
 
-Cost: one loopback hop per connection, and the child sees 127.0.0.1 as the peer address.
+- Handed off (no relay): a child that can take it (the paved frontend's `--listen-fd`, the
+  launcher's `{http_fd}` placeholder) inherits the reserved socket at spawn and listens on it
+  itself once its engines are ready; the launcher closes its own copy, so the socket lives and
+  dies with the child (a dead child's port refuses at once). Clients then talk to the server
+  directly: no extra hop, no bytes copied in Python, the real peer address. The child's own
+  bounds apply there (the frontend's admission limits, uvicorn's keep-alive timeout), not
+  `max_connections` / `idle_timeout_s`.
+- Relayed (this module's `Gate`; every other child, and gRPC: grpcio cannot serve an inherited
+  socket): the launcher listens once the child is ready and relays bytes both ways (a TCP
+  splice, so HTTP, SSE and gRPC / HTTP/2 pass unchanged). Cost: one loopback hop per
+  connection, every byte copied through the launcher's event loop (measured with 300 streams
+  of 300 small SSE events each: the relay spent 0.9 s of CPU where the server producing them
+  spent 0.55 s), and the child sees 127.0.0.1 as the peer address.
+
+Either way the listener's accept queue is as deep as the kernel allows (LISTEN_BACKLOG in
+paved.http.sockets, capped by net.core.somaxconn): with asyncio's default of 100, a burst of
+300 connections (a gateway opening one per concurrent stream) overflowed it, the kernel
+dropped the surplus SYNs, and those clients only retried after 1 s, 3 s, 7 s: a gateway's
+connect timed out.
+
+On drain the public listeners close first (new connections are refused) while established
+connections carry their in-flight requests to the end: the gate closes its listeners; a child
+serving a handed-off socket closes it when it gets SIGTERM (uvicorn's shutdown does).
+
+Bounds of the relay: at most `max_connections` relayed connections at once (default 1024); one
+more is answered `503` with an OpenAI-style error body naming the limit on the HTTP route, and
+on the gRPC route with gRPC status UNAVAILABLE (14) naming it (a minimal HTTP/2 exchange: the
+server's SETTINGS, a trailers-only answer on the client's first stream, GOAWAY), so a gRPC
+client reads why rather than a bare reset. A relayed connection with no bytes in either
+direction for `idle_timeout_s` (default 600 s; 0: never) is closed: a vanished client cannot
+pin a slot and two file descriptors for ever. Long generations that send nothing for that long
+need a larger value (streams send tokens; gRPC clients keepalives).
 """
 
 from __future__ import annotations
@@ -37,6 +59,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from paved.http.sockets import LISTEN_BACKLOG
 
 log = logging.getLogger("paved.launcher")
 _BUF = 256 * 1024
@@ -159,7 +183,10 @@ class Gate:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             # start_server listens on the socket (until now a connection to it was refused).
             server = await asyncio.start_server(
-                functools.partial(self._accept, route=route), sock=sock, limit=_BUF
+                functools.partial(self._accept, route=route),
+                sock=sock,
+                limit=_BUF,
+                backlog=LISTEN_BACKLOG,
             )
             del self._reserved[route.name]
             self._servers.append(server)

@@ -11,8 +11,11 @@ Phases (reported on the admin port's /status and in the log):
    (embedded mode) or vLLM's OpenAI server alone (standalone), paved.kserve over the classic
    model directory (a kserve package: KServe v2 HTTP on the HTTP port, gRPC with --grpc-port),
    or any `--child-cmd`.
-5. Once the child's readiness endpoint answers 200, the public ports listen and are relayed
-   (paved.launcher.gate); before that they refuse connections. They are bound (reserved, not
+5. Once the child's readiness endpoint answers 200, the public ports listen; before that they
+   refuse connections. A child that can serve the public HTTP socket itself (the paved frontend
+   in embedded mode, a `--child-cmd` with {http_fd}) inherits it and listens on it once ready:
+   no relay. Other routes (vLLM standalone, gRPC, a child-cmd without {http_fd}) are relayed by
+   the launcher (paved.launcher.gate). They are bound (reserved, not
    listening) before step 1, so a taken --port / --grpc-port fails the start at once (exit 1,
    "cannot bind the public port") rather than after the model loaded, and no other process can
    take them meanwhile (unless a previous run's TIME_WAIT forced the SO_REUSEADDR fallback of
@@ -157,8 +160,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--child-cmd",
         help="serve with this command instead; placeholders {python} {model_dir} {model_id} {config} "
-        "(the frontend's JSON config) {http_port} {grpc_port}; it must answer --ready-path with 200 "
-        "once ready",
+        "(the frontend's JSON config) {http_port} {grpc_port} {http_fd}; it must answer --ready-path "
+        "with 200 on {http_port} once ready. With {http_fd} (the number of an inherited socket bound "
+        "to the public HTTP address, not listening: the paved frontend's --listen-fd) the child serves "
+        "the public port itself, listening once ready, instead of through the launcher's relay",
     )
     e.add_argument("--ready-path", help="readiness path of the child (default /health/ready; vLLM: /health)")
     e.add_argument(
@@ -206,6 +211,8 @@ class ChildSpec:
     argv: list[str]
     ready_path: str
     ports: dict[str, int]  # route name -> private port
+    # Routes whose public socket the child inherits and serves itself (no relay).
+    handoff: frozenset[str] = frozenset()
 
 
 def _frontend_config(m: Materialized, port: int, drain_timeout_s: float) -> dict:
@@ -243,7 +250,12 @@ def _vllm_flags(engine_args: dict[str, Any]) -> list[str]:
     return out
 
 
-def child_spec(args: argparse.Namespace, m: Materialized, state_dir: str) -> ChildSpec:
+def child_spec(
+    args: argparse.Namespace, m: Materialized, state_dir: str, public_fds: dict[str, int] | None = None
+) -> ChildSpec:
+    """`public_fds`: route name -> the descriptor of its reserved public socket, for a child that
+    can serve it itself (see `ChildSpec.handoff`)."""
+    public_fds = public_fds or {}
     ports = {"http": free_port()}
     kserve_mode = m.package.mode == "kserve"
     if kserve_mode and args.mode:
@@ -272,11 +284,18 @@ def child_spec(args: argparse.Namespace, m: Materialized, state_dir: str) -> Chi
             "config": config,
             "http_port": ports["http"],
             "grpc_port": ports.get("grpc", ""),
+            "http_fd": public_fds.get("http", ""),
         }
         argv = [part.format(**values) for part in shlex.split(args.child_cmd)]
-        return ChildSpec(argv, args.ready_path or "/health/ready", ports)
+        takes_fd = "{http_fd}" in args.child_cmd and "http" in public_fds
+        return ChildSpec(
+            argv, args.ready_path or "/health/ready", ports, frozenset({"http"} if takes_fd else ())
+        )
     if (args.mode or m.package.mode) == "embedded":
         argv = [sys.executable, "-m", "paved.frontend.server", "--config", config]
+        if "http" in public_fds:
+            argv += ["--listen-fd", str(public_fds["http"])]
+            return ChildSpec(argv, args.ready_path or "/health/ready", ports, frozenset({"http"}))
         return ChildSpec(argv, args.ready_path or "/health/ready", ports)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -312,8 +331,11 @@ class Launcher:
         self.materialized: Materialized | None = None
         self.entry_points: list[dict] = []
         self.gate: Gate | None = None
-        # The public ports' sockets, bound at the start; handed to the gate once it exists.
+        # The public ports' sockets, bound at the start; handed to the gate once it exists, or
+        # to the child at its spawn (then closed here).
         self.public: dict[str, socket.socket] = {}
+        # The public addresses the child serves itself (handed off at its spawn).
+        self.handed_off: dict[str, tuple[str, int]] = {}
         self.child: asyncio.subprocess.Process | None = None
         self.child_tail: collections.deque[str] = collections.deque(maxlen=500)
         self._stop = asyncio.Event()
@@ -330,7 +352,7 @@ class Launcher:
         # The public ports are known (held, refusing connections) from the start; `phase` says
         # whether they serve.
         bound = self.gate.bound if self.gate else {k: s.getsockname()[:2] for k, s in self.public.items()}
-        ports = {k: list(v) for k, v in bound.items()}
+        ports = {k: list(v) for k, v in {**self.handed_off, **bound}.items()}
         if self.metrics is not None:
             ports["metrics"] = list(self.metrics.address)
         return {
@@ -342,6 +364,8 @@ class Launcher:
             "entry_points": self.entry_points,
             "ports": ports,
             "child_pid": self.child.pid if self.child else None,
+            # Routes the child serves itself; the connection counts below are the relay's.
+            "served_by_child": sorted(self.handed_off),
             "connections": {
                 "open": self.gate.open_connections,
                 "refused": self.gate.refused,
@@ -475,7 +499,7 @@ class Launcher:
             )
 
         self._set_phase("starting")
-        spec = child_spec(args, m, state_dir)
+        spec = child_spec(args, m, state_dir, {k: s.fileno() for k, s in self.public.items()})
         # The child's /metrics on its HTTP port: the frontend's, or for a kserve package
         # paved.kserve's own (its paved_kserve_* request metrics, which it also records in the
         # multiprocess files: the files' copy is the one kept).
@@ -485,15 +509,11 @@ class Launcher:
         if not await self._wait_ready(spec):
             return self._stopped_before_ready()
 
+        routes = [Route("http", args.host, args.port, spec.ports["http"])]
+        if "grpc" in spec.ports:
+            routes.append(Route("grpc", args.host, args.grpc_port, spec.ports["grpc"]))
         self.gate = Gate(
-            [
-                Route("http", args.host, args.port, spec.ports["http"]),
-                *(
-                    [Route("grpc", args.host, args.grpc_port, spec.ports["grpc"])]
-                    if "grpc" in spec.ports
-                    else []
-                ),
-            ],
+            [r for r in routes if r.name not in spec.handoff],
             sockets=self.public,
             max_connections=args.max_connections,
             idle_timeout_s=args.idle_timeout,
@@ -504,7 +524,7 @@ class Launcher:
         except OSError as e:
             raise LaunchError(f"cannot bind the public port: {e}") from None
         self._set_phase("ready")
-        bound = dict(self.gate.bound)
+        bound = {**self.handed_off, **self.gate.bound}
         if self.metrics is not None:
             bound["metrics"] = self.metrics.address
         ports = ", ".join(f"{k} {h}:{p}" for k, (h, p) in bound.items())
@@ -564,6 +584,7 @@ class Launcher:
 
     async def _start_child(self, spec: ChildSpec, env: dict[str, str]) -> asyncio.subprocess.Process:
         log.info("starting: %s", shlex.join(spec.argv))
+        handed = {name: self.public[name] for name in spec.handoff}
         try:
             self.child = await asyncio.create_subprocess_exec(
                 *spec.argv,
@@ -575,9 +596,16 @@ class Launcher:
                 # drains; a forced stop kills the whole group (vLLM's engine core included).
                 start_new_session=True,
                 limit=1 << 20,
+                pass_fds=[s.fileno() for s in handed.values()],
             )
         except OSError as e:
             raise LaunchError(f"cannot start {spec.argv[0]}: {e}") from None
+        # The child holds the handed-off sockets now; without the launcher's copy, the port
+        # stops listening the moment the child closes it (drain) or dies.
+        for name, sock in handed.items():
+            self.handed_off[name] = sock.getsockname()[:2]
+            del self.public[name]
+            sock.close()
         self._tee = asyncio.ensure_future(self._tee_output(self.child.stdout))
         return self.child
 
@@ -655,8 +683,10 @@ class Launcher:
         self._set_phase("draining")
         self.gate.close_listeners()
         open_conns = self.gate.open_connections
+        # A port the child serves itself closes when it gets the SIGTERM (uvicorn's shutdown).
         log.info(
-            "draining: public listeners closed, %d connection(s) open; SIGTERM to the engine", open_conns
+            "draining: relayed listeners closed, %d relayed connection(s) open; SIGTERM to the engine",
+            open_conns,
         )
         with contextlib.suppress(ProcessLookupError):
             self.child.send_signal(signal.SIGTERM)

@@ -371,3 +371,85 @@ def test_sigterm_while_starting_stops_the_child_and_exits_0(tmp_path, package):
 def test_bad_usage_exits_2(tmp_path):
     proc = LauncherProcess(["x", "--workers", "0"], str(tmp_path / "l.log"))
     assert proc.wait(30) == 2
+
+
+def test_a_burst_of_300_connections_all_connect_and_are_answered():
+    """300 clients connect at once while the gate's event loop is busy (blocked here), as a
+    gateway opens one connection per concurrent stream: every connection completes its handshake
+    in the kernel's accept queue, then each gets its answer through the relay. With asyncio's
+    default backlog (100) the surplus SYNs were dropped, and those clients waited for SYN
+    retransmits (1 s, 3 s, 7 s) until their connect timed out."""
+    import asyncio
+    import errno
+    import select
+
+    from paved.launcher.gate import Gate, Route
+
+    n = 300
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    loop = asyncio.new_event_loop()
+    started, unblock = threading.Event(), threading.Event()
+    holder: dict = {}
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    async def setup():
+        child = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=4096)
+        gate = Gate([Route("http", "127.0.0.1", 0, child.sockets[0].getsockname()[1])])
+        await gate.open()
+        holder.update(child=child, gate=gate)
+
+    def run():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(setup())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    port = holder["gate"].bound["http"][1]
+    loop.call_soon_threadsafe(unblock.wait)  # the gate accepts nothing until released
+    clients = []
+    try:
+        for _ in range(n):
+            c = socket.socket()
+            c.setblocking(False)
+            assert c.connect_ex(("127.0.0.1", port)) in (0, errno.EINPROGRESS)
+            clients.append(c)
+        # A handshake completes in the kernel while the gate's loop is blocked only if the
+        # accept queue has room for it; the wait bounds a failure, it is not a timing assertion.
+        pending, deadline = set(clients), time.monotonic() + 20
+        while pending and time.monotonic() < deadline:
+            _, writable, _ = select.select([], list(pending), [], 0.5)
+            for c in writable:
+                assert c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+                pending.discard(c)
+        assert not pending, f"{len(pending)} of {n} connections never got through the handshake"
+        unblock.set()
+        for c in clients:
+            c.setblocking(True)
+            c.settimeout(30)
+            c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        for c in clients:
+            data = b""
+            while chunk := c.recv(4096):
+                data += chunk
+            assert data == answer
+    finally:
+        unblock.set()
+        for c in clients:
+            c.close()
+
+        async def teardown():
+            await holder["gate"].abort()
+            holder["child"].close()
+
+        asyncio.run_coroutine_threadsafe(teardown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
