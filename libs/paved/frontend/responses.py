@@ -28,7 +28,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """One `data:` event. JSON escapes control characters but leaves U+0085, U+2028 and U+2029
+    raw, and line-based SSE clients (httpx's `aiter_lines`, anything built on str.splitlines)
+    end a line at each: a generated string holding one would cut its event in two. They are
+    escaped here (the same JSON value); other text stays UTF-8 (no 6-byte escapes for it)."""
+    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    # An ASCII-only text cannot hold them: str.replace returns at once.
+    text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def new_id(prefix: str) -> str:
