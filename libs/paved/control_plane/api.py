@@ -19,7 +19,7 @@ the status of the `ControlError` raised (400 bad input, 401 no key, 404 unknown,
     GET    /v1/rollouts[?model_id=&status=]     list; GET /v1/rollouts/{id}
     POST   /v1/rollouts/{id}/abort              roll back (at the next step)
     GET    /v1/replicas[?model_id=]             what runs, with health
-    GET    /v1/audit[?model_id=&rollout_id=&after_id=]
+    GET    /v1/audit[?model_id=&rollout_id=&after_id=]  model_id: also the fleet-wide events
     POST   /v1/gc                               garbage-collect inactive versioned deployments
     GET    /v1/routes?after=N                   the routes the gateway follows (long-poll)
 """

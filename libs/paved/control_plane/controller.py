@@ -155,17 +155,35 @@ class Controller:
                 await self.store.update_replica(
                     r.id, state="failed", reason="gone after a control-plane restart"
                 )
+                model, version, of = await self._about(r)
                 await self.store.audit(
                     "replica.gone",
-                    f"replica {r.id} was not running after a control-plane restart; it will be replaced",
+                    f"replica {r.id}{of} was not running after a control-plane restart; it will be replaced",
+                    model_id=model,
+                    version=version,
                     data={"replica": r.id},
                 )
-            if adopted:
+            # One event per deployment, so each carries its model (`paved audit --model` shows it).
+            by_deployment: dict[str, list[Replica]] = {}
+            for r in adopted:
+                by_deployment.setdefault(r.deployment_id, []).append(r)
+            for mine in by_deployment.values():
+                model, version, of = await self._about(mine[0])
                 await self.store.audit(
                     "replica.adopted",
-                    f"adopted {len(adopted)} running replica(s) in region {region}",
-                    data={"replicas": [r.id for r in adopted]},
+                    f"adopted {len(mine)} running replica(s){of} in region {region}",
+                    model_id=model,
+                    version=version,
+                    data={"replicas": [r.id for r in mine]},
                 )
+
+    async def _about(self, r: Replica) -> tuple[str | None, str | None, str]:
+        """(model, version, " of model@version") of replica `r`'s deployment, deleted or not:
+        what an event about `r` carries, so that a model's audit lists its replicas' events."""
+        d = await self.store.get_deployment_by_id(r.deployment_id)
+        if d is None:
+            return None, None, ""
+        return d.spec.model_id, d.spec.version, f" of {d.spec.model_id}@{d.spec.version}"
 
     # ---- one pass ---------------------------------------------------------------------------
     async def reconcile(self) -> None:
@@ -244,7 +262,14 @@ class Controller:
 
     async def _fail(self, r: Replica, reason: str) -> None:
         await self.store.update_replica(r.id, state="failed", reason=reason)
-        await self.store.audit("replica.failed", f"replica {r.id} failed: {reason}", data={"replica": r.id})
+        model, version, of = await self._about(r)
+        await self.store.audit(
+            "replica.failed",
+            f"replica {r.id}{of} failed: {reason}",
+            model_id=model,
+            version=version,
+            data={"replica": r.id},
+        )
         driver = self.drivers.get(r.region)
         if driver is not None:
             with contextlib.suppress(Exception):
@@ -290,9 +315,12 @@ class Controller:
         for r in replicas:
             if r.deployment_id in by_id or r.state not in _LIVE:
                 continue
+            model, version, of = await self._about(r)
             await self._start_draining(
                 r,
-                f"draining replica {r.id}: its deployment {r.deployment_id} was deleted",
+                f"draining replica {r.id}{of}: its deployment {r.deployment_id} was deleted",
+                model_id=model,
+                version=version,
                 data={"replica": r.id, "deployment": r.deployment_id},
             )
 

@@ -1129,7 +1129,9 @@ class ControlStore:
         after_id: int | None = None,
         limit: int = 200,
     ) -> list[AuditEvent]:
-        """Events in order (ascending id), after `after_id` if given, at most `limit`."""
+        """Events in order (ascending id), after `after_id` if given, at most `limit`. With
+        `model_id`: that model's events and the fleet-wide ones (no model: a leader change), which
+        concern every model (a new leader adopts its replicas and resumes its rollout)."""
         if model_id is not None:
             _name(model_id, "model_id")
         if rollout_id is not None:
@@ -1145,7 +1147,7 @@ class ControlStore:
         t = audit_table
         query = sa.select(t).order_by(t.c.id).limit(limit)
         if model_id is not None:
-            query = query.where(t.c.model_id == model_id)
+            query = query.where(sa.or_(t.c.model_id == model_id, t.c.model_id.is_(None)))
         if rollout_id is not None:
             query = query.where(t.c.rollout_id == rollout_id)
         if after_id is not None:

@@ -318,6 +318,66 @@ def test_the_controller_drains_replicas_of_a_deleted_deployment(tmp_path: Path):
             assert driver.drained == ["rep_v1"]
             (replica,) = await store.list_replicas()
             assert replica.state == "stopped"
+            (drain,) = [e for e in await store.list_audit(model_id="tiny") if e.kind == "scale"]
+            assert drain.version == "v1" and "rep_v1 of tiny@v1" in drain.message
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+class _AdoptingDriver(_RecordingDriver):
+    """After a restart: the replicas in `running` are still there, the others are gone."""
+
+    def __init__(self, running: set[str]) -> None:
+        super().__init__()
+        self.running = running
+
+    async def adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:
+        alive = [r for r in replicas if r.id in self.running]
+        return alive, [r for r in replicas if r.id not in self.running]
+
+
+def test_a_models_audit_shows_the_leader_change_and_its_replicas_adoption(tmp_path: Path):
+    """`paved audit --model tiny` (GET /v1/audit?model_id=tiny) after a control-plane restart:
+    the leader change, the adoption of tiny's replicas, the ones gone and failed, and nothing
+    about another model's replicas."""
+
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        try:
+            ids = {}
+            for model in ("tiny", "other"):
+                spec = DeploymentSpec(
+                    model_id=model, version="v1", package_uri="/pkg/v1", strategy="red_black",
+                    min_replicas=0, max_replicas=4, replicas=2, regions=("local",), engine="sim://tiny",
+                )  # fmt: skip
+                ids[model] = (await store.create_deployment(spec, {})).id
+            owners = {"rep_t1": "tiny", "rep_t2": "tiny", "rep_t3": "tiny", "rep_o1": "other"}
+            for rid, model in owners.items():
+                await store.add_replica(
+                    Replica(
+                        id=rid, deployment_id=ids[model], region="local", state="ready",
+                        url=f"http://127.0.0.1:1/{rid}", admin_url="http://127.0.0.1:1",
+                    )
+                )  # fmt: skip
+            await store.audit("leader", "control plane pid 1 became the leader")  # as server.py does
+            driver = _AdoptingDriver({"rep_t1", "rep_t3", "rep_o1"})
+            controller = Controller(store, {"local": driver}, RoutesFeed(store), GatewayAnalyzer([]))
+            await controller._adopt()
+            t3 = await store.get_replica("rep_t3")
+            assert t3 is not None
+            await controller._fail(t3, "its process exited before it was ready")
+            events = await store.list_audit(model_id="tiny")
+            assert [e.kind for e in events] == ["leader", "replica.gone", "replica.adopted", "replica.failed"]
+            assert all(e.version == "v1" for e in events[1:])
+            gone, adopted, failed = events[1:]
+            assert gone.data == {"replica": "rep_t2"} and "rep_t2 of tiny@v1" in gone.message
+            assert adopted.data == {"replicas": ["rep_t1", "rep_t3"]} and "of tiny@v1" in adopted.message
+            assert failed.data == {"replica": "rep_t3"} and "rep_t3 of tiny@v1 failed" in failed.message
+            (others,) = [e for e in await store.list_audit(model_id="other") if e.kind == "replica.adopted"]
+            assert others.data == {"replicas": ["rep_o1"]}
         finally:
             await store.close()
 

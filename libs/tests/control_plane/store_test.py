@@ -341,11 +341,14 @@ def test_audit_order_filters_and_paging(store):
         for i in range(6)
     ]
     run(store.audit("rollout.phase", "phase", model_id="llama", version="2", rollout_id="ro_x"))
+    leader = run(store.audit("leader", "control plane pid 1 became the leader"))
     ids = [e.id for e in events]
     assert ids == sorted(ids) and len(set(ids)) == 6
-    assert [e.id for e in run(store.list_audit())] == [*ids, ids[-1] + 1]
+    assert [e.id for e in run(store.list_audit())] == [*ids, ids[-1] + 1, leader.id]
     assert [e.data["i"] for e in run(store.list_audit(model_id="llama", limit=2))] == [1, 3]
-    assert [e.data.get("i") for e in run(store.list_audit(after_id=ids[3]))] == [4, 5, None]
+    # A model's events include the fleet-wide ones (no model), such as a leader change.
+    assert [e.data.get("i", e.kind) for e in run(store.list_audit(model_id="other"))] == [0, 2, 4, "leader"]
+    assert [e.data.get("i") for e in run(store.list_audit(after_id=ids[3]))] == [4, 5, None, None]
     (by_rollout,) = run(store.list_audit(rollout_id="ro_x"))
     assert by_rollout.kind == "rollout.phase" and by_rollout.version == "2" and by_rollout.at.tzinfo
     assert status_of(store.list_audit(limit=0)) == 400
