@@ -2,12 +2,9 @@
 events vLLM produces: add/remove/move/swap, chunked prefill, preemption (truncated outputs,
 outputs kept, or outputs folded into the re-added prompt), for both model runners.
 
-The reference knows every complete output of a small constraint, so "is token t allowed after
-text T with n tokens generated" is decidable by enumeration, including the budget rule: after
-t there must remain room for the shortest completion (in bytes, each byte a token) plus EOS.
+The reference (constraints_reference.py) knows every complete output of a small constraint, so
+"is token t allowed after text T with n tokens generated" is decidable by enumeration.
 """
-
-import itertools
 
 import numpy as np
 import pytest
@@ -18,76 +15,20 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
 
+from libs.tests.constraints_reference import (
+    EOS,
+    MAX_MODEL_LEN,
+    SPECS,
+    TOKENS,
+    VOCAB,
+    DeviceTensor,
+    HostTensor,
+    Request,
+    allowed_rows,
+    reference_allowed,
+)
 from paved.constraints.spec import EXTRA_ARGS_KEY
 from paved.constraints.vllm_processor import PavedLogitsProcessor
-
-TITLES = ["Dune", "Hyperion", "Foundation", "Solaris"]
-MULTI = [b"Du", b"ne", b"Hyper", b"ion", b"Found", b"ation", b"Sol", b"aris", b", ", b"Dune, ", b"xyz"]
-TOKENS = [bytes([b]) for b in range(256)] + MULTI
-EOS = len(TOKENS)
-TOKENS.append(b"")  # EOS has no bytes
-VOCAB = len(TOKENS)
-MAX_MODEL_LEN = 4096
-
-SPECS = {
-    "pair": {"type": "choice", "items": TITLES, "k": 2, "separator": ", ", "distinct": True},
-    "one": {"type": "choice", "items": TITLES, "k": 1},
-    "regex": {"type": "regex", "pattern": "(ab|cd)x?y"},
-}
-COMPLETIONS = {
-    "pair": [f"{a}, {b}".encode() for a, b in itertools.permutations(TITLES, 2)],
-    "one": [t.encode() for t in TITLES],
-    "regex": [a + x + b"y" for a in (b"ab", b"cd") for x in (b"", b"x")],
-}
-
-
-def _shortest_rest(kind: str) -> dict[bytes, int]:
-    """Every prefix of a complete output -> bytes still needed to complete it (at least)."""
-    rest: dict[bytes, int] = {}
-    for s in COMPLETIONS[kind]:
-        for i in range(len(s) + 1):
-            rest[s[:i]] = min(rest.get(s[:i], len(s)), len(s) - i)
-    return rest
-
-
-SHORTEST_REST = {kind: _shortest_rest(kind) for kind in COMPLETIONS}
-
-
-def reference_allowed(kind: str, history: list[int], max_tokens: int | None) -> set[int]:
-    if history and history[-1] == EOS:
-        return {EOS}
-    text = b"".join(TOKENS[t] for t in history)
-    rest, n = SHORTEST_REST[kind], len(history)
-    allowed = {EOS} if rest.get(text) == 0 else set()
-    for t in range(EOS):
-        left = rest.get(text + TOKENS[t])
-        if left is not None and (max_tokens is None or left + 1 <= max_tokens - (n + 1)):
-            allowed.add(t)
-    return allowed
-
-
-def params(kind: str, max_tokens: int) -> SamplingParams:
-    p = SamplingParams(max_tokens=max_tokens, extra_args={EXTRA_ARGS_KEY: SPECS[kind]})
-    # vLLM's input processor runs this on every request before the engine core sees it; it
-    # normalizes the spec in place, and the engine core trusts that.
-    PavedLogitsProcessor.validate_params(p)
-    return p
-
-
-class Request:
-    def __init__(self, kind: str, max_tokens: int, prompt: list[int]):
-        self.kind, self.max_tokens = kind, max_tokens
-        self.params = params(kind, max_tokens)
-        self.prompt = prompt
-        self.outputs: list[int] = []  # what vLLM's live list holds
-        self.history: list[int] = []  # every token generated, across preemptions
-
-    def done(self) -> bool:
-        return (bool(self.history) and self.history[-1] == EOS) or len(self.history) >= self.max_tokens
-
-
-def allowed_rows(logits: torch.Tensor) -> list[set[int]]:
-    return [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in logits.numpy()]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,16 +107,6 @@ def test_v1_adapter_matches_reference_under_batch_events(data):
                 proc.update_state(BatchUpdate(len(rows), [index], [], []))
 
 
-class _Host:
-    def __init__(self, array: np.ndarray):
-        self.np = array
-
-
-class _Device:
-    def __init__(self, tensor: torch.Tensor):
-        self.gpu = tensor
-
-
 def test_v2_adapter_tracks_slots_prefill_and_resume():
     slots, max_len = 4, 64
     tokens = torch.zeros((slots, max_len), dtype=torch.int32)
@@ -184,10 +115,10 @@ def test_v2_adapter_tracks_slots_prefill_and_resume():
         device=torch.device("cpu"),
         max_num_reqs=slots,
         vocab_size=VOCAB,
-        all_token_ids=_Device(tokens),
-        prompt_len=_Host(prompt_len),
-        prefill_len=_Host(prompt_len.copy()),
-        total_len=_Device(torch.zeros(slots, dtype=torch.int32)),
+        all_token_ids=DeviceTensor(tokens),
+        prompt_len=HostTensor(prompt_len),
+        prefill_len=HostTensor(prompt_len.copy()),
+        total_len=DeviceTensor(torch.zeros(slots, dtype=torch.int32)),
     )
     proc = PavedLogitsProcessor.for_vocab(TOKENS, [EOS], MAX_MODEL_LEN, req_states=req_states)
     rng = np.random.default_rng(7)

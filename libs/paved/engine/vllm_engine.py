@@ -11,7 +11,6 @@ vllm_env.apply_defaults()
 
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
-import importlib.metadata  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
@@ -144,11 +143,20 @@ class VllmEngine:
             if self._paved:
                 from paved.constraints.vllm_processor import LOGITS_PROCESSOR_FQCN, WORKER_EXTENSION
 
-                if not _paved_registered_by_entry_point():
-                    kwargs["logits_processors"] = [LOGITS_PROCESSOR_FQCN]
+                # Listed here, not only found through paved's entry point: vLLM's V1 runner
+                # replaces async scheduling's -1 output-token placeholders with real ids only
+                # for processors in `logits_processors`; the entry point's instance then
+                # stands by (vllm_processor.PavedPluginLogitsProcessor).
+                # A model's own engine_args processors run beside paved's, not instead.
+                own = config.engine_args.get("logits_processors") or ()
+                kwargs["logits_processors"] = [LOGITS_PROCESSOR_FQCN] + [
+                    p for p in own if p != LOGITS_PROCESSOR_FQCN
+                ]
                 # Compiles start before a request joins the batch (see _precompile).
                 kwargs["worker_extension_cls"] = WORKER_EXTENSION
-        kwargs.update(config.engine_args)
+        kwargs.update(
+            (k, v) for k, v in config.engine_args.items() if k != "logits_processors" or k not in kwargs
+        )
         return AsyncEngineArgs(**kwargs)
 
     async def _warm_up(self) -> None:
@@ -610,17 +618,6 @@ def _paved_processor_ok() -> bool:
         logger.warning("paved's constraint engine is unavailable (%s); JSON schemas use xgrammar only", e)
         return False
     return True
-
-
-def _paved_registered_by_entry_point() -> bool:
-    """paved's dist-info registers the processor for every vLLM engine that can see it; passing
-    it again in `logits_processors` would load a second instance that masks every row twice."""
-    from paved.constraints.vllm_processor import LOGITS_PROCESSOR_FQCN
-
-    return any(
-        ep.value == LOGITS_PROCESSOR_FQCN
-        for ep in importlib.metadata.entry_points(group="vllm.logits_processors")
-    )
 
 
 # ---- metrics -------------------------------------------------------------------------------
