@@ -68,6 +68,9 @@ class ResponseFormatText(Request):
 
 class ResponseFormatJsonObject(Request):
     type: Literal["json_object"]
+    # The Together / Anyscale / Fireworks convention (instructor's Mode.JSON_SCHEMA sends it):
+    # JSON mode constrained by this schema, as json_schema's is.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class ResponseFormatJsonSchema(Request):

@@ -250,6 +250,8 @@ def _constraint_fields(request: SamplingFields) -> Iterator[Any]:
     rf = request.response_format
     if isinstance(rf, ResponseFormatJsonSchema):
         yield rf.json_schema.schema_
+    elif isinstance(rf, ResponseFormatJsonObject):
+        yield rf.schema_
     so = request.structured_outputs
     if so is not None:
         yield from (so.json_, so.regex, so.choice, so.grammar)
@@ -304,6 +306,8 @@ def _plan(request: SamplingFields, card: ModelCard) -> Resolved | _Check:
     name, value = sources[0]
     if name == "response_format":
         if isinstance(value, ResponseFormatJsonObject):
+            if value.schema_ is not None:
+                return _json(value.schema_, card, "response_format.schema")
             return _json(_ANY_OBJECT, card, name, json_object=True)
         schema = value.json_schema.schema_
         if schema is None:

@@ -358,6 +358,37 @@ def test_json_schema_in_subset_goes_to_paved(server, engine):
     assert constraint.value == {"type": "json_schema", "schema": SCHEMA, "whitespace": "compact"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_with_a_schema_is_constrained_by_it(server, engine, stream):
+    """Together's convention (instructor's Mode.JSON_SCHEMA): the schema inside json_object
+    is enforced, neither refused nor dropped for a generic object."""
+    body = {**CHAT, "stream": stream, "response_format": {"type": "json_object", "schema": SCHEMA}}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=10) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200, lines
+    assert response.headers["x-paved-constraint-backend"] == "paved"
+    spec = _sent_constraint(engine).value
+    assert spec == {"type": "json_schema", "schema": SCHEMA, "whitespace": "compact"}
+    if stream:
+        chunks = [json.loads(line[5:]) for line in lines if line.startswith("data:") and "[DONE]" not in line]
+        text = "".join(c["delta"].get("content") or "" for chunk in chunks for c in chunk["choices"])
+    else:
+        text = json.loads(lines[0])["choices"][0]["message"]["content"]
+    assert isinstance(json.loads(text)["ok"], bool)
+
+
+@pytest.mark.parametrize(
+    ("schema", "fragment", "param"),
+    [
+        ({"properties": {"a": {"type": 3}}}, "invalid JSON schema", "response_format.schema"),
+        ("not an object", "valid dictionary", "response_format.json_object.schema"),
+    ],
+)
+def test_json_object_with_an_invalid_schema_is_400_naming_it(server, schema, fragment, param):
+    body = {**CHAT, "response_format": {"type": "json_object", "schema": schema}}
+    assert_error(post(server, "/v1/chat/completions", body), 400, fragment, param=param)
+
+
 def test_json_schema_outside_subset_goes_to_xgrammar(server, engine):
     body = {
         **CHAT,
