@@ -730,6 +730,180 @@ def check_wheel_pins(lock: locks.Lock, wheel: Wheel) -> list[str]:
     return errors
 
 
+# ---- what paved's processor assumes of the model runners ---------------------------------
+# Read from vLLM 0.33.0's sources and encoded here, so a wheel where they stop holding fails
+# the build instead of serving constrained outputs from stale state.
+
+V1_PROCESSOR = ("vllm.v1.sample.logits_processor.interface", "LogitsProcessor")
+V2_PROCESSOR = ("vllm.v1.worker.gpu.sample.logits_processor.interface", "LogitsProcessor")
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+V1_BATCH = ("vllm.v1.worker.gpu_input_batch", "InputBatch")
+# What paved's V2 path reads of Model Runner V2's objects (paved.constraints.vllm_processor).
+V2_READS = {
+    (V2_PROCESSOR[0], "LogitsContext"): ("expanded_idx_mapping", "input_ids", "pos"),
+    (V2_PROCESSOR[0], "LogitsProcRequestState"): ("all_token_ids", "prompt_len"),
+    ("vllm.v1.worker.gpu.buffer_utils", "StagedWriteTensor"): ("gpu",),
+    ("vllm.v1.worker.gpu.buffer_utils", "UvaBackedTensor"): ("np",),
+}
+ASYNC_IDS = (
+    "under async scheduling the V1 runner replaces -1 output-token placeholders with the sampled "
+    "ids only for processors named in logits_processors (logitsprocs_need_output_token_ids = "
+    "bool(<the logits_processors given to build_logitsprocs>)), and paved relies on that"
+)
+
+
+def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def _class(tree: ast.Module | None, name: str) -> ast.ClassDef | None:
+    if tree is None:
+        return None
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _method(cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | None:
+    if cls is None:
+        return None
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _reads_attribute(func: ast.AST, name: str, attr: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether local `name` in `func` is computed from an `.attr` read, through local names."""
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if not any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            continue
+        for sub in ast.walk(value):
+            if isinstance(sub, ast.Attribute) and sub.attr == attr:
+                return True
+            if (
+                isinstance(sub, ast.Name)
+                and sub.id not in seen | {name}
+                and _reads_attribute(func, sub.id, attr, seen | {name})
+            ):
+                return True
+    return False
+
+
+def _runner_patches_listed_processors(runner: ast.Module) -> bool:
+    """InputBatch(..., logitsprocs=build_logitsprocs(..., X), logitsprocs_need_output_token_ids=
+    bool(X)) with X computed from `.logits_processors`, in one function of the V1 runner."""
+    for func in _functions(runner):
+        calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+        listed = {
+            a.id
+            for c in calls
+            if _dotted(c.func).rsplit(".", 1)[-1] == "build_logitsprocs"
+            for a in [*c.args, *(k.value for k in c.keywords)]
+            if isinstance(a, ast.Name)
+        }
+        for c in calls:
+            if _dotted(c.func).rsplit(".", 1)[-1] != V1_BATCH[1]:
+                continue
+            for k in c.keywords:
+                v = k.value
+                if (
+                    k.arg == "logitsprocs_need_output_token_ids"
+                    and isinstance(v, ast.Call)
+                    and _dotted(v.func) == "bool"
+                    and len(v.args) == 1
+                    and isinstance(v.args[0], ast.Name)
+                    and v.args[0].id in listed
+                    and _reads_attribute(func, v.args[0].id, "logits_processors")
+                ):
+                    return True
+    return False
+
+
+def _patch_precedes_sampling(runner: ast.Module) -> bool:
+    """A runner method calls input_batch.update_async_output_token_ids() before self.sampler(."""
+    for func in _functions(runner):
+        called = [(n.lineno, _dotted(n.func)) for n in ast.walk(func) if isinstance(n, ast.Call)]
+        patch = [line for line, f in called if f.endswith("input_batch.update_async_output_token_ids")]
+        sample = [line for line, f in called if f == "self.sampler"]
+        if patch and sample and min(patch) < min(sample):
+            return True
+    return False
+
+
+def _assigns_self(cls: ast.ClassDef | None, method: str, attr: str, read: bool = False) -> bool:
+    fn = _method(cls, method)
+    ctx = ast.Load if read else ast.Store
+    return fn is not None and any(
+        isinstance(n, ast.Attribute)
+        and n.attr == attr
+        and isinstance(n.ctx, ctx)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        for n in ast.walk(fn)
+    )
+
+
+def _has_field(cls: ast.ClassDef, attr: str) -> bool:
+    for n in cls.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == attr:
+            return True
+    return any(_assigns_self(cls, f.name, attr) for f in cls.body if isinstance(f, ast.FunctionDef))
+
+
+def check_runner_assumptions(wheel: Wheel, subclasses: list[Subclass]) -> tuple[list[str], list[str]]:
+    """(errors, what was checked) for what paved's processor assumes of vLLM's model runners,
+    for the interfaces paved's sources subclass."""
+    bases = set()
+    for sub in subclasses:
+        for module, name in sub.vllm_bases:
+            where = wheel.resolve(module, name)
+            bases.add(where if isinstance(where, tuple) else (module, name))
+    errors: list[str] = []
+    checked: list[str] = []
+    if V1_PROCESSOR in bases:
+        checked.append(ASYNC_IDS)
+        runner = wheel._tree(V1_RUNNER)
+        batch = _class(wheel._tree(V1_BATCH[0]), V1_BATCH[1])
+        problems = []
+        if runner is None or batch is None:
+            problems.append(f"{V1_RUNNER} or {V1_BATCH[0]}.{V1_BATCH[1]} is missing")
+        else:
+            if not _runner_patches_listed_processors(runner):
+                problems.append(
+                    f"{V1_RUNNER} no longer sets logitsprocs_need_output_token_ids from the "
+                    "logits_processors it builds"
+                )
+            if not _patch_precedes_sampling(runner):
+                problems.append(f"{V1_RUNNER} no longer calls update_async_output_token_ids before sampling")
+            if not (
+                _assigns_self(batch, "__init__", "logitsprocs_need_output_token_ids")
+                and _assigns_self(batch, "_make_sampling_metadata", "logitsprocs_need_output_token_ids", True)
+                and _method(batch, "update_async_output_token_ids") is not None
+            ):
+                problems.append(
+                    f"{V1_BATCH[0]}.{V1_BATCH[1]} no longer gates its output-token ids (and their "
+                    "async repair) on logitsprocs_need_output_token_ids"
+                )
+        errors += [
+            f"{wheel.label}: {p}; {ASYNC_IDS}: re-read the runner and fix "
+            "paved.constraints.vllm_processor / tracking before pinning this wheel"
+            for p in problems
+        ]
+    if V2_PROCESSOR in bases:
+        for (module, name), attrs in sorted(V2_READS.items()):
+            checked.append(f"{module}.{name} has {', '.join(attrs)} (read by paved's V2 path)")
+            cls = _class(wheel._tree(module), name)
+            missing = list(attrs) if cls is None else [a for a in attrs if not _has_field(cls, a)]
+            if missing:
+                errors.append(
+                    f"paved's Model Runner V2 path reads {', '.join(missing)} of {module}.{name}, "
+                    f"which {wheel.label} no longer defines"
+                )
+    return errors, checked
+
+
 def check(
     lock: locks.Lock,
     wheel: Wheel,
@@ -745,6 +919,8 @@ def check(
     refs, subclasses = collect(py)
     report.errors += check_imports(wheel, refs, "paved")
     errors, overrides = check_subclasses(wheel, subclasses, list(references))
+    report.errors += errors
+    errors, assumptions = check_runner_assumptions(wheel, subclasses)
     report.errors += errors
 
     groups = []
@@ -778,6 +954,7 @@ def check(
         "paved_imports": sorted({r.text() for r in refs}),
         "optional_imports": sorted({r.text() for r in refs if r.optional}),
         "overrides": overrides,
+        "runner_assumptions": assumptions,
         "entry_point_groups": sorted(set(groups)),
         "triton_vllm_backend_imports": backend,
         "triton_vllm_backend_rewrites": dict(lock.triton.vllm_backend_rewrites) if lock.triton else {},

@@ -33,5 +33,10 @@ def test_the_check_saw_what_paved_actually_uses(runfile):
     assert {"apply", "update_state", "is_argmax_invariant", "validate_params"} <= v1
     assert {"apply", "add_request", "validate_params"} <= v2
     assert "vllm.logits_processors" in checked["entry_point_groups"]
+    # paved's processor derives from both runners' interfaces, so both runners' behaviour it
+    # relies on was checked: the V1 async placeholder repair, and the fields V2 passes.
+    assumptions = checked["runner_assumptions"]
+    assert any("logitsprocs_need_output_token_ids" in a for a in assumptions)
+    assert sum("read by paved's V2 path" in a for a in assumptions) == 4
     if os.environ["FLAVOUR"] == "gpu":
         assert len(checked["triton_vllm_backend_imports"]) > 10

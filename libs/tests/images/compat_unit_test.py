@@ -335,3 +335,125 @@ def test_rewrite_backend_edits_only_the_listed_imports(tmp_path):
         "vllm.v1.metrics.buckets:build_1_2_5_buckets",
         "vllm.v1.metrics.loggers:StatLoggerBase",
     ]
+
+
+# vLLM 0.33.0's shape of what paved's processor relies on (gpu_model_runner.py:700-739,
+# 3403-3416; gpu_input_batch.py), cut to the lines the check reads.
+RUNNER_V1 = """
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.worker.gpu_input_batch import InputBatch
+
+class GPUModelRunner:
+    def __init__(self, vllm_config, device):
+        model_config = vllm_config.model_config
+        logits_processors = model_config.logits_processors
+        custom_logitsprocs = tuple(logits_processors) if logits_processors is not None else ()
+        self.input_batch = InputBatch(
+            max_num_reqs=8,
+            logitsprocs=build_logitsprocs(vllm_config, device, False, False, custom_logitsprocs),
+            logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
+        )
+
+    def _sample(self, logits, spec_decode_metadata):
+        sampling_metadata = self.input_batch.sampling_metadata
+        self.input_batch.update_async_output_token_ids()
+        return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+"""
+INPUT_BATCH = """
+class InputBatch:
+    def __init__(self, max_num_reqs, logitsprocs=None, logitsprocs_need_output_token_ids=False):
+        self.logitsprocs_need_output_token_ids = logitsprocs_need_output_token_ids
+
+    def _make_sampling_metadata(self):
+        needs_output_token_ids = self.no_penalties or self.logitsprocs_need_output_token_ids
+        return needs_output_token_ids
+
+    def update_async_output_token_ids(self):
+        pass
+"""
+RUNNER_FILES = {
+    **BASE_FILES,
+    "vllm/v1/worker/gpu_model_runner.py": RUNNER_V1,
+    "vllm/v1/worker/gpu_input_batch.py": INPUT_BATCH,
+}
+
+
+def _runner_errors(tmp_path, files):
+    _, subs = compat.collect({"p.py": OURS})
+    errors, checked = compat.check_runner_assumptions(make_wheel(tmp_path, files), subs)
+    assert checked == [compat.ASYNC_IDS]  # Ours derives from the V1 interface
+    return errors
+
+
+def test_the_async_placeholder_repair_paved_relies_on_passes_as_in_0_33(tmp_path):
+    assert _runner_errors(tmp_path, RUNNER_FILES) == []
+    # Only a V1 processor of paved's makes the V1 runner's behaviour a requirement.
+    (tmp_path / "x").mkdir()
+    errors, checked = compat.check_runner_assumptions(make_wheel(tmp_path / "x", BASE_FILES), [])
+    assert errors == checked == []
+
+
+@pytest.mark.parametrize(
+    "old, new, why",
+    [
+        # The repair no longer follows logits_processors (e.g. a per-class opt-in).
+        (
+            "logitsprocs_need_output_token_ids=bool(custom_logitsprocs)",
+            "logitsprocs_need_output_token_ids=False",
+            "no longer sets logitsprocs_need_output_token_ids",
+        ),
+        # The flag now comes from something other than the engine's logits_processors.
+        (
+            "logits_processors = model_config.logits_processors",
+            "logits_processors = model_config.plugin_processors",
+            "no longer sets logitsprocs_need_output_token_ids",
+        ),
+        # The repair moved after the sampler (or away).
+        (
+            "        self.input_batch.update_async_output_token_ids()\n",
+            "",
+            "no longer calls update_async_output_token_ids before sampling",
+        ),
+    ],
+)
+def test_a_runner_that_stops_repairing_listed_processors_fails(tmp_path, old, new, why):
+    assert old in RUNNER_V1
+    files = {**RUNNER_FILES, "vllm/v1/worker/gpu_model_runner.py": RUNNER_V1.replace(old, new)}
+    (err,) = _runner_errors(tmp_path, files)
+    assert why in err and "paved relies on that" in err and "vllm 0.99.0" in err
+
+
+def test_an_input_batch_that_ignores_the_flag_fails(tmp_path):
+    batch = INPUT_BATCH.replace(" or self.logitsprocs_need_output_token_ids", "")
+    (err,) = _runner_errors(tmp_path, {**RUNNER_FILES, "vllm/v1/worker/gpu_input_batch.py": batch})
+    assert "InputBatch no longer gates its output-token ids" in err
+
+
+def test_v2_fields_paved_reads_are_checked(tmp_path):
+    iface = (
+        "from dataclasses import dataclass\n"
+        "@dataclass(frozen=True)\nclass LogitsProcRequestState:\n    all_token_ids: object\n\n"
+        "@dataclass(frozen=True)\nclass LogitsContext:\n    expanded_idx_mapping: object\n    pos: object\n\n"
+        "class LogitsProcessor:\n    def apply(self, logits, ctx): ...\n"
+    )
+    buffers = (
+        "class UvaBackedTensor:\n    def __init__(self):\n        self.np = None\n\n"
+        "class StagedWriteTensor:\n    def __init__(self):\n        self.gpu = None\n"
+    )
+    files = {
+        **BASE_FILES,
+        "vllm/v1/worker/gpu/sample/logits_processor/interface.py": iface,
+        "vllm/v1/worker/gpu/buffer_utils.py": buffers,
+    }
+    ours = "from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor\n"
+    ours += "class V2(LogitsProcessor):\n    def apply(self, logits, ctx): ...\n"
+    _, subs = compat.collect({"p.py": ours})
+    errors, checked = compat.check_runner_assumptions(make_wheel(tmp_path, files), subs)
+    assert len(checked) == 4
+    iface_module = "vllm.v1.worker.gpu.sample.logits_processor.interface"
+    assert errors == [
+        f"paved's Model Runner V2 path reads input_ids of {iface_module}.LogitsContext, "
+        "which vllm 0.99.0 no longer defines",
+        f"paved's Model Runner V2 path reads prompt_len of {iface_module}.LogitsProcRequestState, "
+        "which vllm 0.99.0 no longer defines",
+    ]
