@@ -16,35 +16,26 @@ import uuid
 import httpx
 import pytest
 from fake_engine import FakeEngine
-from servers import serve_in_thread
+from servers import serve_engines
 
 from paved.constraints import spec as specs
 from paved.frontend import structured
-from paved.frontend.app import create_app
-from paved.frontend.registry import ModelRegistry
 
 JSON = {"content-type": "application/json"}
 BURST = 300
 
 
-def _serve(registry: ModelRegistry):
-    with serve_in_thread(create_app(registry)) as base:
-        for _ in range(500):
-            if httpx.get(base + "/health/ready").status_code == 200:
-                break
-            threading.Event().wait(0.02)
-        yield base
-
-
 @pytest.fixture(scope="module")
 def url():
-    yield from _serve(ModelRegistry([FakeEngine()], {"fake": 64}))
+    with serve_engines(FakeEngine(), max_queued_sequences={"fake": 64}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def burst_url():
     """The default admission bound (1024 sequences), and an engine that queues 1024."""
-    yield from _serve(ModelRegistry([FakeEngine()]))
+    with serve_engines(FakeEngine()) as base:
+        yield base
 
 
 @pytest.mark.parametrize(

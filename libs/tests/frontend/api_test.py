@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 import pytest
-from fake_engine import FakeEngine
-from servers import serve_in_thread
+from fake_engine import TEXT_SCHEMA, FakeEngine, line_break_json, line_break_reply, line_break_text
+from servers import serve_engines, serve_in_thread, sse_data
 
 from paved.frontend import schemas
 from paved.frontend.app import create_app
@@ -165,52 +165,11 @@ def test_chat_stream_chunks_match_schema(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * 23
 
 
-# Characters a line-based SSE client splits a line on (httpx's aiter_lines and Python's
-# str.splitlines); JSON text may carry the last three raw inside a string.
-LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
-
-
-TEXT_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-
-
-def _line_break_reply(i: int) -> str:
-    """The i-th answer: a JSON object whose string holds raw U+0085 / U+2028 / U+2029 (valid
-    JSON) and escaped control characters, in varying places."""
-    raw = "\x85\u2028\u2029"
-    value = "".join(f"w{j}{raw[(i + j) % 3]}" for j in range(i % 5 + 1)) + "\\r\\n\\u000b"
-    return json.dumps({"text": value}, ensure_ascii=False, separators=(",", ":"))
-
-
-def _line_break_text(i: int) -> str:
-    """The i-th plain answer: raw line breaks of every kind (JSON escapes them in events)."""
-    return f"a{LINE_BREAKS[i % 10 :]}b\r\nc"
-
-
-async def _sse_data(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
-    """Every `data:` line of one stream, as a line-based client reads it, each parsed."""
-    events = []
-    async with client.stream("POST", path, json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                events.append(json.loads(line[5:]))  # a line cut in two fails here
-    return events
-
-
 def test_every_sse_event_is_one_line_whatever_the_text_holds():
     """Structured answers with U+2028, U+2029 and U+0085 inside their strings, and plain text
     with every other line break: each `data:` line parses, and the text comes back whole."""
     count = 40
-
-    def reply(request) -> str:
-        prompt = request.prompt
-        content = prompt.messages[-1]["content"] if hasattr(prompt, "messages") else prompt.text
-        kind, i = content.split()
-        return _line_break_reply(int(i)) if kind == "json" else _line_break_text(int(i))
-
-    engine = FakeEngine(reply=reply)
-    with serve_in_thread(create_app(ModelRegistry([engine]))) as url:
-        _wait_ready(url)
+    with serve_engines(FakeEngine(reply=line_break_reply)) as url:
 
         async def one(client, i: int) -> None:
             structured = {
@@ -223,13 +182,13 @@ def test_every_sse_event_is_one_line_whatever_the_text_holds():
                     "json_schema": {"name": "t", "schema": TEXT_SCHEMA},
                 },
             }
-            events = await _sse_data(client, "/v1/chat/completions", structured)
+            _, events = await sse_data(client, "/v1/chat/completions", structured)
             text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-            assert json.loads(text) == json.loads(_line_break_reply(i))
+            assert json.loads(text) == json.loads(line_break_json(i))
             assert any(ch in text for ch in "\x85\u2028\u2029")
             plain = {"model": "fake", "prompt": f"text {i}", "max_tokens": 60, "stream": True}
-            events = await _sse_data(client, "/v1/completions", plain)
-            assert "".join(c["text"] for e in events for c in e["choices"]) == _line_break_text(i)
+            _, events = await sse_data(client, "/v1/completions", plain)
+            assert "".join(c["text"] for e in events for c in e["choices"]) == line_break_text(i)
 
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:

@@ -16,6 +16,7 @@ native masks). This subclass only adds what the tests script or inspect:
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +36,33 @@ from paved.engine.sim import SimConfig, SimEngine, SimStream
 
 MAX_MODEL_LEN = 256
 DEFAULT_REPLY = " ".join(f"w{i}" for i in range(8))
+
+# Characters a line-based SSE client splits a line on (httpx's aiter_lines and Python's
+# str.splitlines); JSON text may carry the last three raw inside a string.
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+TEXT_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def line_break_json(i: int) -> str:
+    """The i-th structured answer (compact JSON of TEXT_SCHEMA): its string holds raw U+0085,
+    U+2028 and U+2029 (valid JSON) and escaped control characters, in varying places."""
+    raw = "\x85\u2028\u2029"
+    value = "".join(f"w{j}{raw[(i + j) % 3]}" for j in range(i % 5 + 1)) + "\\r\\n\\u000b"
+    return json.dumps({"text": value}, ensure_ascii=False, separators=(",", ":"))
+
+
+def line_break_text(i: int) -> str:
+    """The i-th plain answer: raw line breaks of every kind (JSON escapes them in events)."""
+    return f"a{LINE_BREAKS[i % 10 :]}b\r\nc"
+
+
+def line_break_reply(request: GenerateRequest) -> str:
+    """A `reply` for prompts "json I" (line_break_json) and "text I" (line_break_text)."""
+    prompt = request.prompt
+    content = prompt.messages[-1]["content"] if hasattr(prompt, "messages") else prompt.text
+    kind, i = content.split()
+    return line_break_json(int(i)) if kind == "json" else line_break_text(int(i))
+
 
 # The stream type, under the name the tests have always imported.
 FakeStream = SimStream

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -32,6 +34,20 @@ max_model_len = {max_model_len}
 max_num_seqs = {max_num_seqs}
 enforce_eager = true
 {lines}"""
+
+
+async def sse_data(
+    client: httpx.AsyncClient, path: str, body: dict, **kwargs: Any
+) -> tuple[httpx.Headers, list[dict]]:
+    """The response headers and every `data:` event of one stream, read as a line-based client
+    reads them (httpx's aiter_lines) and parsed: an event cut in two by a line break fails here."""
+    events = []
+    async with client.stream("POST", path, json=body, **kwargs) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                events.append(json.loads(line[5:]))
+    return response.headers, events
 
 
 def minilm_model_toml() -> str:
@@ -75,6 +91,21 @@ def serve_in_thread(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_engines(*engines, max_queued_sequences: dict[str, int] | None = None) -> Iterator[str]:
+    """A paved frontend over `engines`, served in this process; yields its URL once ready."""
+    from paved.frontend.app import create_app
+    from paved.frontend.registry import ModelRegistry
+
+    with serve_in_thread(create_app(ModelRegistry(list(engines), max_queued_sequences))) as url:
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health/ready").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the frontend never became ready")
+            time.sleep(0.02)
+        yield url
 
 
 class ServerProcess:
