@@ -2,12 +2,17 @@
 forwarded, and the leading tokens prefix affinity hashes.
 
 A route naming a `tokenizer` (the model's Hugging Face directory) is counted with that
-tokenizer exactly as paved's engines count it: chat messages rendered with the model's chat
-template, then encoded without special tokens; completions prompts encoded with them. Without
-a tokenizer the count is the prompt's UTF-8 byte length, an upper bound for the byte-level BPE
-tokenizers paved serves (each token covers at least one byte), so admission never reserves
-less than the request can use; the upstream's reported usage reconciles the difference on
-finish either way.
+tokenizer exactly as paved's engines count it: chat messages (and tools) rendered with the
+model's chat template, then encoded without special tokens; completions prompts encoded with
+them. Without a tokenizer the count is a byte bound: each completions prompt's UTF-8 length
+plus 2 (BOS, EOS); for chat, every message's content, other fields (as JSON) and role plus
+_MARKUP_TOKENS for the template's markup around it, the tools (as JSON) and the generation
+prompt. It is an upper bound for byte-level BPE tokenizers (each token covers at least one
+byte) under templates that add at most _MARKUP_TOKENS tokens of markup per message (ChatML,
+the tiny model's, the simulated engine's): admission then never reserves less than the request
+can use. A template that adds text of its own (a default system prompt, a date line, tool-use
+instructions) can exceed it: name the route's tokenizer for an exact count. The upstream's
+reported usage reconciles the difference on finish either way.
 
 Invariants: `count` never raises for a body the upstream might accept (a template or encoding
 failure falls back to the byte bound, and the upstream answers the real error), and never
@@ -117,7 +122,9 @@ def _encode(
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise ValueError("messages is not a list")
-        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # As the engines render it: the tools too (a template lists them in the prompt).
+        extra = {"tools": body["tools"]} if body.get("tools") else {}
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         ids = tok.encode(rendered, add_special_tokens=False)
         return PromptCount(len(ids), True, _ids_bytes(ids[:affinity_tokens]))
     value = body.get("input" if endpoint == "embeddings" else "prompt")
@@ -136,17 +143,52 @@ def _encode(
 
 def _byte_count(texts: list[str] | None, body: dict[str, Any], affinity_tokens: int) -> PromptCount:
     if texts is None:
-        parts = []
-        for message in body.get("messages") or []:
-            if isinstance(message, dict):
-                content = message.get("content")
-                parts.append(content if isinstance(content, str) else json.dumps(content))
-        # Template markup adds a few tokens per message on top of the content.
-        data = "".join(parts).encode(errors="surrogatepass")
-        return PromptCount(len(data) + 8 * len(parts) + 8, False, data[: 4 * affinity_tokens] or None)
-    encoded = [t.encode(errors="surrogatepass") for t in texts]
+        return _chat_byte_count(body, affinity_tokens)
+    encoded = [_utf8(t) for t in texts]
     first = encoded[0][: 4 * affinity_tokens] if encoded else b""
     return PromptCount(sum(len(d) + 2 for d in encoded), False, first or None)
+
+
+# The tokens a chat template may add around one message besides its role name (ChatML adds 4:
+# <|im_start|>, a newline, <|im_end|>, a newline), and with the generation prompt (whose role,
+# "assistant", is counted too) and a BOS token: a margin above the markup of the templates paved
+# serves, so that the byte bound stays an upper bound over them. (Without it the bound was 1
+# below the simulated engine's count: its generation prompt, "<assistant>", is 11 bytes.)
+_MARKUP_TOKENS = 16
+
+
+def _chat_byte_count(body: dict[str, Any], affinity_tokens: int) -> PromptCount:
+    """The chat byte bound: each message's content (text, or its parts as JSON), its other
+    fields as JSON (name, tool calls, tool call id) and its role, plus _MARKUP_TOKENS; the tools
+    as JSON; the generation prompt. Every token of a byte-level BPE covers at least one byte."""
+    contents: list[bytes] = []
+    extra = 0
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            extra += len(_json_bytes(message)) + _MARKUP_TOKENS
+            continue
+        content = message.get("content")
+        contents.append(_utf8(content) if isinstance(content, str) else _json_bytes(content))
+        role = message.get("role")
+        extra += (len(_utf8(role)) if isinstance(role, str) else len(_json_bytes(role))) + _MARKUP_TOKENS
+        others = {k: v for k, v in message.items() if k not in ("role", "content")}
+        if others:
+            extra += len(_json_bytes(others))
+    if body.get("tools"):
+        extra += len(_json_bytes(body["tools"]))
+    extra += len("assistant") + _MARKUP_TOKENS
+    data = b"".join(contents)
+    return PromptCount(len(data) + extra, False, data[: 4 * affinity_tokens] or None)
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode(errors="surrogatepass")
+
+
+def _json_bytes(value: Any) -> bytes:
+    # ensure_ascii (the default) writes a non-ASCII character as 6 or 12 bytes, never fewer
+    # than its UTF-8 bytes, so the bound holds for templates that render JSON unescaped too.
+    return json.dumps(value).encode()
 
 
 def _ids_bytes(ids: list[int]) -> bytes | None:
