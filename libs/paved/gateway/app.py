@@ -82,6 +82,8 @@ class Gateway:
             await self.health.stop()
         if self.routes_source is not None:
             await self.routes_source.stop()
+        if self.proxy.flow is not None:
+            self.proxy.flow.close()  # queued requests are answered 503 now, not cut off
         await self.proxy.close()
         await self.limiter.close()
         await self.store.close()

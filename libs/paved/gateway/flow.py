@@ -230,19 +230,27 @@ class FlowController:
         room and nobody waits, else after waiting its turn until `deadline` (this controller's
         clock, time.monotonic by default). Raises QueueRefusedError when the queue is full or
         the deadline passes; cancellation while waiting leaves no trace."""
+        slot = self.try_acquire(model, tenant, priority, deadline)
+        if slot is None:
+            slot = Slot(self, self._queue(model), tenant, priority, deadline)
+            await self._join(slot, front=False)
+        return slot
+
+    def try_acquire(self, model: str, tenant: str, priority: Priority, deadline: float) -> Slot | None:
+        """`acquire`'s path without waiting: a granted slot, or None when the request would
+        have to queue."""
         q = self._queue(model)
-        slot = Slot(self, q, tenant, priority, deadline)
         now = self._clock()
         idle = q.waiting == 0 and q.active == 0
         if idle and q.window is not None and now - q.last_pushback > self.config.forget_after_s:
             q.window = None
             self._window_metric(q)
-        if q.waiting == 0 and q.has_room() and not self._closed:
-            self._grant(q, slot, now)
-            if self._metrics is not None:
-                self._metrics.queue_wait.labels(q.model, tenant).observe(0.0)
-            return slot
-        await self._join(slot, front=False)
+        if q.waiting or not q.has_room() or self._closed:
+            return None
+        slot = Slot(self, q, tenant, priority, deadline)
+        self._grant(q, slot, now)
+        if self._metrics is not None:
+            self._metrics.queue_wait.labels(q.model, tenant).observe(0.0)
         return slot
 
     @contextlib.asynccontextmanager

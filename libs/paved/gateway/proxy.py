@@ -2,8 +2,11 @@
 
 Order of a request (each stage timed into the access log and `paved_gateway_stage_*`):
   auth (401) -> body + model check (400 / 404, not-allowed worded as unknown) -> prompt tokens
-  -> limits (429, tokens reserved) -> route + forward, moving to another backend only while
-  nothing has reached the client (connect errors, 502/503/504) -> answer -> reconcile.
+  -> limits (429, tokens reserved) -> the model's queue (paved.gateway.flow; straight through
+  while its backends have room) -> route + forward, moving to another backend only while
+  nothing has reached the client (connect errors, 502/503/504) -> answer -> reconcile. When
+  every backend tried had no room (503, a connect timeout), the request goes back to the queue
+  and waits for room until its deadline (then 503 + Retry-After, code queue_timeout).
 
 Invariants:
 - Every admitted request calls `Limiter.finish` exactly once: with the upstream's reported
@@ -11,6 +14,11 @@ Invariants:
   when the client left mid-stream, and with None (full refund) when nothing was generated.
 - Every `Router.begin` has one `Router.end`; `ok=False` only for failures of the backend
   (connect errors, timeouts, resets, 5xx other than 503 backpressure).
+- Every granted queue slot is released exactly once, when the answer or stream has ended (or
+  the request failed); a client that leaves while queued leaves the queue (499).
+- Upstream connections are pooled: one aiohttp session per gateway (keep-alive, no limit per
+  host, so a burst opens what it needs and later requests reuse them), shared with the
+  gateway's internal calls and KServe HTTP forwarding.
 - A stream that the upstream breaks ends with an `error` event and never with `[DONE]`; a
   client that leaves closes the upstream connection, which aborts the engine's request.
 - Streams always ask the upstream for usage (`stream_options.include_usage`) and strip the
@@ -25,9 +33,9 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import anyio
@@ -37,6 +45,7 @@ from starlette.types import Receive
 
 from paved.gateway.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
+from paved.gateway.flow import PRIORITY_HEADER, FlowController, Priority, Slot
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.tokens import TokenCounter
 from paved.http.errors import error_body
@@ -88,8 +97,12 @@ class OpenAIProxy:
         metrics: GatewayMetrics,
         tokens: TokenCounter,
         config: ProxyConfig,
+        flow: FlowController | None = None,
     ):
         self.authenticator = authenticator
+        # The per-model queue in front of dispatch; None (or max_queued 0): a request finding
+        # no backend with room is answered 503 at once.
+        self.flow = flow
         self.limiter = limiter
         self.router = router
         self.metrics = metrics
@@ -200,6 +213,7 @@ class OpenAIProxy:
                 param="model",
                 code="model_not_supported",
             )
+        priority = Priority.parse(request.headers.get(PRIORITY_HEADER))
         stream = body.get("stream") is True
         if stream and endpoint == "embeddings":
             raise GatewayError(400, "embeddings cannot be streamed", param="stream")
@@ -213,7 +227,7 @@ class OpenAIProxy:
 
         call = _Call(
             request, principal, endpoint, path, model, alias, body, stream, client_wants_usage,
-            request_id, traceparent, started, log,
+            request_id, traceparent, started, log, priority,
         )  # fmt: skip
         if self.orchestrator is not None:
             # The summaries and embeddings made for this request are charged to its caller.
@@ -243,19 +257,76 @@ class OpenAIProxy:
                 hit = await self.orchestrator.lookup(plan)
                 if hit is not None:
                     return await self._serve_hit(call, plan, hit, reservation)
-            return await self._attempts(call, reservation, count.affinity)
+            return await self._dispatch(call, reservation, count.affinity)
         except BaseException:
             # Nothing reached the client and nothing was generated: refund everything.
             with anyio.CancelScope(shield=True):
                 await self._settle(reservation, None)
             raise
 
-    async def _attempts(self, call: _Call, reservation: Reservation, affinity: bytes | None) -> Response:
+    async def _dispatch(self, call: _Call, reservation: Reservation, affinity: bytes | None) -> Response:
+        """Forward through the model's queue: straight through while its backends have room,
+        else held (fairly across tenants) until they do or the request's deadline passes."""
+        flow = self.flow
+        if flow is None or not flow.enabled:
+            return await self._attempts(call, reservation, affinity, None)
+        tenant = call.principal.tenant.name
+        deadline = time.monotonic() + flow.config.max_wait_s
+        slot = flow.try_acquire(call.alias, tenant, call.priority, deadline)
+        try:
+            if slot is None:
+                slot = await self._wait_turn(call, flow.acquire(call.alias, tenant, call.priority, deadline))
+            while True:
+                try:
+                    return await self._attempts(call, reservation, affinity, slot)
+                except _NoRoom:
+                    await self._wait_turn(call, slot.requeue())
+        except _Disconnected:
+            if slot is not None:
+                slot.release()
+            self.metrics.disconnects.labels(call.alias).inc()
+            call.log["status"] = 499
+            raise GatewayError(499, "client closed the request", code="client_closed_request") from None
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
+        finally:
+            if slot is not None and slot.waited_s:
+                call.log["queue_ms"] = round(slot.waited_s * 1000, 3)
+
+    async def _wait_turn(self, call: _Call, waiting: Awaitable[_T]) -> _T:
+        """Wait in the queue unless the client leaves first (then the waiter leaves too)."""
+        turn = asyncio.ensure_future(waiting)
+        gone = asyncio.ensure_future(_disconnected(call.request.receive))
+        try:
+            done, _ = await asyncio.wait((turn, gone), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            turn.cancel()
+            gone.cancel()
+            raise
+        if turn in done:
+            gone.cancel()
+            return turn.result()
+        turn.cancel()
+        with contextlib.suppress(BaseException):
+            got = await turn
+            if isinstance(got, Slot):
+                got.release()  # granted in the same instant: give it back
+        raise _Disconnected
+
+    async def _attempts(
+        self, call: _Call, reservation: Reservation, affinity: bytes | None, slot: Slot | None
+    ) -> Response:
+        """Up to `max_attempts` backends, until one answers. With a queue slot, a round in which
+        every backend tried had no room raises _NoRoom (the caller queues the request again)."""
         body, log, principal, model = call.body, call.log, call.principal, call.model
         sticky = body.get("user") if isinstance(body.get("user"), str) else principal.key_id
         excluded: set[str] = set()
         dropped: set[str] = set()
         last_error: GatewayError | None = None
+        # Every failure so far said "no room" (a 503, a connect timeout): not a broken backend.
+        no_room = True
         headers = {
             "content-type": "application/json",
             "x-request-id": call.request_id,
@@ -267,6 +338,8 @@ class OpenAIProxy:
                 pick = self.router.pick(model, sticky_key=str(sticky), affinity=affinity, exclude=excluded)
             except GatewayError:
                 if last_error is not None:
+                    if slot is not None and no_room:
+                        raise _NoRoom from None
                     raise last_error from None
                 raise
             if attempt == 0:
@@ -305,6 +378,8 @@ class OpenAIProxy:
                 else:
                     self.router.end(backend.id, ok=False)
                     excluded.add(backend.id)
+                    # A connect that times out is a full accept queue (a burst), not a dead one.
+                    no_room = no_room and isinstance(e, aiohttp.ConnectionTimeoutError)
                 self.metrics.retries.labels(backend.id, type(e).__name__).inc()
                 logger.warning("backend %s failed before answering (%s); trying another", backend.id, e)
                 last_error = GatewayError(
@@ -320,7 +395,15 @@ class OpenAIProxy:
                 _ms(sent, first_byte),
                 attempt + 1,
             )
-            if upstream.status in _RETRYABLE and attempt + 1 < self.config.max_attempts:
+            last = attempt + 1 == self.config.max_attempts
+            if upstream.status == 503 and slot is not None and no_room and last:
+                # The last backend tried had no room either: wait in the queue for room.
+                upstream.close()
+                self.router.end(backend.id, ok=True)
+                in_flight.dec()
+                raise _NoRoom
+            if upstream.status in _RETRYABLE and not last:
+                no_room = no_room and upstream.status == 503
                 upstream.close()
                 self.router.end(backend.id, ok=upstream.status == 503)
                 in_flight.dec()
@@ -333,8 +416,10 @@ class OpenAIProxy:
                 )
                 continue
             if call.stream and upstream.status == 200:
-                return self._stream(call, upstream, pick, reservation, in_flight)
-            return await self._whole(call, upstream, pick, reservation, in_flight)
+                return self._stream(call, upstream, pick, reservation, in_flight, slot)
+            return await self._whole(call, upstream, pick, reservation, in_flight, slot)
+        if slot is not None and no_room and last_error is not None:
+            raise _NoRoom
         raise last_error or GatewayError(502, "no backend answered", code="upstream_error")
 
     async def _send(
@@ -368,6 +453,7 @@ class OpenAIProxy:
         pick: Pick,
         reservation: Reservation,
         in_flight: Any,
+        slot: Slot | None,
     ) -> Response:
         alias, request_id, log, plan = call.alias, call.request_id, call.log, call.plan
         backend = pick.backend
@@ -396,6 +482,8 @@ class OpenAIProxy:
         finally:
             self.router.end(backend.id, ok=ok)
             in_flight.dec()
+            if slot is not None:
+                slot.release(completed=ok and upstream.status != 503)
         used = None
         if upstream.status == 200:
             usage = _usage_of(data)
@@ -417,6 +505,7 @@ class OpenAIProxy:
         pick: Pick,
         reservation: Reservation,
         in_flight: Any,
+        slot: Slot | None,
     ) -> Response:
         alias, client_wants_usage, started, log, plan = (
             call.alias, call.client_wants_usage, call.started, call.log, call.plan
@@ -479,6 +568,8 @@ class OpenAIProxy:
             outcome = state["outcome"]
             self.router.end(backend.id, ok=state["ok"])
             in_flight.dec()
+            if slot is not None:
+                slot.release(completed=state["ok"])
             if outcome in ("reset", "truncated"):
                 self.metrics.stream_errors.labels(backend.id).inc()
             elif outcome == "disconnect":
@@ -567,6 +658,13 @@ class _Disconnected(Exception):
     pass
 
 
+class _NoRoom(Exception):
+    """Every backend tried in a round had no room (503 or a connect timeout)."""
+
+
+_T = TypeVar("_T")
+
+
 @dataclass
 class _Call:
     """One client request once it is authenticated and its body parsed: what every later stage
@@ -586,6 +684,7 @@ class _Call:
     traceparent: str
     started: float
     log: dict[str, Any]
+    priority: Priority = Priority.INTERACTIVE
     plan: Plan | None = None
 
 

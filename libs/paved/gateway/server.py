@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ import uvicorn
 
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
 from paved.gateway.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.flow import FlowConfig, FlowController
 from paved.gateway.health import FileRoutesSource, HealthChecker
 from paved.gateway.limits import make_limiter
 from paved.gateway.metrics import GatewayMetrics
@@ -94,6 +96,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, help="seconds between stream events")
     p.add_argument("--max-attempts", type=int, default=3, help="backends tried before the first byte")
     p.add_argument("--default-max-tokens", type=int, default=256, help="reserved when a request names none")
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=1024,
+        help="requests held per model while its backends have no room (default 1024; 0: off, a "
+        "request finding no room is answered 503 at once)",
+    )
+    p.add_argument(
+        "--queue-max-wait",
+        type=float,
+        default=30.0,
+        help="seconds a request may wait in the queue before a 503 (default 30)",
+    )
+    p.add_argument(
+        "--tenant-weight",
+        action="append",
+        default=[],
+        metavar="TENANT=WEIGHT",
+        help="the tenant's share of a model's capacity when requests queue (default 1 each; repeatable)",
+    )
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health/ready checks")
     p.add_argument("--routes-poll", type=float, default=1.0, help="seconds between routes-file checks")
     p.add_argument("--auth-cache", type=float, default=0.5, help="seconds a key lookup is cached")
@@ -156,6 +178,30 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--semantic-cache-entries must be 0..100000000")
     if not 0 < args.template_timeout <= 10:
         p.error("--template-timeout must be in (0, 10] seconds")
+    if not 0 <= args.queue_size <= 1_000_000:
+        p.error("--queue-size must be 0..1000000")
+    if not 0 < args.queue_max_wait <= 3600:
+        p.error("--queue-max-wait must be in (0, 3600] seconds")
+    try:
+        args.tenant_weights = _tenant_weights(args.tenant_weight)
+    except ValueError as e:
+        p.error(f"--tenant-weight: {e}")
+
+
+def _tenant_weights(values: list[str]) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for value in values:
+        tenant, sep, number = value.partition("=")
+        if not sep or not tenant:
+            raise ValueError(f"{value!r} is not TENANT=WEIGHT")
+        try:
+            weight = float(number)
+        except ValueError:
+            raise ValueError(f"{value!r}: the weight is not a number") from None
+        if not (math.isfinite(weight) and 0 < weight <= 1000):
+            raise ValueError(f"{value!r}: the weight must be in (0, 1000]")
+        weights[tenant] = weight
+    return weights
 
 
 async def _bootstrap(store: GatewayStore, tenant: str, path: str) -> None:
@@ -207,6 +253,14 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         max_attempts=args.max_attempts,
         default_max_tokens=args.default_max_tokens,
     )
+    flow = FlowController(
+        FlowConfig(
+            max_queued=args.queue_size,
+            max_wait_s=args.queue_max_wait,
+            tenant_weights=args.tenant_weights,
+        ),
+        metrics=metrics,
+    )
     proxy = OpenAIProxy(
         authenticator=authenticator,
         limiter=limiter,
@@ -214,6 +268,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         metrics=metrics,
         tokens=TokenCounter(),
         config=config,
+        flow=flow,
     )
     orchestrator = None if args.no_orchestration else _orchestrator(args, store, proxy)
     proxy.orchestrator = orchestrator

@@ -658,3 +658,160 @@ def test_a_kept_alive_connection_closed_under_a_request_is_retried(tmp_path):
         if gw is not None:
             gw.stop()
         backend.close()
+
+
+# Flow control (paved.gateway.flow) end to end: two frontends that hold 4 requests each (2
+# decoding, 2 waiting in the engine; more is a 503 "overloaded"), requests of ~1 s each.
+TIGHT = "sim://tiny?tokens_per_s=10&max_num_seqs=2&max_waiting=2"
+TIGHT_CAPACITY = 8
+BURST = 24
+
+
+@pytest.fixture(scope="module")
+def tight_frontends():
+    servers = [ServerProcess("--engine", TIGHT, ready_timeout_s=120) for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.terminate()
+
+
+@contextlib.contextmanager
+def _tight_gateway(tmp_path: Path, frontends, *args: str):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    routes = write_routes(
+        tmp_path / "tight.json",
+        [{"alias": "tiny", "strategy": "least_outstanding", "backends": [_backend(s) for s in frontends]}],
+    )
+    gw = GatewayProcess(routes, *args, admin_key="adm-" + secrets.token_hex(16), state_dir=tmp_path)
+    try:
+        gw.tenant("t")
+        gw.key_t = gw.key("t")  # type: ignore[attr-defined]
+        yield gw
+    finally:
+        gw.stop()
+
+
+_SLOW_BODY = {"model": "tiny", "prompt": "x", "max_tokens": 10, "ignore_eos": True}
+
+
+async def _burst(gw, n: int, body: dict | None = None) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as c:
+        return await asyncio.gather(
+            *(
+                c.post(
+                    gw.url + "/v1/completions",
+                    json=body or _SLOW_BODY,
+                    headers={"Authorization": f"Bearer {gw.key_t}"},
+                )
+                for _ in range(n)
+            )
+        )
+
+
+def _metric(gw, name: str, **labels: str) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_burst_beyond_the_backends_but_within_the_queue_is_fully_served(tmp_path, tight_frontends):
+    # Without the queue the same burst is partly refused: it does exceed the backends.
+    with _tight_gateway(tmp_path / "off", tight_frontends, "--queue-size", "0") as gw:
+        statuses = [r.status_code for r in asyncio.run(_burst(gw, BURST))]
+    assert statuses.count(503) >= 1 and set(statuses) <= {200, 503}, statuses
+    with _tight_gateway(tmp_path / "on", tight_frontends, "--queue-size", "64") as gw:
+        responses = asyncio.run(_burst(gw, BURST))
+        assert [r.status_code for r in responses] == [200] * BURST, [r.text for r in responses]
+        assert all(r.json()["usage"]["completion_tokens"] == 10 for r in responses)
+        # They did wait: the gateway's queue held them, and it is empty again.
+        assert _metric(gw, "paved_gateway_queue_wait_seconds_count", model="tiny", tenant="t") > BURST
+        assert _metric(gw, "paved_gateway_queue_depth", model="tiny", tenant="t") == 0
+
+
+def test_a_burst_beyond_the_queue_is_refused_for_the_excess_only(tmp_path, tight_frontends):
+    queue = 4
+    with _tight_gateway(tmp_path, tight_frontends, "--queue-size", str(queue)) as gw:
+        responses = asyncio.run(_burst(gw, BURST))
+        refused = [r for r in responses if r.status_code != 200]
+        served = BURST - len(refused)
+        # The backends' capacity and the queue are served; only what is beyond both is refused.
+        assert 1 <= len(refused) <= BURST - TIGHT_CAPACITY - queue, [r.status_code for r in responses]
+        assert served >= TIGHT_CAPACITY + queue
+        for r in refused:
+            assert r.status_code == 503, r.text
+            assert _error(r)["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+        assert _metric(gw, "paved_gateway_queue_refused_total", reason="full") == len(refused)
+
+
+def test_a_client_that_leaves_the_queue_leaves_no_trace(tmp_path, tight_frontends):
+    long = {**_SLOW_BODY, "max_tokens": 400}
+    with _tight_gateway(tmp_path, tight_frontends, "--queue-size", "16") as gw:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=120) as c:
+
+                def post() -> asyncio.Task:
+                    return asyncio.ensure_future(
+                        c.post(
+                            gw.url + "/v1/completions",
+                            json=long,
+                            headers={"Authorization": f"Bearer {gw.key_t}"},
+                        )
+                    )
+
+                # Fill both backends, then one more: it is pushed back and queued.
+                holders = [post() for _ in range(TIGHT_CAPACITY)]
+                for _ in range(300):
+                    if sum([await _count_running(s.url) for s in tight_frontends]) >= 4:
+                        break
+                    await asyncio.sleep(0.05)
+                queued = post()
+                for _ in range(300):
+                    if _metric(gw, "paved_gateway_queue_depth", model="tiny") == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                assert _metric(gw, "paved_gateway_queue_depth", model="tiny") == 1
+                queued.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queued
+                for _ in range(300):
+                    if _metric(gw, "paved_gateway_queue_depth", model="tiny") == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert _metric(gw, "paved_gateway_queue_depth", model="tiny") == 0
+                for h in holders:
+                    h.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+
+        asyncio.run(scenario())
+        # The one that left is a 499 in the access log, and its place in flight was given back:
+        # the backends take a full burst again afterwards.
+        for _ in range(100):
+            if 499 in _access_statuses(gw):
+                break
+            time.sleep(0.05)
+        assert 499 in _access_statuses(gw)
+        short = {**_SLOW_BODY, "max_tokens": 2}
+        again = asyncio.run(_burst(gw, TIGHT_CAPACITY, short))
+        assert [r.status_code for r in again] == [200] * TIGHT_CAPACITY
+
+
+def test_an_unknown_priority_is_a_400(gateway, key):
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}", "x-paved-priority": "urgent"},
+        json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+        timeout=10,
+    )
+    assert r.status_code == 400 and "x-paved-priority" in _error(r)["message"], r.text
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}", "x-paved-priority": "background"},
+        json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
