@@ -24,7 +24,10 @@ Invariants callers rely on:
     Jinja loop with an empty body stops too, and by a watchdog thread that, past the deadline,
     raises the deadline in the worker again every 20 ms until it returns (a single raise can be
     swallowed by a generator's finalization, which also drops the trace function); compiling
-    (create, a render's cache miss) runs in the same workers under a deadline of its own;
+    (create, a render's cache miss) runs in the same workers under a deadline of its own, and
+    the Python a big template compiles to is compiled by a child process killed at that
+    deadline (CPython's compile() holds the GIL throughout: in a thread it still stalls the
+    event loop);
   * workers: a job takes a free worker or, when none frees up within `render_timeout_s`,
     answers 503 (template_render_busy); it never queues behind a busy one;
   * size: the output is counted while it is generated and stops at `max_output_chars`; no value
@@ -38,9 +41,14 @@ Invariants callers rely on:
     surrogates); `range` is bounded;
     only allow-listed callables run (range, dict, namespace, joiner, macros, and a few non-growing
     str/dict/list methods; never `str.format` or `%` string formatting).
+  * values: an expression may output (or join with ~, |join, |string) only strings, numbers,
+    booleans, None and lists, tuples or dicts of those; a function, macro, `loop`, `self`,
+    joiner, namespace or iterator is a "template_render_error" naming the expression, never
+    its repr in a prompt.
   Every failure is GatewayError(400): "template_refused" for what the sandbox forbids (a
   SecurityError), "template_render_error" for a limit, an undefined variable (named in the
-  message) or any other error the template raises; never a 500, never a hung worker.
+  message) or any other error the template raises; never a 500, never a hung worker. No
+  message carries an object repr (`<function ... at 0x...>`: `_clip` replaces them).
 - Variables are data: a JSON object of at most MAX_VARIABLES_BYTES (serialized) whose keys are
   identifiers; it is serialized and parsed back before rendering, so a template sees only plain
   JSON values, and a variable holding "{{ 7*7 }}" renders literally.
@@ -54,7 +62,9 @@ import builtins
 import ctypes
 import functools
 import json
+import marshal
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -103,6 +113,25 @@ _TEMPLATE_FILENAME = "<paved-prompt-template>"
 _QUEUE_GRACE_S = 5.0
 # Vetting and compiling (create, or a render's cache miss) run under this deadline of their own.
 _COMPILE_TIMEOUT_S = 10.0
+# The Python a template compiles to is compiled by a child process beyond this size: CPython's
+# compile() holds the GIL from start to end (0.4 s for the 1.9 MB a 64 KiB `{{[a*a, a*a, ...]}}`
+# becomes), which no worker thread can keep from stalling the event loop. Below it the work is
+# a few milliseconds and a process would cost more.
+_INLINE_COMPILE_CHARS = 64 * 1024
+_COMPILER = """\
+import marshal, sys
+source = sys.stdin.buffer.read()
+try:
+    code = compile(source, sys.argv[1], "exec", dont_inherit=True)
+except (SyntaxError, RecursionError, MemoryError, OverflowError) as e:
+    kind = next(k for k in (SyntaxError, RecursionError, MemoryError, OverflowError) if isinstance(e, k))
+    sys.stdout.buffer.write(b"E" + kind.__name__.encode())
+else:
+    sys.stdout.buffer.write(b"C" + marshal.dumps(code))
+"""
+_COMPILE_ERRORS: dict[bytes, type[Exception]] = {
+    e.__name__.encode(): e for e in (SyntaxError, RecursionError, MemoryError, OverflowError)
+}
 # Past a deadline the watchdog interrupts its worker every _KICK_INTERVAL_S, at most _MAX_KICKS times.
 _KICK_INTERVAL_S = 0.02
 _MAX_KICKS = 500
@@ -192,8 +221,22 @@ def _refused(message: str, param: str | None) -> GatewayError:
     return GatewayError(400, message, code="template_refused", param=param)
 
 
+# An object's repr in an error text (`<function safe_range at 0x7f26...>`, `<bound method
+# Joiner.__call__ of <...>>`): innermost first, so a nested one goes in a second pass.
+_OBJECT_REPR = re.compile(
+    r"<(?:[^<>]* at 0x[0-9a-fA-F]+|(?:function|bound method|built-in|method|class|module|generator) [^<>]*)>"
+)
+
+
 def _clip(text: str) -> str:
+    """An exception's text for an error message: one line, bounded, and without object reprs
+    (a heap address, or a Python object's name, is nothing a template author can use)."""
     text = " ".join(text.split())
+    while True:
+        scrubbed = _OBJECT_REPR.sub("a Python object", text)
+        if scrubbed == text:
+            break
+        text = scrubbed
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
@@ -315,7 +358,98 @@ class _BoundedCodeGenerator(CodeGenerator):
         for arg in node.nodes:
             self.visit(arg, frame)
             self.write(", ")
-        self.write("))")
+        self.write(f"), {_expression_label(node)!r})")
+
+    # Every {{ expression }} is output through paved_output, told which one it is, so a value
+    # that is not text names its expression (autoescape, the other branch, is refused at create).
+    def _output_child_pre(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
+        self.write(f"environment.paved_output({_expression_label(node)!r}, ")
+
+    def _output_child_post(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
+        self.write(")")
+
+
+_LABEL_CHARS = 60
+
+
+def _expression_text(node: nodes.Node, depth: int = 0) -> str:
+    """The source of a (common) expression, rebuilt from its tree: Jinja keeps no columns."""
+    if depth > 6:
+        return "..."
+    d = depth + 1
+    if isinstance(node, nodes.Name):
+        return node.name
+    if isinstance(node, nodes.Const):
+        return repr(node.value) if isinstance(node.value, str | int | float | bool | None) else "..."
+    if isinstance(node, nodes.Getattr):
+        return f"{_expression_text(node.node, d)}.{node.attr}"
+    if isinstance(node, nodes.Getitem):
+        return f"{_expression_text(node.node, d)}[{_expression_text(node.arg, d)}]"
+    if isinstance(node, nodes.Call):
+        inner = "..." if node.args or node.kwargs or node.dyn_args or node.dyn_kwargs else ""
+        return f"{_expression_text(node.node, d)}({inner})"
+    if isinstance(node, nodes.Filter):
+        base = "" if node.node is None else _expression_text(node.node, d) + " | "
+        return base + node.name
+    if isinstance(node, nodes.Test):
+        return f"{_expression_text(node.node, d)} is {node.name}"
+    if isinstance(node, nodes.List):
+        return "[...]" if node.items else "[]"
+    if isinstance(node, nodes.Tuple):
+        return "(...)"
+    if isinstance(node, nodes.Dict):
+        return "{...}" if node.items else "{}"
+    if isinstance(node, nodes.BinExpr):
+        return f"{_expression_text(node.left, d)} {node.operator} {_expression_text(node.right, d)}"
+    if isinstance(node, nodes.Concat):
+        return " ~ ".join(_expression_text(n, d) for n in node.nodes)
+    if isinstance(node, nodes.CondExpr):
+        return f"{_expression_text(node.expr1, d)} if ..."
+    return "..."
+
+
+def _expression_label(node: nodes.Node) -> str:
+    text = _expression_text(node)
+    if len(text) > _LABEL_CHARS:
+        text = text[: _LABEL_CHARS - 3] + "..."
+    return f"{{{{ {text} }}}} (line {node.lineno})"
+
+
+class _NotText(_RenderLimit):
+    """A value that has no text a prompt could carry (a function, a macro, an iterator...)."""
+
+    def __init__(self, value: Any):
+        super().__init__(f"{_kind_of(value)} is not text")
+        self.value = value
+
+
+def _kind_of(value: Any) -> str:
+    """What a non-plain value is, in words (never its repr)."""
+    if isinstance(value, types.FunctionType | types.BuiltinFunctionType | types.MethodType):
+        return "a function"
+    if isinstance(value, Iterator) and not isinstance(value, LoopContext):
+        return "an iterator (add |list)"
+    if isinstance(value, MappingView):
+        return "a dict view (add |list)"
+    return f"a {type(value).__name__} object"
+
+
+def _not_plain(value: Any) -> Any:
+    """The first part of `value` that is not a string, number, boolean, None, or a list, tuple
+    or dict of those; None when there is none. `value` was weighed: the walk is bounded."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if item is None or isinstance(item, str | int | float):
+            continue
+        if isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        else:
+            return item
+    return None
 
 
 # Methods a template may call, by the type of the object they are bound to: none of them builds a
@@ -538,7 +672,8 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
         return value
 
     def _text(self, value: Any) -> str:
-        """str(value), refusing (before converting) anything whose text would be over the limit."""
+        """str(value), refusing (before converting) anything whose text would be over the limit
+        and anything but plain values (_not_plain): no object repr ever reaches a prompt."""
         if isinstance(value, str):
             text = value
         elif isinstance(value, Undefined):
@@ -546,6 +681,9 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
         else:
             if not isinstance(value, int | float | bool | type(None)):
                 self.weigh(value, fail_undefined=True)
+                foreign = _not_plain(value)
+                if foreign is not None:
+                    raise _NotText(foreign)
             text = str(value)
         if len(text) > self.max_chars:
             raise self._limit("a string")
@@ -557,10 +695,28 @@ class _PromptEnvironment(ImmutableSandboxedEnvironment):
     def _finalize(self, value: Any) -> str:
         return self._text(value)
 
-    def paved_concat(self, parts: Iterable[Any]) -> str:
+    def paved_output(self, label: str, value: Any) -> str:
+        """The text of one {{ expression }} (`label` says which, for the error)."""
+        try:
+            return self._text(value)
+        except _NotText as exc:
+            raise _RenderLimit(
+                f"{label} is {_kind_of(exc.value)}, not text: a template may output only strings, "
+                "numbers, booleans, none, and lists or dicts of those"
+            ) from None
+
+    def _compile(self, source: str, filename: str) -> types.CodeType:
+        return _compile_python(source, filename)
+
+    def paved_concat(self, parts: Iterable[Any], label: str | None = None) -> str:
         texts, total = [], 0
         for part in parts:
-            text = self._text(part)
+            try:
+                text = self._text(part)
+            except _NotText as exc:
+                if label is None:
+                    raise
+                raise _RenderLimit(f"{label} joins {_kind_of(exc.value)}, which is not text") from None
             total += len(text)
             if total > self.max_chars:
                 raise self._limit("a concatenation")
@@ -800,8 +956,9 @@ def _private(name: object) -> bool:
     return isinstance(name, str) and any(part.startswith("_") for part in name.split("."))
 
 
-def _vet_source(env: _PromptEnvironment, source: str, param: str) -> None:
-    """Refuse (GatewayError 400) what a template may never do, from its syntax tree."""
+def _vet_source(env: _PromptEnvironment, source: str, param: str) -> nodes.Template:
+    """Refuse (GatewayError 400) what a template may never do, from its syntax tree; returns
+    the tree (so it is compiled without parsing the source again)."""
     try:
         tree = env.parse(source)
         found = list(tree.find_all(nodes.Node))
@@ -839,6 +996,7 @@ def _vet_source(env: _PromptEnvironment, source: str, param: str) -> None:
             raise _refused(f"{param}: the test '{node.name}' is not allowed", param)
         if isinstance(node, nodes.Filter | nodes.Test):
             _vet_attribute_args(node, param, eval_ctx)
+    return tree
 
 
 def _vet_attribute_args(node: nodes.Filter | nodes.Test, param: str, eval_ctx: nodes.EvalContext) -> None:
@@ -856,7 +1014,7 @@ def _vet_attribute_args(node: nodes.Filter | nodes.Test, param: str, eval_ctx: n
             )
 
 
-def _compile(env: _PromptEnvironment, source: str, param: str) -> Template:
+def _compile(env: _PromptEnvironment, source: str | nodes.Template, param: str) -> Template:
     try:
         code = env.compile(source, filename=_TEMPLATE_FILENAME)
         return env.template_class.from_code(env, code, env.make_globals(None), None)
@@ -870,6 +1028,45 @@ def _compile(env: _PromptEnvironment, source: str, param: str) -> Template:
         # Python's own compiler limits (indentation depth, statically nested blocks, nested
         # parentheses) on a template that parsed: the template is too deep, not a 500.
         raise _refused(f"{param}: the template is nested too deeply", param) from None
+    except _CompilerDied:
+        raise _refused(f"{param}: the template is too large to compile", param) from None
+
+
+class _CompilerDied(Exception):
+    """The child compiling a template's Python ended without an answer (killed for memory)."""
+
+
+def _compile_python(source: str, filename: str) -> types.CodeType:
+    """compile(source), in a child process when it is big (_INLINE_COMPILE_CHARS), killed at
+    the current job's deadline (_DeadlineExceeded)."""
+    if len(source) <= _INLINE_COMPILE_CHARS:
+        return compile(source, filename, "exec", dont_inherit=True)
+    watchdog: _Watchdog | None = getattr(_render_state, "watchdog", None)
+    deadline = watchdog.deadline if watchdog is not None else time.monotonic() + _COMPILE_TIMEOUT_S
+    command = [sys.executable, "-I", "-S", "-c", _COMPILER, filename]
+    try:
+        child = subprocess.Popen(  # noqa: S603 - this interpreter and a fixed script; source on stdin
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+    except OSError:  # no child can be started here (no executable, no processes left): compile inline
+        return compile(source, filename, "exec", dont_inherit=True)
+    with child:
+        try:
+            out, _ = child.communicate(
+                source.encode("utf-8", "surrogatepass"), timeout=max(0.0, deadline - time.monotonic())
+            )
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise _DeadlineExceeded from None
+        except BaseException:
+            child.kill()  # the watchdog's interruption, or anything else: no child outlives its job
+            raise
+    if out[:1] == b"C" and child.returncode == 0:
+        return cast("types.CodeType", marshal.loads(out[1:]))  # noqa: S302 - our own child's output
+    error = _COMPILE_ERRORS.get(out[1:]) if out[:1] == b"E" else None
+    if error is not None:
+        raise error
+    raise _CompilerDied
 
 
 # -- rendering under a deadline ---------------------------------------------------------------
@@ -1095,10 +1292,12 @@ class TemplateRegistry:
     def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
             watchdog = _Watchdog(time.monotonic() + _COMPILE_TIMEOUT_S)
+            _render_state.watchdog = watchdog  # whose deadline a child compiler is killed at
             try:
                 try:
                     return fn(watchdog, *args)
                 finally:
+                    _render_state.watchdog = None
                     watchdog.close()
             except _DeadlineExceeded:
                 raise watchdog.timeout_error() from None
@@ -1139,8 +1338,8 @@ class TemplateRegistry:
         compiled = []
         for i, message in enumerate(messages):
             param = f"messages[{i}].content"
-            _vet_source(self._env, message["content"], param)
-            compiled.append(_compile(self._env, message["content"], param))
+            tree = _vet_source(self._env, message["content"], param)
+            compiled.append(_compile(self._env, tree, param))
         return tuple(compiled)
 
     def _create_sync(self, name: str, messages: list[dict[str, str]], description: str) -> PromptTemplate:

@@ -9,8 +9,10 @@ role limits, syntax errors) with nothing stored; every render-time refusal (the 
 SecurityErrors, disallowed calls, '%' formatting) stopping the render where it stands; the
 wall-clock deadline stopping pure-Jinja loops and recursion; output and value limits
 (repetition, powers, doubling strings, lists and macros, replace/join/indent); the variables'
-limits; variables rendered as data; rendering in a worker thread; the admin API (401 without
-the admin key, 201/400/404 answers).
+limits; variables rendered as data; rendering in a worker thread; values with no text (functions,
+macros, loop, iterators) a 400 naming the expression, and no error message with an object repr;
+a huge template's compile leaving the event loop free (Python compiled by a child process, killed
+at the compile deadline); the admin API (401 without the admin key, 201/400/404 answers).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -892,3 +896,130 @@ def test_postgres_versions_races_and_prompting(pg_server):
         await asyncio.gather(*(s.close() for s in stores))
 
     run(go())
+
+
+# -- values with no text, object reprs, compiling off the loop ---------------------------------
+
+_REPR = re.compile(r"0x[0-9a-f]{6,}|<function|<bound method|<built-in")
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        ("{{ range }}", "{{ range }}"),
+        ("{{ self }}", "{{ self }}"),
+        ("{{ joiner() }}", "{{ joiner() }}"),
+        ("{{ ''.join }}", "{{ ''.join }}"),
+        ("{% for x in [1] %}{{ loop }}{% endfor %}", "{{ loop }}"),
+        ("{% macro m() %}x{% endmacro %}{{ m }}", "{{ m }}"),
+        ("{% macro m() %}{{ caller }}{% endmacro %}{% call m() %}y{% endcall %}", "{{ caller }}"),
+        ("{{ [1, range] }}", "{{ [...] }}"),
+        ("{{ {'a': joiner()} }}", "{{ {...} }}"),
+        ("{{ xs|map('upper') }}", "{{ xs | map }}"),
+        ("{{ d.items() }}", "{{ d.items() }}"),
+        ("{{ namespace(a=1) }}", "{{ namespace(...) }}"),
+        ("{{ 'a' ~ range }}", "{{ 'a' ~ range }}"),
+        ("{{ {}[range] }}", None),
+        ("{{ {}[joiner()] }}", None),
+        ("{{ {}[''.join] }}", None),
+        ("{{ range|string }}", None),
+        ("{{ [range]|join }}", None),
+        ("{% set x %}{{ range }}{% endset %}{{ x }}", "{{ range }}"),
+    ],
+)
+def test_values_without_text_are_400s_without_reprs(registry, source, named):
+    err = render_error(registry, source, {"xs": ["a"], "d": {"a": 1}})
+    assert err.status == 400 and err.code == "template_render_error", err.message
+    assert not _REPR.search(err.message), err.message
+    if named is not None:
+        assert f"{named} (line 1)" in err.message, err.message
+
+
+def test_plain_values_still_render(registry):
+    source = (
+        "{{ [1, 'a', {'b': none}, (2, 3.5)] }} {{ 1.5 }} {{ true }} {{ none }} {{ xs|map('upper')|list }}"
+    )
+    assert render(registry, source, {"xs": ["a"]}) == "[1, 'a', {'b': None}, (2, 3.5)] 1.5 True None ['A']"
+
+
+def _huge_source() -> str:
+    # The issue's shape: 13,000 expressions in 64 KiB compile to ~2 MB of Python, which
+    # CPython's compile() took 0.4-3 s to compile holding the GIL.
+    return "{{ [" + ", ".join(["a*a"] * 13_000) + "] }}"
+
+
+def test_a_huge_compile_leaves_the_event_loop_free(registry, monkeypatch):
+    compiling = threading.Event()
+    threads: list[int] = []
+    original = tm._PromptEnvironment._compile
+
+    def observed(self, source, filename):
+        threads.append(threading.get_ident())
+        compiling.set()
+        try:
+            return original(self, source, filename)
+        finally:
+            compiling.clear()
+
+    monkeypatch.setattr(tm._PromptEnvironment, "_compile", observed)
+
+    async def go():
+        done = asyncio.Event()
+        ticks_while_compiling = 0
+
+        async def ticker():
+            nonlocal ticks_while_compiling
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                ticks_while_compiling += compiling.is_set()
+
+        task = asyncio.create_task(ticker())
+        try:
+            template = await registry.create("huge", [msg(_huge_source())])
+        finally:
+            done.set()
+            await task
+        rendered = await registry.render(template, {"a": 2})
+        return ticks_while_compiling, rendered
+
+    ticks, rendered = run(go())
+    assert rendered[0]["content"] == "[" + ", ".join(["4"] * 13_000) + "]"
+    assert threads and threading.get_ident() not in threads
+    # Compiled on the loop's thread or by compile() holding the GIL, the loop could not run
+    # at all while the flag was set (at most a tick slipping in around the call).
+    assert ticks >= 5, ticks
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% if 1 %}" * 100 + "{% endif %}" * 100,
+        "{% for a in x %}" * 21 + "{% endfor %}" * 21,
+        "{{ x" + "|map('upper')" * 200 + " }}",
+    ],
+)
+def test_a_child_compiler_answers_like_compile(registry, monkeypatch, source):
+    monkeypatch.setattr(tm, "_INLINE_COMPILE_CHARS", 0)
+    assert (
+        render(registry, "Hi {{ who }}{% for i in range(3) %}{{ i }}{% endfor %}", {"who": "x"}) == "Hi x012"
+    )
+    err = gateway_error(registry.create, "t", [msg(source)])
+    assert err.status == 400 and err.code == "template_refused" and "nested too deeply" in err.message
+
+
+def test_a_hung_child_compiler_is_killed_at_the_compile_deadline(registry, monkeypatch):
+    monkeypatch.setattr(tm, "_INLINE_COMPILE_CHARS", 0)
+    monkeypatch.setattr(tm, "_COMPILE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(tm, "_COMPILER", "import time\ntime.sleep(600)\n")
+    children: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    class Recorded(popen):  # type: ignore[misc,valid-type]
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append(self)
+
+    monkeypatch.setattr(tm.subprocess, "Popen", Recorded)
+    err = gateway_error(registry.create, "t", [msg("Hi {{ who }}")])
+    assert err.status == 400 and err.code == "template_refused" and "too long to compile" in err.message
+    assert len(children) == 1 and children[0].returncode is not None  # killed and reaped
