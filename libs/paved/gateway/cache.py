@@ -242,7 +242,10 @@ def is_cacheable_answer(status: int, body: bytes) -> bool:
 
 
 def _dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    # U+0085/U+2028/U+2029 escaped: JSON leaves them raw, and line-based SSE clients split a
+    # replayed `data:` line at each (as the frontend's `responses.sse` escapes them).
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").encode()
 
 
 class _NotMergeable(Exception):
