@@ -275,8 +275,9 @@ class LocalDriver:
             url=url,
             admin_url=f"http://{_HOST}:{named['admin']}",
             kserve_grpc=f"{_HOST}:{named['grpc']}" if req.kserve else None,
-            # A classic model's HTTP port is KServe v2 HTTP (an LLM's is the OpenAI API).
-            kserve_http=url if req.kind == "kserve" else None,
+            # A classic model's HTTP port is KServe v2 HTTP; an LLM's with KServe on serves both
+            # the OpenAI API and KServe v2 HTTP (under /v2), as Triton serves every model.
+            kserve_http=url if req.kind == "kserve" or req.kserve else None,
             # The launcher's metrics proxy, not the frontend's /metrics through the gate: it also
             # answers while the replica starts or drains, and merges the engine's multiprocess
             # files (vLLM's own processes) with the frontend's families.

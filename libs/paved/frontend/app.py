@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Protocol
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paved.frontend import openai_api, ops_api
 from paved.frontend.errors import install_error_handlers
@@ -29,6 +30,26 @@ class SideServer(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self, grace_s: float = 5.0) -> None: ...
+
+
+class _KServeHTTP:
+    """KServe v2 HTTP (`/v2`, `/v2/...`) on the frontend's own port, answered by the KServe
+    server's HTTP app (its `http_app`, set when it starts): one HTTP port serves every model over
+    both APIs, as Triton's does, so a replica's public address is also its KServe HTTP address.
+    Outermost, ahead of the OpenAI stack: KServe keeps its own error bodies, request metrics
+    and limits there, exactly as on its own port."""
+
+    def __init__(self, app: ASGIApp, kserve: SideServer):
+        self.app = app
+        self.kserve = kserve
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v2" or scope["path"].startswith("/v2/")):
+            kserve_app = getattr(self.kserve, "http_app", None)
+            if kserve_app is not None:
+                await kserve_app(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # Big enough for a paved choice catalogue of ~100k titles (a few MB of JSON), small enough
@@ -55,7 +76,7 @@ def create_app(
     `kserve`, a not yet started KServe v2 server over the same engines, runs on the same event
     loop: its listeners bind before the engines boot (a busy port fails startup), and it stops,
     giving in-flight calls `kserve_grace_s`, after the OpenAI side drained and before the
-    engines stop.
+    engines stop. Its HTTP API is also served on this app's port, under /v2.
 
     `max_buffered_body_bytes` bounds the chunked request bodies buffered at once (see
     paved.frontend.middleware.BodyLimitMiddleware); None: 128 MiB, or max_body_bytes if larger."""
@@ -128,4 +149,6 @@ def create_app(
     # Outermost of all: every response (413s, metrics, errors) carries x-request-id, and the
     # access line times the whole stack.
     app.add_middleware(TracingMiddleware)
+    if kserve is not None:
+        app.add_middleware(_KServeHTTP, kserve=kserve)
     return app

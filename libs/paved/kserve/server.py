@@ -17,6 +17,11 @@ Both listeners bind before `serve_kserve` returns (a busy port fails the caller 
 models load in the background, so ServerReady answers false until they and the engines are
 ready. The HTTP listener is a second uvicorn server on the caller's loop that leaves signal
 handling to the process's main server: whoever owns shutdown calls `stop()`.
+
+`http_app`, set by `start()` whether or not an HTTP port is configured, is the KServe v2 HTTP
+application itself: the frontend also serves it on its own port (its /v2 paths), as Triton
+serves every model over HTTP on one port, so a replica's public HTTP address is its KServe HTTP
+address too.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import socket
 from collections.abc import Callable, Sequence
 
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from paved.engine.protocol import Engine
@@ -104,6 +110,7 @@ class KServeServer:
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self._http_socket: socket.socket | None = None
+        self.http_app: FastAPI | None = None
 
     async def start(self) -> None:
         self.repository.models()  # fail now on a name served twice
@@ -128,13 +135,13 @@ class KServeServer:
         self.repository.start_loading()
         if self._grpc is not None:
             await self._grpc.start()
+        self.http_app = app = create_http_app(
+            self.repository,
+            max_body_bytes=self.max_message_bytes,
+            metrics=metrics,
+            metrics_registry=served_registry,
+        )
         if self._http_socket is not None:
-            app = create_http_app(
-                self.repository,
-                max_body_bytes=self.max_message_bytes,
-                metrics=metrics,
-                metrics_registry=served_registry,
-            )
             config = uvicorn.Config(
                 app, lifespan="off", log_level="warning", access_log=False, timeout_keep_alive=30
             )

@@ -153,6 +153,7 @@ def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=gateway + "/v1", api_key="pvd_wrong", max_retries=0).models.list()
         kserve_through_the_gateway(kserve, key)
+        kserve_http_through_the_gateway(gateway, key)
 
         proc.send_signal(signal.SIGTERM)
         assert up.wait() == 0, up.text()
@@ -180,6 +181,26 @@ def kserve_through_the_gateway(target: str, key: str) -> None:
         t.set_data_from_numpy(x)
         assert np.array_equal(c.infer("xgb_scorer", [t], headers=headers).as_numpy("output__0"), expected)
         prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([b"hello"], dtype=object))
+        text = c.infer("tiny", [prompt], headers=headers).as_numpy("text_output")
+        assert text is not None and len(text) == 1 and text[0], text
+    finally:
+        c.close()
+
+
+def kserve_http_through_the_gateway(gateway: str, key: str) -> None:
+    """tritonclient.http with the tenant's key on the gateway's HTTP port: the (simulated) LLM
+    is ready and generates over KServe HTTP too (its replicas serve /v2 on their HTTP port), as
+    the XGBoost model does."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    headers = {"authorization": f"Bearer {key}"}
+    c = httpclient.InferenceServerClient(gateway.removeprefix("http://"), network_timeout=60)
+    try:
+        assert c.is_model_ready("tiny", headers=headers)
+        assert c.is_model_ready("xgb_scorer", headers=headers)
+        prompt = httpclient.InferInput("text_input", [1], "BYTES")
         prompt.set_data_from_numpy(np.array([b"hello"], dtype=object))
         text = c.infer("tiny", [prompt], headers=headers).as_numpy("text_output")
         assert text is not None and len(text) == 1 and text[0], text
