@@ -51,7 +51,12 @@ measured requests, the same sequence of prompt indices and user messages for bot
 reported: vLLM's prefix-cache hit rate over the measured requests
 (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` deltas, summed over both instances'
 /metrics), TTFT p50/p99 and the split between the instances. `prefix_hit_ratio_vs_round_robin`
-= affinity hit rate / weighted hit rate (target >= 1.5). The gateway routes without a tokenizer:
+= affinity hit rate / weighted hit rate (target >= 1.5); `prefix_ttft_p50_ratio_vs_round_robin`
+and `prefix_ttft_p99_ratio_vs_round_robin` = affinity TTFT / weighted TTFT at that percentile
+(targets <= 1.0: the hits must pay off in latency). TTFT there is the client's time to the
+first SSE event, which the frontend sends (role only) at admission; `prefix_first_token_*` is
+the time to the event after it (the first token's, after the prefill; p50/p99 and ratios).
+The gateway routes without a tokenizer:
 its affinity key is the first 1024 bytes of the messages' text (the system prompt).
 
 With --json the last stdout line is one JSON object with every key. Every process the bench
@@ -675,7 +680,11 @@ async def prefix_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
 
 async def prefix_request(
     session: aiohttp.ClientSession, url: str, headers: dict[str, str], system: str, user: str
-) -> float:
+) -> tuple[float, float]:
+    """(seconds to the first SSE event, seconds to the event after it: the first token). The
+    frontend sends its role-only first event at admission, before the engine has run the
+    prompt, so the first is the gateway's and the frontend's admission latency and only the
+    second includes the prefill that a prefix-cache hit shortens."""
     body = {
         "model": MODEL,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -685,30 +694,35 @@ async def prefix_request(
         "stream": True,
     }
     started_at = time.perf_counter()
-    first = None
+    first = token = None
     done = False
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
         if response.status != 200:
             raise BenchError(f"{url}: HTTP {response.status}: {(await response.text())[:300]}")
         async for line in response.content:
-            if line.startswith(b"data: {") and first is None:
-                first = time.perf_counter()
+            if line.startswith(b"data: {"):
+                # The frontend sends an event per engine output that has text (or ends the
+                # choice), so the one after the role event is the first token's.
+                if first is None:
+                    first = time.perf_counter()
+                elif token is None:
+                    token = time.perf_counter()
             if line.startswith(b"data: [DONE]"):
                 done = True
-    if not done or first is None:
-        raise BenchError(f"{url}: the stream ended without data: [DONE]")
-    return first - started_at
+    if not done or first is None or token is None:
+        raise BenchError(f"{url}: the stream ended without two events or without data: [DONE]")
+    return first - started_at, token - started_at
 
 
 async def prefix_workload(
     gateway: Target, prompts: list[str], requests: int, seed: int, concurrency: int
-) -> list[float]:
+) -> list[tuple[float, float]]:
     rng = random.Random(seed)
     plan = [
         (rng.choice(prompts), f"User {seed}-{i}: what should I do next about item {i}?")
         for i in range(requests)
     ]
-    ttfts: list[float] = []
+    ttfts: list[tuple[float, float]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
 
         async def worker() -> None:
@@ -761,8 +775,10 @@ async def measure_strategy(
         "per_instance": per_instance,
         "hit_rate": hits / queries,
         "queried_tokens": queries,
-        "ttft_p50": _percentile(ttfts, 50),
-        "ttft_p99": _percentile(ttfts, 99),
+        "ttft_p50": _percentile([t[0] for t in ttfts], 50),
+        "ttft_p99": _percentile([t[0] for t in ttfts], 99),
+        "token_p50": _percentile([t[1] for t in ttfts], 50),
+        "token_p99": _percentile([t[1] for t in ttfts], 99),
         "split": [round(a - b) for a, b in zip(done_after, done_before, strict=True)],
     }
 
@@ -831,6 +847,13 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> tuple[dict, list[str]
         "prefix_ttft_p99_ms_affinity": round(a["ttft_p99"] * 1e3, 2),
         "prefix_ttft_p99_ms_round_robin": round(w["ttft_p99"] * 1e3, 2),
         "prefix_ttft_p50_ratio_vs_round_robin": round(a["ttft_p50"] / w["ttft_p50"], 4),
+        "prefix_ttft_p99_ratio_vs_round_robin": round(a["ttft_p99"] / w["ttft_p99"], 4),
+        "prefix_first_token_p50_ms_affinity": round(a["token_p50"] * 1e3, 2),
+        "prefix_first_token_p50_ms_round_robin": round(w["token_p50"] * 1e3, 2),
+        "prefix_first_token_p99_ms_affinity": round(a["token_p99"] * 1e3, 2),
+        "prefix_first_token_p99_ms_round_robin": round(w["token_p99"] * 1e3, 2),
+        "prefix_first_token_p50_ratio_vs_round_robin": round(a["token_p50"] / w["token_p50"], 4),
+        "prefix_first_token_p99_ratio_vs_round_robin": round(a["token_p99"] / w["token_p99"], 4),
         "prefix_split_affinity": a["split"],
         "prefix_split_round_robin": w["split"],
         "prefix_hit_rate_per_instance_affinity": a["per_instance"],
@@ -845,14 +868,22 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> tuple[dict, list[str]
         f"prefix affinity vs weighted (round robin), 2 tiny-model frontends x {blocks} KV blocks of "
         f"{PREFIX_BLOCK} tokens, {args.prefix_prompts} system prompts of {PREFIX_WORDS} words, "
         f"{args.prefix_requests} measured requests at concurrency {args.prefix_concurrency}",
-        f"  {'strategy':16} {'hit rate':>8} {'ttft p50':>9} {'ttft p99':>9} split",
+        f"  {'strategy':16} {'hit rate':>8} {'ttft p50':>9} {'ttft p99':>9} {'token p50':>9} "
+        f"{'token p99':>9} split",
     ]
     for name, r in (("prefix_affinity", a), ("weighted", w)):
         lines.append(
             f"  {name:16} {r['hit_rate']:8.3f} {r['ttft_p50'] * 1e3:8.1f}ms {r['ttft_p99'] * 1e3:8.1f}ms "
+            f"{r['token_p50'] * 1e3:8.1f}ms {r['token_p99'] * 1e3:8.1f}ms "
             f"{r['split']} per instance {r['per_instance']}"
         )
-    lines.append(f"  prefix_hit_ratio_vs_round_robin {out['prefix_hit_ratio_vs_round_robin']}")
+    lines.append(
+        f"  prefix_hit_ratio_vs_round_robin {out['prefix_hit_ratio_vs_round_robin']} (target >= 1.5), "
+        f"ttft ratio p50 {out['prefix_ttft_p50_ratio_vs_round_robin']} "
+        f"p99 {out['prefix_ttft_p99_ratio_vs_round_robin']} (targets <= 1.0), first token ratio "
+        f"p50 {out['prefix_first_token_p50_ratio_vs_round_robin']} "
+        f"p99 {out['prefix_first_token_p99_ratio_vs_round_robin']}"
+    )
     return out, lines
 
 
