@@ -76,10 +76,17 @@ class _AuditTail:
 
 
 def parse_gateway_usage(text: str) -> dict[str, Any]:
-    """Per-tenant answers (by status class) and cache lookups by result from one gateway's
+    """Per-tenant answers (by status class), cache lookups by result, and the flow-control
+    queue per model and tenant (waiting now; total wait and dispatches) from one gateway's
     Prometheus text."""
     tenants: dict[str, dict[str, float]] = {}
     cache: dict[str, float] = {}
+    queue: dict[str, dict[str, dict[str, float]]] = {}
+
+    def queued(s: Any) -> dict[str, float]:
+        by_tenant = queue.setdefault(s.labels.get("model", ""), {})
+        return by_tenant.setdefault(s.labels.get("tenant", ""), {"waiting": 0.0, "wait_s": 0.0, "waits": 0.0})
+
     for family in text_string_to_metric_families(text):
         if family.name == "paved_gateway_requests":
             for s in family.samples:
@@ -93,12 +100,22 @@ def parse_gateway_usage(text: str) -> dict[str, Any]:
                 if s.name.endswith("_total"):
                     result = s.labels.get("result", "")
                     cache[result] = cache.get(result, 0.0) + s.value
-    return {"tenants": tenants, "cache": cache}
+        elif family.name == "paved_gateway_queue_depth":
+            for s in family.samples:
+                queued(s)["waiting"] += s.value
+        elif family.name == "paved_gateway_queue_wait_seconds":
+            for s in family.samples:
+                if s.name.endswith("_sum"):
+                    queued(s)["wait_s"] += s.value
+                elif s.name.endswith("_count"):
+                    queued(s)["waits"] += s.value
+    return {"tenants": tenants, "cache": cache, "queue": queue}
 
 
 def _merge_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
     tenants: dict[str, dict[str, float]] = {}
     cache: dict[str, float] = {}
+    queue: dict[tuple[str, str], dict[str, float]] = {}
     for part in parts:
         for name, t in part["tenants"].items():
             into = tenants.setdefault(name, {"requests": 0.0, "errors": 0.0})
@@ -106,12 +123,28 @@ def _merge_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
             into["errors"] += t["errors"]
         for result, n in part["cache"].items():
             cache[result] = cache.get(result, 0.0) + n
+        for model, by_tenant in part.get("queue", {}).items():
+            for tenant, q in by_tenant.items():
+                into_q = queue.setdefault((model, tenant), {"waiting": 0.0, "wait_s": 0.0, "waits": 0.0})
+                for k, v in q.items():
+                    into_q[k] += v
     hits = sum(cache.get(r, 0.0) for r in _CACHE_HITS)
     looked = hits + cache.get("miss", 0.0)  # bypassed requests never asked the cache
     return {
         "tenants": [{"tenant": k, **v} for k, v in sorted(tenants.items())],
         "cache": dict(sorted(cache.items())),
         "cache_hit_rate": hits / looked if looked else None,
+        # Every gateway replica holds its own queue: waiting is their sum; the mean wait is over
+        # every dispatch since the gateways started (0 for those that went straight through).
+        "queue": [
+            {
+                "model": model,
+                "tenant": tenant,
+                "waiting": q["waiting"],
+                "mean_wait_s": q["wait_s"] / q["waits"] if q["waits"] else None,
+            }
+            for (model, tenant), q in sorted(queue.items())
+        ],
     }
 
 

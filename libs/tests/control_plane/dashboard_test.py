@@ -16,7 +16,7 @@ from fleet import first_deploy, make_fleet
 from paved.control_plane.analysis import GatewayAnalyzer
 from paved.control_plane.api import create_app
 from paved.control_plane.controller import Controller
-from paved.control_plane.dashboard import dashboard_router, parse_gateway_usage, traffic_split
+from paved.control_plane.dashboard import _merge_usage, dashboard_router, parse_gateway_usage, traffic_split
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
@@ -90,6 +90,22 @@ def test_gateway_usage_per_tenant_and_cache_results():
     usage = parse_gateway_usage(text)
     assert usage["tenants"] == {"a": {"requests": 9.0, "errors": 2.0}, "b": {"requests": 1.0, "errors": 0.0}}
     assert usage["cache"] == {"exact": 3.0, "miss": 1.0, "bypass": 5.0}
+
+
+def test_gateway_queue_depth_and_wait_per_model_and_tenant_summed_over_gateways():
+    parts = []
+    for waiting in (2, 3):  # two gateway replicas, each with a queue of its own
+        m = GatewayMetrics()
+        m.queue_depth.labels("m", "a").set(waiting)
+        m.queue_wait.labels("m", "a").observe(0.5)
+        m.queue_wait.labels("m", "a").observe(1.5)
+        m.queue_wait.labels("m", "b").observe(0.0)
+        parts.append(parse_gateway_usage(m.render().decode()))
+    queue = _merge_usage(parts)["queue"]
+    assert queue == [
+        {"model": "m", "tenant": "a", "waiting": 5.0, "mean_wait_s": 1.0},
+        {"model": "m", "tenant": "b", "waiting": 0.0, "mean_wait_s": 0.0},
+    ]
 
 
 def test_traffic_split_is_the_weight_share_per_alias_and_region():

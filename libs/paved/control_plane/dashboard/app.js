@@ -288,6 +288,7 @@
       $("usage-note").textContent = "No gateway metrics configured (start the control plane with --gateway-metrics URL).";
       fill("tenants", []);
       fill("cache", []);
+      fill("queue", []);
       $("hit-rate").textContent = "–";
       return;
     }
@@ -300,6 +301,11 @@
     fill("cache", cache.length ? cache.map(([k, v]) => el("tr", { "data-result": k }, td(k), td(num(v), "num")))
       : [el("tr", {}, el("td", { colspan: 2, text: "No cache lookups yet." }))]);
     $("hit-rate").textContent = g.cache_hit_rate === null ? "– (no lookups)" : pct(g.cache_hit_rate);
+    const queue = g.queue || [];
+    fill("queue", queue.length ? queue.map((q) => el("tr", { "data-model": q.model, "data-tenant": q.tenant },
+      td(q.model), td(q.tenant || "(none)"), td(num(q.waiting), "num"),
+      td(q.mean_wait_s === null ? "–" : `${q.mean_wait_s.toFixed(3)} s`, "num")))
+      : [el("tr", {}, el("td", { colspan: 4, text: "Nothing queued yet." }))]);
   }
 
   function renderAudit(audit) {
