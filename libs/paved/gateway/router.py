@@ -505,10 +505,12 @@ class Router:
             prefixes.hold(point, chosen.id, self._states[chosen.id].started)
         return chosen
 
+    def _fresh(self, state: _State, now: float) -> bool:
+        return state.gauges_at is not None and now - state.gauges_at < self._gauge_ttl
+
     def _load(self, state: _State, now: float) -> float:
         """Requests at the backend: ours in flight plus its engine's waiting queue (fresh gauge)."""
-        fresh = state.gauges_at is not None and now - state.gauges_at < self._gauge_ttl
-        return state.outstanding + (state.waiting if fresh else 0.0)
+        return state.outstanding + (state.waiting if self._fresh(state, now) else 0.0)
 
     def _best_scored(
         self,
@@ -526,12 +528,12 @@ class Router:
         loads = [r / b.weight for r, b in zip(raw, eligible, strict=True)]
         least = min(loads)
         scale = sum(raw) / sum(b.weight for b in eligible) + self._smoothing
-        kv: list[float] | None = []
-        for s in states:
-            if s.kv_usage is None or s.gauges_at is None or now - s.gauges_at >= self._gauge_ttl:
-                kv = None
-                break
-            kv.append(s.kv_usage)
+        # The KV term only when every candidate's gauge is fresh: a missing one is not a 0.
+        kv: list[float] | None = [
+            s.kv_usage for s in states if s.kv_usage is not None and self._fresh(s, now)
+        ]
+        if len(kv) != len(states):
+            kv = None
         scores: dict[str, float] = {}
         for i, b in enumerate(eligible):
             if b.id == owner_id:
