@@ -529,11 +529,8 @@ class Router:
         least = min(loads)
         scale = sum(raw) / sum(b.weight for b in eligible) + self._smoothing
         # The KV term only when every candidate's gauge is fresh: a missing one is not a 0.
-        kv: list[float] | None = [
-            s.kv_usage for s in states if s.kv_usage is not None and self._fresh(s, now)
-        ]
-        if len(kv) != len(states):
-            kv = None
+        known = [s.kv_usage for s in states if s.kv_usage is not None and self._fresh(s, now)]
+        kv = known if len(known) == len(states) else None
         scores: dict[str, float] = {}
         for i, b in enumerate(eligible):
             if b.id == owner_id:
