@@ -363,8 +363,8 @@ def test_a_models_audit_shows_the_leader_change_and_its_replicas_adoption(tmp_pa
                     )
                 )  # fmt: skip
             await store.audit("leader", "control plane pid 1 became the leader")  # as server.py does
-            driver = _AdoptingDriver({"rep_t1", "rep_t3", "rep_o1"})
-            controller = Controller(store, {"local": driver}, RoutesFeed(store), GatewayAnalyzer([]))
+            drivers: dict[str, Any] = {"local": _AdoptingDriver({"rep_t1", "rep_t3", "rep_o1"})}
+            controller = Controller(store, drivers, RoutesFeed(store), GatewayAnalyzer([]))
             await controller._adopt()
             t3 = await store.get_replica("rep_t3")
             assert t3 is not None

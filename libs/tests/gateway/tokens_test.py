@@ -103,7 +103,7 @@ def test_with_the_models_tokenizer_the_count_is_the_engines_tools_included(tmp_p
     config = json.loads(config_path.read_text())
     config["chat_template"] = "{% if tools %}{{ tools | tojson }}{% endif %}" + config["chat_template"]
     config_path.write_text(json.dumps(config))
-    bodies = [
+    bodies: list[dict[str, Any]] = [
         {
             "messages": [{"role": "user", "content": "What does ephemeral mean?"}],
             "tools": _TOOLS,
