@@ -87,10 +87,6 @@ MAX_CHECKS = 64
 # Constraint fields up to this size (characters of their strings plus a few per node) are
 # digested on the event loop, well under a millisecond; larger ones are digested on the pool.
 INLINE_SPEC_CHARS = 64 * 1024
-# KServe's resolver runs whole on the pool (`off_loop`); past this many such calls pending,
-# a request is refused (503) instead of waiting behind an unbounded backlog.
-ADMISSION_QUEUE = 64
-_pending = threading.BoundedSemaphore(ADMISSION_QUEUE)
 # Spec key -> the running check's outcome (a Constraint, or a 400's text).
 _checks: dict[tuple, Future] = {}
 _checks_lock = threading.Lock()
@@ -105,20 +101,6 @@ def has_constraint(request: SamplingFields) -> bool:
     return isinstance(request, ChatCompletionRequest) and (
         request.tool_choice is not None or bool(request.tools)
     )
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on the admission pool. Past ADMISSION_QUEUE pending calls it raises
-    EngineOverloadedError (HTTP 503 / gRPC UNAVAILABLE, retry) instead of queueing."""
-    if not _pending.acquire(blocking=False):
-        raise EngineOverloadedError(
-            f"{ADMISSION_QUEUE} constrained requests are already being admitted (the admission "
-            "queue's limit); retry shortly"
-        )
-    try:
-        return await asyncio.get_running_loop().run_in_executor(_pool, fn, *args)
-    finally:
-        _pending.release()
 
 
 async def resolve_async(request: SamplingFields, card: ModelCard) -> Resolved:

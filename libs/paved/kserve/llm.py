@@ -46,7 +46,7 @@ from paved.kserve.model import (
     ModelState,
     ServedModel,
 )
-from paved.kserve.sampling import off_loop, options_from_parameters, parse_parameters
+from paved.kserve.sampling import admit_options, parse_parameters
 from paved.kserve.tensors import TensorSpec
 from paved.kserve.wire import PARAM_CONSTRAINT_BACKENDS, PARAM_KIND, PARAM_MAX_LOGPROBS, PARAM_MAX_MODEL_LEN
 
@@ -163,8 +163,8 @@ class LlmModel(ServedModel):
             raise invalid_argument("When streaming, `exclude_input_in_output` = False is not allowed.")
         flags = {name: bool(_flag(request, name)) for name in _RETURN_FLAGS}
         params, source = self._sampling_source(request)
-        # Constraint checks can take long: off the event loop, like the OpenAI frontend's.
-        sampling = await off_loop(options_from_parameters, params, self.card, source)
+        # The OpenAI frontend's admission: constraint checks off the event loop, once per spec.
+        sampling = await admit_options(params, self.card, source)
         wants_logprobs = sampling.logprobs is not None
         if flags["return_cumulative_logprob"] and not wants_logprobs:
             # The chosen token's logprob is needed to sum; alternatives are not.

@@ -15,6 +15,7 @@ The client side (`parameters_from_options`, for `KServeEngine`) is in `paved.kse
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -124,20 +125,64 @@ def _int(params: dict, key: str, source: str, *, minimum: int, maximum: int | No
     return value
 
 
-async def off_loop(fn, *args):
-    """The frontend's bounded admission pool (imported on first use, like the resolver)."""
-    from paved.frontend.structured import off_loop as run
-
-    return await run(fn, *args)
-
-
 def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str) -> SamplingOptions:
-    """Validate Triton vLLM-backend sampling parameters for `card` (raises INVALID_ARGUMENT)."""
+    """Validate Triton vLLM-backend sampling parameters for `card` (raises INVALID_ARGUMENT).
+
+    Blocking: a constraint's first check can take long (the server calls `admit_options`)."""
+    from paved.frontend.errors import APIError
+    from paved.frontend.structured import resolve
+
+    fields = _prepare(params, card, source)
+    try:
+        return fields.options(resolve(fields.request, card))
+    except APIError as e:
+        raise _invalid(e, source) from e
+
+
+async def admit_options(params: dict[str, Any], card: ModelCard, source: str) -> SamplingOptions:
+    """`options_from_parameters` through the OpenAI frontend's admission: a spec already checked
+    costs one digest, a new one is checked once for all the requests that carry it, off the event
+    loop; only a flood of distinct new specs is refused (UNAVAILABLE), never a burst of one."""
+    from paved.frontend.errors import APIError
+    from paved.frontend.structured import resolve_async
+
+    fields = _prepare(params, card, source)
+    try:
+        return fields.options(await resolve_async(fields.request, card))
+    except APIError as e:
+        raise _invalid(e, source) from e
+
+
+def _invalid(e: Any, source: str) -> Exception:
+    where = f"{source}.{e.param}: " if e.param else f"{source}: "
+    return invalid_argument(where + e.message)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Validated fields of one request, before its constraint is resolved."""
+
+    request: Any  # paved.frontend.schemas.SamplingFields
+    max_tokens: int | None
+    logprobs: int | None
+
+    def options(self, resolved: Any) -> SamplingOptions:
+        from paved.frontend.structured import sampling_options
+
+        # The OpenAI frontend's own mapping, so both APIs turn the same fields into the same options.
+        return sampling_options(
+            self.request,
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=None,
+            resolved=resolved,
+        )
+
+
+def _prepare(params: dict[str, Any], card: ModelCard, source: str) -> _Prepared:
     # Imported on first use: a server of classic models only never loads the OpenAI request
     # model, nor the native constraint engine behind its resolver.
-    from paved.frontend.errors import APIError
     from paved.frontend.schemas import SamplingFields
-    from paved.frontend.structured import resolve, sampling_options
 
     unknown = sorted(set(params) - _FIELDS - _OWN - set(_DEFAULT_ONLY))
     if unknown:
@@ -187,20 +232,9 @@ def options_from_parameters(params: dict[str, Any], card: ModelCard, source: str
 
     try:
         request = SamplingFields.model_validate({"model": card.id, **fields})
-        resolved = resolve(request, card)
     except ValidationError as e:
         raise invalid_argument(_validation_message(e, source)) from e
-    except APIError as e:
-        where = f"{source}.{e.param}: " if e.param else f"{source}: "
-        raise invalid_argument(where + e.message) from e
-    # The OpenAI frontend's own mapping, so both APIs turn the same fields into the same options.
-    return sampling_options(
-        request,
-        max_tokens=max_tokens if "max_tokens" in params else 16,
-        logprobs=logprobs,
-        prompt_logprobs=None,
-        resolved=resolved,
-    )
+    return _Prepared(request, max_tokens if "max_tokens" in params else 16, logprobs)
 
 
 def _validation_message(error: ValidationError, source: str) -> str:

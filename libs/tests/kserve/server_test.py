@@ -7,6 +7,7 @@ XGBoost fixture, on free ports, with a 1 MiB message limit so the size errors ar
 import asyncio
 import json
 import logging
+import time
 
 import grpc
 import httpx
@@ -33,6 +34,7 @@ from libs.tests.kserve.kserve_fakes import (
     wait_for,
     xgb_model_dir,
 )
+from paved.frontend import structured
 from paved.kserve.server import KServeServer
 from paved.kserve.xgboost_model import XGBoostModel
 
@@ -255,6 +257,43 @@ def test_constraints_reach_the_engine(gc, engine, params, backend, kind):
     if "json" in json.dumps(params) and kind == "paved" and "schema" in json.dumps(params):
         assert constraint.value == {"type": "json_schema", "schema": SCHEMA, "whitespace": "compact"}
     assert json.loads(result.as_numpy("text_output")[0]) == {"ok": True, "level": "high"}
+
+
+def test_a_burst_of_one_new_schema_is_served_whole(server, engine, monkeypatch):
+    # Triton clients score a batch of items against one schema at once: every request carrying
+    # the same new spec waits on its one check (the frontend's admission), none is refused.
+    # The check is made slow so that the burst arrives while it runs (with the old bounded pool,
+    # requests past 64 pending got UNAVAILABLE); it runs once.
+    checks = []
+    real_route = structured._route_json
+
+    def slow(*args):
+        checks.append(args)
+        time.sleep(0.5)
+        return real_route(*args)
+
+    monkeypatch.setattr(structured, "_route_json", slow)
+    schema = {**SCHEMA, "title": "burst"}
+    params = json.dumps({"max_tokens": 32, "structured_outputs": {"json": schema}})
+
+    async def run():
+        client = grpcaio.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        try:
+
+            async def one(i):
+                try:
+                    await client.infer(LLM, llm_inputs(grpcaio, f"item {i}", params=params, exclude=True))
+                except InferenceServerException as e:
+                    return e.message()
+                return None
+
+            return await asyncio.gather(*(one(i) for i in range(200)))
+        finally:
+            await client.close()
+
+    errors = [e for e in asyncio.run(run()) if e is not None]
+    assert errors == [], f"{len(errors)} of 200 refused, e.g. {errors[0]}"
+    assert len(checks) == 1
 
 
 @pytest.mark.parametrize(
