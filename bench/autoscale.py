@@ -10,7 +10,7 @@ max_num_seqs=8 --port 0` started and stopped by the bench (each request decodes 
 ~1 s; eight decode at once per replica). The load is C(t) closed-loop clients, each sending one
 non-streaming `/v1/completions` at a time to the ready replica with the fewest requests in
 flight (the bench is its own least-outstanding balancer). Every `interval_s` a pool's
-controller scrapes each ready replica's `/metrics` (paved.control_plane.autoscaler.scrape),
+controller scrapes each ready replica's `/metrics` (paved.metrics.gauges.scrape),
 decides, and sets the pool's desired count (replicas start in the background, in ~2-5 s; extra
 ones leave the rotation and get SIGTERM).
 
@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from paved.control_plane.autoscaler import Autoscaler, ReplicaMetrics, ScrapeError, scrape
+from paved.control_plane.autoscaler import Autoscaler
 from paved.control_plane.types import AutoscalePolicy
+from paved.metrics.gauges import ReplicaMetrics, ScrapeError, scrape
 
 ENGINE = "sim://tiny?tokens_per_s=20&max_num_seqs=8"
 MAX_TOKENS = 20

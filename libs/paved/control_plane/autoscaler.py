@@ -4,7 +4,8 @@ Signals (totals over the deployment's ready replicas, one observation per scrape
 `waiting` (vllm:num_requests_waiting), `in_flight` (running + waiting) and `kv_usage`
 (vllm:kv_cache_usage_perc, a 0..1 fraction per replica, summed). Each signal's desired replica
 count is ceil(window average of the total / its per-replica target); the desired count is the
-maximum over the signals, and the reason string names the signal that drove it.
+maximum over the signals, and the reason string names the signal that drove it. The gauges are
+read by paved.metrics.gauges (`scrape`), which the gateway's router reads replicas through too.
 
 Invariants callers rely on:
 - Every `Decision.target` is within [min_replicas, max_replicas], whatever was observed and
@@ -32,17 +33,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
 from paved.control_plane.types import AutoscalePolicy
+from paved.metrics.gauges import ReplicaMetrics
 
 SIGNALS = ("waiting", "in_flight", "kv_usage")
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-# A replica's /metrics is a few KiB; a bound keeps a misbehaving endpoint from filling memory.
-MAX_METRICS_BYTES = 8 << 20
 # Hard caps on the history deques, whatever the windows and the observe rate.
 MAX_OBSERVATIONS = 10_000
 MAX_DESIRES = 10_000
@@ -51,31 +45,10 @@ _EPS = 1e-9
 
 
 @dataclass(frozen=True)
-class ReplicaMetrics:
-    """One replica's gauges at one scrape (kv_usage is the 0..1 fraction)."""
-
-    waiting: float
-    running: float
-    kv_usage: float
-
-    def __post_init__(self) -> None:
-        for name in ("waiting", "running", "kv_usage"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf:
-                raise ValueError(f"ReplicaMetrics.{name} must be a finite number >= 0, got {value!r}")
-        if self.kv_usage > 1.0 + _EPS:
-            raise ValueError(f"ReplicaMetrics.kv_usage is a fraction in [0, 1], got {self.kv_usage!r}")
-
-
-@dataclass(frozen=True)
 class Decision:
     target: int
     reason: str
     mode: str  # "stable" | "panic" | "hold"
-
-
-class ScrapeError(Exception):
-    """A replica's metrics could not be read (HTTP error, timeout, missing or bad gauges)."""
 
 
 def validate_policy(policy: AutoscalePolicy) -> None:
@@ -274,54 +247,3 @@ class Autoscaler:
             f"scale down {current_target} -> {down_to} (highest desire over the last {delay:g}s): {why}",
             "stable",
         )
-
-
-async def scrape(metrics_url: str, *, model_id: str | None = None, timeout_s: float = 2.0) -> ReplicaMetrics:
-    """One replica's gauges from its Prometheus text `/metrics`. Series are filtered by the
-    `model_name` label when `model_id` is given; waiting and running are summed over the
-    remaining series (one per engine), kv_usage is their mean. ScrapeError on anything else
-    than a 200 with all three gauges, within `timeout_s` overall."""
-    if not isinstance(metrics_url, str) or not metrics_url.startswith(("http://", "https://")):
-        raise ValueError(f"metrics_url must be an http(s) URL, got {metrics_url!r}")
-    if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(metrics_url) as response,
-        ):
-            if response.status != 200:
-                raise ScrapeError(f"{metrics_url}: HTTP {response.status}")
-            body = await response.content.read(MAX_METRICS_BYTES + 1)
-    except (TimeoutError, aiohttp.ClientError) as e:
-        raise ScrapeError(f"{metrics_url}: {type(e).__name__}: {e}") from e
-    if len(body) > MAX_METRICS_BYTES:
-        raise ScrapeError(f"{metrics_url}: metrics larger than {MAX_METRICS_BYTES} bytes")
-    return parse_metrics(body.decode("utf-8", errors="replace"), model_id=model_id, source=metrics_url)
-
-
-def parse_metrics(text: str, *, model_id: str | None = None, source: str = "metrics") -> ReplicaMetrics:
-    """The three gauges from Prometheus text (see `scrape`)."""
-    values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name not in values:
-                    continue
-                if model_id is not None and sample.labels.get("model_name") != model_id:
-                    continue
-                values[sample.name].append(float(sample.value))
-    except ValueError as e:
-        raise ScrapeError(f"{source}: unparsable Prometheus text: {e}") from e
-    missing = [name for name, v in values.items() if not v]
-    if missing:
-        which = f" for model_name={model_id!r}" if model_id is not None else ""
-        raise ScrapeError(f"{source}: no {', '.join(missing)} series{which}")
-    try:
-        return ReplicaMetrics(
-            waiting=sum(values[WAITING]),
-            running=sum(values[RUNNING]),
-            kv_usage=min(1.0, sum(values[KV_USAGE]) / len(values[KV_USAGE])),
-        )
-    except ValueError as e:
-        raise ScrapeError(f"{source}: {e}") from e

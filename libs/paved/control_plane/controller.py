@@ -34,13 +34,14 @@ from typing import Any
 
 from paved.control_plane import rollout as rollout_mod
 from paved.control_plane.analysis import GatewayAnalyzer
-from paved.control_plane.autoscaler import Autoscaler, scrape
+from paved.control_plane.autoscaler import Autoscaler
 from paved.control_plane.driver import Driver, ReplicaRequest
 from paved.control_plane.errors import ControlError
 from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import Deployment, Replica
+from paved.metrics.gauges import scrape
 
 logger = logging.getLogger("paved.control_plane")
 

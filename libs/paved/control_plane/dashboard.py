@@ -30,11 +30,11 @@ from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from paved.control_plane.api import _jsonable, deployment_view, rollout_view
-from paved.control_plane.autoscaler import ScrapeError, scrape
 from paved.control_plane.controller import Controller
 from paved.control_plane.errors import ControlError
 from paved.control_plane.store import ControlStore
 from paved.gateway.errors import GatewayError
+from paved.metrics.gauges import MAX_METRICS_BYTES, ScrapeError, scrape
 
 ASSETS = Path(__file__).resolve().parent / "dashboard"
 # name -> media type: the only files served (a closed list, so no path ever reaches the disk).
@@ -50,7 +50,6 @@ AUDIT_PAGES_PER_CALL = 20  # a huge backlog is read over several polls, not in o
 ROLLOUTS_SHOWN = 20
 GAUGE_TTL_S = 1.0  # polls within this share one scrape of each replica
 SCRAPE_TIMEOUT_S = 1.5
-MAX_METRICS_BYTES = 8 << 20
 _CACHE_HITS = ("exact", "semantic")
 
 

@@ -12,15 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from servers import ServerProcess
 
-from paved.control_plane.autoscaler import (
-    Autoscaler,
-    Decision,
-    ReplicaMetrics,
-    ScrapeError,
-    parse_metrics,
-    scrape,
-)
+from paved.control_plane.autoscaler import Autoscaler, Decision
 from paved.control_plane.types import AutoscalePolicy
+from paved.metrics.gauges import ReplicaMetrics, ScrapeError, parse_metrics, scrape
 
 POLICY = AutoscalePolicy(
     enabled=True,
@@ -306,6 +300,38 @@ def test_parse_metrics_sums_engines_and_filters_by_model():
         parse_metrics(METRICS.split("# TYPE vllm:kv")[0])
 
 
+ADMISSION = """# HELP paved_queued_sequences Sequences admitted and not yet finished, per model.
+# TYPE paved_queued_sequences gauge
+paved_queued_sequences{model="a"} 8.0
+paved_queued_sequences{model="b"} 2.0
+# HELP paved_max_queued_sequences Admission bound per model (beyond it: 503).
+# TYPE paved_max_queued_sequences gauge
+paved_max_queued_sequences{model="a"} 8.0
+paved_max_queued_sequences{model="b"} 64.0
+# HELP vllm:time_to_first_token_seconds a histogram the parse skips
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="a"} 3.0
+"""
+
+
+def test_parse_metrics_reads_the_frontends_admission_bound():
+    a = parse_metrics(METRICS + ADMISSION, model_id="a")
+    assert (a.queued, a.max_queued, a.full) == (8.0, 8.0, True)
+    b = parse_metrics(METRICS + ADMISSION, model_id="b")
+    assert (b.queued, b.max_queued, b.full) == (2.0, 64.0, False)
+    # Not a paved frontend (or only half the pair): no bound, so never full.
+    bare = parse_metrics(METRICS, model_id="a")
+    assert (bare.queued, bare.max_queued, bare.full) == (None, None, False)
+    half = parse_metrics(METRICS + ADMISSION.split("# HELP paved_max")[0], model_id="a")
+    assert (half.queued, half.max_queued, half.full) == (None, None, False)
+    with pytest.raises(ValueError, match="go together"):
+        ReplicaMetrics(waiting=0, running=0, kv_usage=0, queued=1)
+    # A malformed sample of a family read here is an error; one of another family is not read.
+    with pytest.raises(ScrapeError, match="unparsable"):
+        parse_metrics(METRICS + 'vllm:num_requests_waiting{model_name="a"} lots\n')
+    assert parse_metrics(METRICS + "vllm:other_family{ garbage\n", model_id="a") == bare
+
+
 @pytest.fixture(scope="module")
 def frontend():
     # One sequence at a time, two tokens a second: requests queue and stay queued.
@@ -348,8 +374,10 @@ def test_scrape_reads_a_real_frontends_gauges_under_load(frontend):
         return idle, busy
 
     idle, busy = asyncio.run(run())
-    assert idle == ReplicaMetrics(waiting=0.0, running=0.0, kv_usage=0.0)
-    assert (busy.running, busy.waiting) == (1.0, 2.0)
+    # The engine's gauges and the frontend's admission (its default bound, 1024 sequences).
+    assert idle == ReplicaMetrics(waiting=0.0, running=0.0, kv_usage=0.0, queued=0.0, max_queued=1024.0)
+    assert (busy.running, busy.waiting, busy.queued) == (1.0, 2.0, 3.0)
+    assert not busy.full
     assert 0 < busy.kv_usage <= 1
 
 

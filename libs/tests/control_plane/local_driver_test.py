@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from paved.control_plane.autoscaler import scrape
 from paved.control_plane.driver import PortsExhausted, ReplicaRequest
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.local_driver import MARKER_ENV, LocalDriver
 from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.types import Replica
+from paved.metrics.gauges import scrape
 from paved.procs import marked_processes, proc_start_time
 from paved.runfiles import runfile
 
@@ -127,9 +127,11 @@ def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> N
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(r.metrics_url, timeout=5).read())
         assert b"vllm:num_requests_waiting" in body
         assert b'paved_metrics_proxy_up{source="frontend"} 1.0' in body
-        # What the autoscaler reads of it: the sim engine's gauges under the replica's model.
+        # What the autoscaler and the gateways read of it: the sim engine's gauges under the
+        # replica's model, and the frontend's admission bound (merged by the proxy).
         m = await scrape(r.metrics_url, model_id="tiny")
         assert m.waiting == 0 and m.running == 0
+        assert (m.queued, m.max_queued) == (0, 1024) and not m.full
         assert "paved launcher: ready: tiny:1" in await read_log(r)
         # The sim engine runs under the launcher with the replica's marker.
         assert len(marked(r.driver_ref["marker"])) >= 2
