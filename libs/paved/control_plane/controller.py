@@ -428,6 +428,10 @@ class Controller:
                     backend["kserve_grpc"] = r.kserve_grpc
                 if r.kserve_http:
                     backend["kserve_http"] = r.kserve_http
+                if r.metrics_url:
+                    # The launcher's metrics proxy: the gateways read the engine's load there
+                    # (it answers through a start or a drain, unlike the frontend's port).
+                    backend["metrics_url"] = r.metrics_url
                 route["backends"].append(backend)
         # While a rollout splits a model's traffic between versions the split must be the
         # traffic share: least-outstanding would send nothing to a light version while the

@@ -74,7 +74,17 @@ _CACHE_KEYS = frozenset({"exact", "semantic", "ttl_s", "threshold", "embedding_m
 MAX_MODEL_LEN_LIMIT = 10_000_000
 MAX_CACHE_TTL_S = 7 * 86400.0
 _BACKEND_KEYS = frozenset(
-    {"id", "url", "version", "weight", "upstream_model", "kserve_grpc", "kserve_http", "region"}
+    {
+        "id",
+        "url",
+        "version",
+        "weight",
+        "upstream_model",
+        "kserve_grpc",
+        "kserve_http",
+        "region",
+        "metrics_url",
+    }
 )
 
 
@@ -88,8 +98,10 @@ class Backend:
     """One paved frontend serving one version of a model.
 
     `url` is the OpenAI base (it serves /v1/... and /health/ready); `kserve_grpc` is
-    "host:port", `kserve_http` a base URL. An empty `id` becomes `url`; an empty
-    `upstream_model` becomes the route's alias (see `ModelRoute`)."""
+    "host:port", `kserve_http` a base URL; `metrics_url` the full URL of the Prometheus text
+    carrying its engine's `vllm:` gauges (None: the frontend's own `url + "/metrics"`, see
+    `metrics_endpoint`). An empty `id` becomes `url`; an empty `upstream_model` becomes the
+    route's alias (see `ModelRoute`)."""
 
     id: str
     url: str
@@ -99,10 +111,16 @@ class Backend:
     kserve_grpc: str | None = None
     kserve_http: str | None = None
     region: str | None = None
+    metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
             object.__setattr__(self, "id", self.url)
+
+    @property
+    def metrics_endpoint(self) -> str:
+        """Where the gateway reads this backend's load gauges."""
+        return self.metrics_url if self.metrics_url is not None else self.url + "/metrics"
 
 
 @dataclass(frozen=True)
@@ -299,6 +317,30 @@ def _http_url(value: str, path: str) -> str:
     return value.rstrip("/")
 
 
+def _metrics_url(value: str, path: str) -> str:
+    """An http:// URL with a path (e.g. a metrics proxy's http://host:port/metrics); no query,
+    fragment or user."""
+    if len(value) > 2048:
+        raise _fail(path, "is longer than 2048 characters")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as e:
+        raise _fail(path, f"{value!r} is not a valid URL ({e})") from None
+    if parts.scheme != "http":
+        raise _fail(path, f"must be an http:// URL, got {value!r}")
+    if parts.username is not None or parts.password is not None:
+        raise _fail(path, "must not carry credentials")
+    if parts.query or parts.fragment or "?" in value or "#" in value:
+        raise _fail(path, f"must be a URL without query or fragment, got {value!r}")
+    if not parts.path.startswith("/") or any(c.isspace() or not c.isprintable() for c in parts.path):
+        raise _fail(path, f"must name a path (e.g. http://host:port/metrics), got {value!r}")
+    _host(parts.hostname, path)
+    if port == 0:
+        raise _fail(path, "port must be 1-65535")
+    return value
+
+
 def _host_port(value: str, path: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -335,7 +377,10 @@ def _backend(obj: Any, path: str, alias: str, kind: str) -> Backend:
     region = _string(obj, "region", path)
     if region is not None and not _ID.fullmatch(region):
         raise _fail(f"{path}.region", "must be 1-512 printable ASCII characters without spaces")
-    return Backend(backend_id, url, version, weight, upstream, grpc, khttp, region)
+    metrics = _string(obj, "metrics_url", path)
+    if metrics is not None:
+        metrics = _metrics_url(metrics, f"{path}.metrics_url")
+    return Backend(backend_id, url, version, weight, upstream, grpc, khttp, region, metrics)
 
 
 def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
@@ -470,13 +515,13 @@ def parse_routes(obj: Any) -> RoutesTable:
         raise _fail("models", "must be a list")
     budget = [MAX_BACKENDS]
     models: dict[str, ModelRoute] = {}
-    urls_by_id: dict[str, tuple[str, str | None, str | None]] = {}
+    urls_by_id: dict[str, tuple[str, str | None, str | None, str | None]] = {}
     for i, raw in enumerate(raw_models):
         route = _model(raw, f"models[{i}]", budget)
         if route.alias in models:
             raise _fail(f"models[{i}].alias", f"duplicate alias {route.alias!r}")
         for j, b in enumerate(route.backends):
-            endpoints = (b.url, b.kserve_grpc, b.kserve_http)
+            endpoints = (b.url, b.kserve_grpc, b.kserve_http, b.metrics_url)
             if urls_by_id.setdefault(b.id, endpoints) != endpoints:
                 raise _fail(
                     f"models[{i}].backends[{j}].id",

@@ -162,11 +162,12 @@ def test_route_options_are_validated_and_published_with_the_alias(plane):
         v2 = await store.get_deployment("tiny", "v2")
         assert v1 is not None and v2 is not None
         await controller.activate(v1.id)
-        for d, port in ((v1, 1), (v2, 2)):
+        for d, port, metrics in ((v1, 1, "http://127.0.0.1:9/metrics"), (v2, 2, None)):
             await store.add_replica(
                 Replica(
                     id=f"rep_{d.spec.version}", deployment_id=d.id, region="local", state="ready",
                     url=f"http://127.0.0.1:{port}", admin_url=f"http://127.0.0.1:{port}",
+                    metrics_url=metrics,
                 )
             )  # fmt: skip
         await controller.publish_routes()
@@ -176,6 +177,10 @@ def test_route_options_are_validated_and_published_with_the_alias(plane):
     # The active version's options for the whole alias (v2, inactive, has none of its own).
     assert route["cache"] == {"exact": True, "ttl_s": 60.0} and route["max_model_len"] == 512, route
     assert {b["version"] for b in route["backends"]} == {"v1", "v2"}
+    # A replica's metrics proxy is where the gateways read its load; without one, the frontend's.
+    by_version = {b["version"]: b for b in route["backends"]}
+    assert by_version["v1"]["metrics_url"] == "http://127.0.0.1:9/metrics"
+    assert "metrics_url" not in by_version["v2"]
     # PATCH replaces them whole; {} clears them.
     r = client.patch("/v1/deployments/tiny/v1", json={"route": {}})
     assert r.status_code == 200 and r.json()["route"] == {}, r.text

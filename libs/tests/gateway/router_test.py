@@ -170,6 +170,46 @@ class Clock:
             "models[0].backends[0].kserve_grpc",
             "host:port",
         ),
+        (
+            {"models": [model(backends=[backend(8001, metrics_url="https://127.0.0.1:9/metrics")])]},
+            "models[0].backends[0].metrics_url",
+            "http://",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, metrics_url="http://127.0.0.1:9/metrics?x=1")])]},
+            "models[0].backends[0].metrics_url",
+            "without query",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, metrics_url="http://u:p@127.0.0.1:9/metrics")])]},
+            "models[0].backends[0].metrics_url",
+            "credentials",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, metrics_url="http://10.0.0.1:9/metrics")])]},
+            "models[0].backends[0].metrics_url",
+            "loopback",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, metrics_url="http://127.0.0.1:9")])]},
+            "models[0].backends[0].metrics_url",
+            "path",
+        ),
+        (
+            {"models": [model(backends=[backend(8001, metrics_url=9)])]},
+            "models[0].backends[0].metrics_url",
+            "string",
+        ),
+        (
+            {
+                "models": [
+                    model("a", [backend(8001, id="x", metrics_url="http://127.0.0.1:9/metrics")]),
+                    model("b", [backend(8001, id="x")]),
+                ]
+            },
+            "models[1].backends[0].id",
+            "different urls",
+        ),
         ({"models": [model(template="Bad Name")]}, "models[0].template", "name@version"),
         ({"models": [model(template="t@0")]}, "models[0].template", "name@version"),
         ({"models": [model(max_model_len=0)]}, "models[0].max_model_len", "1.."),
@@ -271,6 +311,18 @@ def test_parse_defaults_and_revision() -> None:
         )
     )
     assert changed.revision != t.revision
+
+
+def test_metrics_url_defaults_to_the_frontends_own_and_round_trips() -> None:
+    plain = table(model(backends=[backend(8001)]))
+    (b,) = plain.models["tiny"].backends
+    assert b.metrics_url is None and b.metrics_endpoint == "http://127.0.0.1:8001/metrics"
+    # A table without it keeps its file form (and so its revision) as before.
+    assert "metrics_url" not in plain.to_obj()["models"][0]["backends"][0]
+    proxied = table(model(backends=[backend(8001, metrics_url="http://127.0.0.1:9100/metrics")]))
+    (p,) = proxied.models["tiny"].backends
+    assert p.metrics_endpoint == "http://127.0.0.1:9100/metrics"
+    assert parse_routes(proxied.to_obj()) == proxied and proxied.revision != plain.revision
 
 
 # -- versions -------------------------------------------------------------------------------
