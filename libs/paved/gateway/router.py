@@ -14,6 +14,10 @@ Invariants:
   in-flight requests end, so `end` after a swap never fails and nothing leaks.
 - Passive ejection never leaves more than `max_ejection_percent` of a model's backends
   ejected (so with one backend, never); active readiness failures remove backends regardless.
+- Engine gauges (`observe_load`, from the health checker's scrapes) count only while younger
+  than `load_gauge_ttl_s`: a stale or missing gauge never marks a backend full or loaded. A
+  backend whose fresh gauges say its frontend admits nothing more (`full`) is picked only when
+  every candidate is; `saturated` says when that is so (flow control then holds the request).
 - Prefix affinity: a prefix seen before goes to the candidate below its request cap with the
   best score (prefix match + load); with equal loads that is the backend the prefix was
   assigned. The prefix table holds at most `max_affinity_keys` entries per (alias, versions),
@@ -88,6 +92,13 @@ class _State:
     waiting: float = 0.0
     kv_usage: float | None = None
     gauges_at: float | None = None
+    # The frontend's admission at that scrape (paved_queued_sequences and its bound), and the
+    # requests this router began and ended there since: its estimate moves with our own traffic
+    # between scrapes, so a request of ours ending frees room at once.
+    queued: float | None = None
+    max_queued: float | None = None
+    begun_since: int = 0
+    ended_since: int = 0
     # Requests begun here, ever: a clock for how long a spilled prefix stays in its cache.
     started: int = 0
 
@@ -387,6 +398,12 @@ class Router:
         candidates = [
             b for b in in_versions if b.weight > 0 and b.id not in exclude and self._available(b.id, now)
         ]
+        if candidates:
+            # A backend whose frontend says it admits nothing more would answer 503: another
+            # with room (or unknown room) takes the request.
+            roomy = [b for b in candidates if not self._full(self._states[b.id], now)]
+            if roomy:
+                candidates = roomy
         if self.region is not None and candidates:
             local = [b for b in candidates if b.region in (None, self.region)]
             if local:
@@ -406,6 +423,27 @@ class Router:
         else:
             chosen = self._least_outstanding(candidates)
         return Pick(chosen, route.alias, chosen.version)
+
+    def saturated(self, model: str, *, sticky_key: str, exclude: Collection[str] = ()) -> bool:
+        """True when every backend `pick` could choose for `model` has fresh gauges saying its
+        frontend admits nothing more: forwarding would only earn a 503 `overloaded`. False when
+        any candidate has room or unknown room (no gauges, stale ones, a frontend that exports
+        no admission bound), and when there is no candidate at all (pick says why)."""
+        route = self.route(model)
+        _, pinned = self.split_model(model)
+        versions = self._versions(route, pinned, sticky_key)
+        now = self._clock()
+        candidates = [
+            b
+            for b in route.backends
+            if b.version in versions and b.weight > 0 and b.id not in exclude and self._available(b.id, now)
+        ]
+        return bool(candidates) and all(self._full(self._states[b.id], now) for b in candidates)
+
+    def _full(self, state: _State, now: float) -> bool:
+        if state.max_queued is None or state.queued is None or not self._fresh(state, now):
+            return False
+        return state.queued + state.begun_since - state.ended_since >= state.max_queued
 
     def _least_outstanding(self, candidates: list[Backend]) -> Backend:
         # (outstanding + 1) / weight: when all are idle the heavier backend still wins, and a
@@ -580,6 +618,7 @@ class Router:
             state = self._states[backend_id] = _State(url="", routed=False)
         state.outstanding += 1
         state.started += 1
+        state.begun_since += 1
 
     def end(self, backend_id: str, *, ok: bool) -> None:
         """A request ends; ok=False for a connect error, 5xx, timeout or reset."""
@@ -587,6 +626,7 @@ class Router:
         if state is None:
             return
         state.outstanding = max(0, state.outstanding - 1)
+        state.ended_since += 1
         if not state.routed:
             if state.outstanding == 0:
                 del self._states[backend_id]
@@ -618,20 +658,38 @@ class Router:
         state.probation = False
         state.consecutive_failures = 0
 
-    def observe_load(self, backend_id: str, *, waiting: float, kv_usage: float | None = None) -> None:
-        """A backend engine's gauges from a scrape: `waiting` (vllm:num_requests_waiting) and
-        `kv_usage` (vllm:kv_cache_usage_perc, a 0..1 fraction; None if not exported). Prefix
-        affinity weighs them while younger than `load_gauge_ttl_s`; unknown ids are ignored."""
-        if isinstance(waiting, bool) or not isinstance(waiting, int | float) or not 0 <= waiting < math.inf:
-            raise ValueError(f"waiting must be a finite number >= 0, got {waiting!r}")
+    def observe_load(
+        self,
+        backend_id: str,
+        *,
+        waiting: float,
+        kv_usage: float | None = None,
+        queued: float | None = None,
+        max_queued: float | None = None,
+    ) -> None:
+        """A backend engine's gauges from a scrape: `waiting` (vllm:num_requests_waiting),
+        `kv_usage` (vllm:kv_cache_usage_perc, a 0..1 fraction; None if not exported), and the
+        frontend's admission count and bound (paved_queued_sequences, paved_max_queued_sequences;
+        both or neither). Prefix affinity, `pick` and `saturated` use them while younger than
+        `load_gauge_ttl_s`; unknown ids are ignored."""
+        for name, value in (("waiting", waiting), ("queued", queued), ("max_queued", max_queued)):
+            if value is None and name != "waiting":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if kv_usage is not None and (
             isinstance(kv_usage, bool) or not isinstance(kv_usage, int | float) or not 0 <= kv_usage <= 1
         ):
             raise ValueError(f"kv_usage must be a fraction in [0, 1], got {kv_usage!r}")
+        if (queued is None) != (max_queued is None):
+            raise ValueError("queued and max_queued go together")
         state = self._states.get(backend_id)
         if state is not None and state.routed:
             state.waiting = float(waiting)
             state.kv_usage = None if kv_usage is None else float(kv_usage)
+            state.queued = None if queued is None else float(queued)
+            state.max_queued = None if max_queued is None else float(max_queued)
+            state.begun_since = state.ended_since = 0
             state.gauges_at = self._clock()
 
     def set_ready(self, backend_id: str, ready: bool) -> None:
@@ -644,7 +702,8 @@ class Router:
         """Per backend id: its load and health, for an admin view or metrics. `ready` is False
         only after a failed check (`checked` says whether one ran); `ejected_until` is on the
         router's clock (monotonic by default), None when not ejected; `affinity_prefixes` counts the
-        live prefixes prefix affinity has assigned it."""
+        live prefixes prefix affinity has assigned it; `gauges` the engine's last observed gauges
+        (`age_s` on the router's clock, `full` as `pick` reads it now), None before any."""
         now = self._clock()
         prefixes: dict[str, int] = {}
         for table in self._prefixes.values():
@@ -664,5 +723,15 @@ class Router:
                 "consecutive_failures": state.consecutive_failures,
                 "routed": state.routed,
                 "affinity_prefixes": prefixes.get(backend_id, 0),
+                "gauges": None
+                if state.gauges_at is None
+                else {
+                    "waiting": state.waiting,
+                    "kv_usage": state.kv_usage,
+                    "queued": state.queued,
+                    "max_queued": state.max_queued,
+                    "age_s": now - state.gauges_at,
+                    "full": self._full(state, now),
+                },
             }
         return out

@@ -650,6 +650,71 @@ def test_prefix_affinity_weighs_the_engines_queue_and_kv_gauges() -> None:
         Router(affinity_table(2), load_gauge_ttl_s=math.inf)
 
 
+def test_saturated_only_when_every_candidate_reports_a_full_admission_queue() -> None:
+    clock = Clock()
+    a, b = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+    r = Router(table(model(backends=[backend(8001), backend(8002)])), clock=clock, load_gauge_ttl_s=10)
+    # No gauges: unknown room is room.
+    assert not r.saturated("tiny", sticky_key="k")
+    r.observe_load(a, waiting=3, queued=4, max_queued=4)
+    assert not r.saturated("tiny", sticky_key="k")
+    # The full one is not picked while the other has room.
+    assert {r.pick("tiny", sticky_key="k").backend.id for _ in range(8)} == {b}
+    r.observe_load(b, waiting=9, queued=5, max_queued=4)
+    assert r.saturated("tiny", sticky_key="k")
+    assert r.snapshot()[b]["gauges"] == {
+        "waiting": 9.0,
+        "kv_usage": None,
+        "queued": 5.0,
+        "max_queued": 4.0,
+        "age_s": 0.0,
+        "full": True,
+    }
+    # Both full: pick still answers (the caller decides to hold or to forward).
+    assert r.pick("tiny", sticky_key="k").backend.id in (a, b)
+    # Only candidates count: one excluded or not ready leaves the full other.
+    assert r.saturated("tiny", sticky_key="k", exclude={a})
+    # Our own traffic moves the estimate between scrapes: a request we began there before
+    # the scrape ending frees a place on `a` at once; one more begun fills it again.
+    r.begin(a)
+    r.observe_load(a, waiting=3, queued=4, max_queued=4)
+    r.end(a, ok=True)
+    assert not r.saturated("tiny", sticky_key="k")
+    assert r.pick("tiny", sticky_key="k").backend.id == a
+    r.begin(a)
+    assert r.saturated("tiny", sticky_key="k")
+    # Stale gauges never hold a request.
+    clock.now += 10
+    assert not r.saturated("tiny", sticky_key="k")
+    assert r.snapshot()[a]["gauges"]["full"] is False
+    # Gauges without the frontend's admission pair (not a paved frontend): never full.
+    r.observe_load(a, waiting=1000, kv_usage=1.0)
+    r.observe_load(b, waiting=1000, kv_usage=1.0)
+    assert not r.saturated("tiny", sticky_key="k")
+    # No candidate at all is not "saturated" (pick raises its own error).
+    r.set_ready(a, False)
+    r.set_ready(b, False)
+    assert not r.saturated("tiny", sticky_key="k")
+    with pytest.raises(GatewayError):
+        r.saturated("nope", sticky_key="k")
+    for bad in (
+        {"waiting": 0, "queued": 1},
+        {"waiting": 0, "queued": -1, "max_queued": 1},
+        {"waiting": 0, "queued": 1, "max_queued": math.inf},
+        {"waiting": 0, "queued": True, "max_queued": 1},
+    ):
+        with pytest.raises(ValueError):
+            r.observe_load(a, **bad)
+
+
+def test_saturated_reads_the_version_pick_would_serve() -> None:
+    r = Router(two_versions())
+    r.observe_load("http://127.0.0.1:8001", waiting=0, queued=2, max_queued=2)
+    assert r.saturated("tiny@v1", sticky_key="k")
+    assert not r.saturated("tiny@v2", sticky_key="k")
+    assert not r.saturated("tiny", sticky_key="k")  # both versions eligible: v2 has room
+
+
 def test_prefix_affinity_spills_a_prefix_to_where_it_spilled_before() -> None:
     # Once a request of the prefix went to B, B's cache holds it for a while: the next spill of
     # that prefix needs half the owner's lead, while another of A's prefixes still stays home.
