@@ -48,14 +48,24 @@ def _publish(s3, tmp_path, key, engine_args, plugins=()):
 
 
 def _never_accepts(port, admin: int | None, stop):
-    """Probe the public port until `stop`; every accepted connection records the launcher's phase.
+    """Probe the public port until `stop`; a connection accepted while the engine was not ready
+    is recorded with the launcher's phase.
 
-    The launcher binds the public port and sets phase "ready" in one step of its event loop,
-    which also serves the admin endpoint, so a connection accepted before the engine was ready
-    shows up as a phase other than "ready" (the ready line on stdout comes later and is not a
-    usable cut-off on a loaded machine).
+    A relayed port is listened on when the launcher sets phase "ready" (one step of the event
+    loop that also serves the admin endpoint), so a phase other than "ready" at accept time
+    means the port opened early. A port handed to the frontend (`--listen-fd`) is listened on by
+    the frontend once its engines started, which may be a poll before the launcher's phase
+    says so: there the served process itself is asked, over the very port, whether it is ready
+    (the ready line on stdout comes later and is not a usable cut-off on a loaded machine).
     """
     early = []
+
+    def ready_through_port() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def run():
         while not stop.is_set():
@@ -68,7 +78,7 @@ def _never_accepts(port, admin: int | None, stop):
             if admin is not None:
                 with urllib.request.urlopen(f"http://127.0.0.1:{admin}/status", timeout=10) as r:
                     phase = json.load(r)["phase"]
-            if phase != "ready":
+            if phase != "ready" and not ready_through_port():
                 early.append((time.monotonic(), phase))
             time.sleep(0.05)
 
