@@ -14,12 +14,13 @@ dispatched request finds every backend full (the caller says so with `requeue`),
 closes to the number of this replica's requests still in flight there, and the request goes
 back to the head of its tenant's line. A request waiting is dispatched when an in-flight one
 ends, or, when nothing ends for `retry_interval_s`, one waiter goes as a probe (so a window that
-is too small, or load from other replicas, never wedges the queue). Each answer that was not a
-push-back widens the window: by one per answer while no push-back was seen for
-`forget_after_s`, by one per window's worth of answers otherwise; an idle model forgets its
-window. Each replica learns its own window; the limits (requests, tokens, concurrency per key
-and tenant) are reserved before a request queues, as without the queue, so several replicas
-together never admit beyond them.
+is too small, or load from other replicas, never wedges the queue). A request held before it
+was sent (the backends' gauges read full: `requeue(hold=True)`) waits for one of those two.
+Each answer that was not a push-back widens the window: by one per answer while no push-back
+was seen for `forget_after_s`, by one per window's worth of answers otherwise; an idle model
+forgets its window. Each replica learns its own window; the limits (requests, tokens,
+concurrency per key and tenant) are reserved before a request queues, as without the queue, so
+several replicas together never admit beyond them.
 
 Order of dispatch: strict priority between classes (interactive before background); inside a
 class, weighted fair queuing by tenant (stride scheduling: each tenant has a pass value, the
@@ -150,14 +151,18 @@ class Slot:
     def granted(self) -> bool:
         return self._state is _State.GRANTED
 
-    async def requeue(self) -> None:
+    async def requeue(self, *, hold: bool = False) -> None:
         """The dispatched request found no backend with room: give the room back, close the
         window to what is still in flight, and wait for another turn (ahead of the tenant's
-        later requests, the same deadline). Raises QueueRefusedError as `acquire` does."""
+        later requests, the same deadline). Raises QueueRefusedError as `acquire` does.
+
+        `hold`: the backends were not asked (their gauges say they are full), so nothing that
+        could make room has happened: the turn comes with a request ending or the next probe,
+        never at once (the window's room would hand it straight back, a loop without a wait)."""
         if self._state is not _State.GRANTED:
             raise RuntimeError("requeue of a slot that is not granted")
         self._flow._pushed_back(self)
-        await self._flow._join(self, front=True)
+        await self._flow._join(self, front=True, pump=not hold)
 
     def release(self, *, completed: bool = False) -> None:
         """Leave the model's in-flight count (idempotent). `completed`: a backend answered (not
@@ -328,7 +333,7 @@ class FlowController:
     def _retry_after(self, q: _ModelQueue) -> int:
         return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(q.wait_ewma)))
 
-    async def _join(self, slot: Slot, *, front: bool) -> None:
+    async def _join(self, slot: Slot, *, front: bool, pump: bool = True) -> None:
         q = slot._q
         now = self._clock()
         if self._closed:
@@ -347,7 +352,10 @@ class FlowController:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         slot._future = future
         self._enqueue(q, slot, now, front=front)
-        self._pump(q)
+        if pump:
+            self._pump(q)
+        else:
+            self._arm(q)
         try:
             async with asyncio.timeout(max(0.0, slot.deadline - self._clock())):
                 await future

@@ -1,10 +1,15 @@
 """Keeping the router's view of the world current: active readiness checks of every backend,
-and the routes table source backed by a file (hot-reloaded).
+its engine's load gauges, and the routes table source backed by a file (hot-reloaded).
 
 Readiness starts unknown and unknown is served as ready: a fresh gateway (or a backend just
 added by a table swap) takes traffic at once, and passive ejection in the router catches a dead
 backend before the first check round does. A failed check (non-2xx, connect error, timeout)
 removes the backend from routing until a check passes again.
+
+Load: each round also reads every backend's gauges from its `metrics_endpoint` (the `vllm:`
+queue and KV gauges, the frontend's admission count and bound; paved.metrics.gauges) and hands
+them to `Router.observe_load`. A scrape that fails changes nothing: readiness is decided by the
+readiness check alone, and the last gauges go stale in the router (which then ignores them).
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ from paved.gateway.routes import (
     parse_routes_bytes,
     routes_format,
 )
+from paved.metrics.gauges import ReplicaMetrics, ScrapeError, scrape
 
 logger = logging.getLogger(__name__)
 
 # At most this many checks in flight at once, so a 10k-backend table neither opens 10k sockets
 # nor floods the loop; a round then takes ceil(n / 64) * timeout_s at worst.
 MAX_CONCURRENT_CHECKS = 64
+# A frontend's /metrics is tens of KiB (vLLM's histograms for each model); a bound keeps a
+# misbehaving endpoint from filling the gateway's memory, 64 scrapes at a time.
+MAX_SCRAPE_BYTES = 2 << 20
 
 
 class HealthChecker:
@@ -41,7 +50,11 @@ class HealthChecker:
     overlap). A 2xx answer is ready; any other answer or a refused connection is not ready at
     once (the backend said so, e.g. while draining, or is gone). A probe that times out only
     counts: `timeouts_to_fail` in a row mark it not ready, so one slow answer from a busy
-    backend never takes the only backend of a model out of the routes."""
+    backend never takes the only backend of a model out of the routes.
+
+    With `scrape_metrics`, the same round (same concurrency bound, same timeout) reads each
+    backend's gauges and passes them to `router.observe_load`; `gauges` holds each backend's
+    last reading or the error of its last failed scrape."""
 
     def __init__(
         self,
@@ -51,6 +64,8 @@ class HealthChecker:
         timeout_s: float = 2.0,
         path: str = "/health/ready",
         timeouts_to_fail: int = 3,
+        scrape_metrics: bool = True,
+        max_metrics_bytes: int = MAX_SCRAPE_BYTES,
     ):
         if not interval_s > 0 or not timeout_s > 0:
             raise ValueError("interval_s and timeout_s must be > 0")
@@ -67,11 +82,18 @@ class HealthChecker:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._last: dict[str, bool] = {}
+        self._scrape = bool(scrape_metrics)
+        self._timeout_s = float(timeout_s)
+        if type(max_metrics_bytes) is not int or max_metrics_bytes < 1:  # bool is not a size
+            raise ValueError("max_metrics_bytes must be an integer >= 1")
+        self._max_bytes = max_metrics_bytes
+        self.gauges: dict[str, ReplicaMetrics | str] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=MAX_CONCURRENT_CHECKS),
+                # A check and a scrape per backend in flight.
+                connector=aiohttp.TCPConnector(limit=2 * MAX_CONCURRENT_CHECKS),
                 trust_env=False,  # health checks go straight to the backend, never via a proxy
             )
         return self._session
@@ -101,18 +123,31 @@ class HealthChecker:
     async def check_now(self) -> dict[str, bool]:
         """One round over the current table; returns id -> ready as applied."""
         targets: dict[str, str] = {}
+        endpoints: dict[str, str] = {}
+        served: dict[str, set[str]] = {}
         for route in self._router.table.models.values():
             for b in route.backends:
                 targets[b.id] = b.url
+                endpoints[b.id] = b.metrics_endpoint
+                served.setdefault(b.id, set()).add(b.upstream_model)
         session = self._client()
         gate = asyncio.Semaphore(MAX_CONCURRENT_CHECKS)
 
-        async def one(url: str) -> bool | None:
+        async def one(backend_id: str) -> tuple[bool | None, ReplicaMetrics | str | None]:
             async with gate:
-                return await self._probe(session, url)
+                if not self._scrape:
+                    return await self._probe(session, targets[backend_id]), None
+                # A frontend serving several models of the table is read over all of them.
+                models = served[backend_id]
+                model_id = next(iter(models)) if len(models) == 1 else None
+                return await asyncio.gather(
+                    self._probe(session, targets[backend_id]),
+                    self._read_gauges(session, endpoints[backend_id], model_id),
+                )
 
         ids = list(targets)
-        probed = await asyncio.gather(*(one(targets[i]) for i in ids))
+        rounds = await asyncio.gather(*(one(i) for i in ids))
+        probed = [verdict for verdict, _ in rounds]
         self._timeouts = {k: v for k, v in self._timeouts.items() if k in targets}
         results = []
         for backend_id, verdict in zip(ids, probed, strict=True):
@@ -126,6 +161,11 @@ class HealthChecker:
         # The table may have been swapped while checking: apply only verdicts about the same
         # server (same id, same url).
         current = {b.id: b.url for r in self._router.table.models.values() for b in r.backends}
+        current_endpoints = {
+            b.id: b.metrics_endpoint for r in self._router.table.models.values() for b in r.backends
+        }
+        if self._scrape:
+            self._apply_gauges(ids, [read for _, read in rounds], endpoints, current_endpoints)
         applied: dict[str, bool] = {}
         for backend_id, ready in zip(ids, results, strict=True):
             if current.get(backend_id) != targets[backend_id]:
@@ -142,6 +182,45 @@ class HealthChecker:
                 )
         self._last = {k: v for k, v in applied.items()}
         return applied
+
+    def _apply_gauges(
+        self,
+        ids: list[str],
+        reads: list[ReplicaMetrics | str | None],
+        endpoints: dict[str, str],
+        current: dict[str, str],
+    ) -> None:
+        gauges: dict[str, ReplicaMetrics | str] = {}
+        for backend_id, read in zip(ids, reads, strict=True):
+            if read is None or current.get(backend_id) != endpoints[backend_id]:
+                continue
+            before = self.gauges.get(backend_id)
+            gauges[backend_id] = read
+            if isinstance(read, str):
+                if not isinstance(before, str):
+                    logger.warning("backend %s: load gauges unreadable (%s)", backend_id, read)
+                continue
+            if isinstance(before, str):
+                logger.info("backend %s: load gauges readable again", backend_id)
+            self._router.observe_load(
+                backend_id,
+                waiting=read.waiting,
+                kv_usage=read.kv_usage,
+                queued=read.queued,
+                max_queued=read.max_queued,
+            )
+        self.gauges = gauges
+
+    async def _read_gauges(
+        self, session: aiohttp.ClientSession, url: str, model_id: str | None
+    ) -> ReplicaMetrics | str:
+        """The backend's gauges, or why they could not be read."""
+        try:
+            return await scrape(
+                url, model_id=model_id, timeout_s=self._timeout_s, max_bytes=self._max_bytes, session=session
+            )
+        except (ScrapeError, ValueError, OSError) as e:
+            return str(e)[:300]
 
     async def _probe(self, session: aiohttp.ClientSession, url: str) -> bool | None:
         """True ready, False not ready, None timed out (inconclusive)."""

@@ -5,8 +5,10 @@ Order of a request (each stage timed into the access log and `paved_gateway_stag
   -> limits (429, tokens reserved) -> the model's queue (paved.gateway.flow; straight through
   while its backends have room) -> route + forward, moving to another backend only while
   nothing has reached the client (connect errors, 502/503/504) -> answer -> reconcile. When
-  every backend tried had no room (503, a connect timeout), the request goes back to the queue
-  and waits for room until its deadline (then 503 + Retry-After, code queue_timeout).
+  every backend tried had no room (503, a connect timeout), or before sending when every
+  candidate's fresh gauges say its frontend admits nothing more (Router.saturated), the request
+  goes back to the queue and waits for room until its deadline (then 503 + Retry-After, code
+  queue_timeout).
 
 Invariants:
 - Every admitted request calls `Limiter.finish` exactly once: with the upstream's reported
@@ -279,8 +281,8 @@ class OpenAIProxy:
             while True:
                 try:
                     return await self._attempts(call, reservation, affinity, slot)
-                except _NoRoom:
-                    await self._wait_turn(call, slot.requeue())
+                except _NoRoom as e:
+                    await self._wait_turn(call, slot.requeue(hold=e.held))
         except _Disconnected:
             if slot is not None:
                 slot.release()
@@ -335,6 +337,13 @@ class OpenAIProxy:
         t_route = time.perf_counter()
         for attempt in range(self.config.max_attempts):
             try:
+                if (
+                    slot is not None
+                    and no_room
+                    and self.router.saturated(model, sticky_key=str(sticky), exclude=excluded)
+                ):
+                    # Every backend left reads full: sending would only earn a 503. Wait for room.
+                    raise _NoRoom(held=True)
                 pick = self.router.pick(model, sticky_key=str(sticky), affinity=affinity, exclude=excluded)
             except GatewayError:
                 if last_error is not None:
@@ -659,7 +668,12 @@ class _Disconnected(Exception):
 
 
 class _NoRoom(Exception):
-    """Every backend tried in a round had no room (503 or a connect timeout)."""
+    """Every backend tried in a round had no room (503 or a connect timeout), or, `held`, every
+    candidate's gauges read full before any was tried."""
+
+    def __init__(self, *, held: bool = False):
+        super().__init__()
+        self.held = held
 
 
 _T = TypeVar("_T")

@@ -117,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the tenant's share of a model's capacity when requests queue (default 1 each; repeatable)",
     )
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health/ready checks")
+    p.add_argument(
+        "--no-backend-metrics",
+        action="store_true",
+        help="do not read backends' load gauges (each backend's metrics_url, default its /metrics) in "
+        "the health rounds: prefix affinity then weighs only this gateway's in-flight counts, and "
+        "flow control holds a request only after a backend pushed back",
+    )
     p.add_argument("--routes-poll", type=float, default=1.0, help="seconds between routes-file checks")
     p.add_argument("--auth-cache", type=float, default=0.5, help="seconds a key lookup is cached")
     p.add_argument(
@@ -282,7 +289,9 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         metrics=metrics,
         # Gateway's field is annotated with the file source; both implement RoutesSource.
         routes_source=_routes_source(args, router),
-        health=HealthChecker(router, interval_s=args.health_interval),
+        health=HealthChecker(
+            router, interval_s=args.health_interval, scrape_metrics=not args.no_backend_metrics
+        ),
         orchestrator=orchestrator,
     )
     return gateway, table

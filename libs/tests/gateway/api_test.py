@@ -815,3 +815,134 @@ def test_an_unknown_priority_is_a_400(gateway, key):
         timeout=10,
     )
     assert r.status_code == 200, r.text
+
+
+# The backends' load gauges (the health rounds read each frontend's /metrics): two frontends
+# that admit 2 sequences each (paved_max_queued_sequences; a third is a 503 "overloaded").
+BOUNDED = "sim://tiny?tokens_per_s=10&max_num_seqs=4"
+_LONG_BODY = {"model": "tiny", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def bounded_frontends():
+    servers = [
+        ServerProcess("--engine", BOUNDED, "--max-queued-sequences", "2", ready_timeout_s=120)
+        for _ in range(2)
+    ]
+    yield servers
+    for s in servers:
+        s.terminate()
+
+
+def _gauges_when(gw, accept, what: str) -> dict:
+    """The router's backends (GET /admin/v1/routes) once `accept(backends)` holds (bounded poll)."""
+    backends: dict = {}
+    for _ in range(400):
+        backends = _backends(gw.admin("GET", "/admin/v1/routes").json())
+        if accept(backends):
+            return backends
+        time.sleep(0.05)
+    raise AssertionError(f"the gateway's router never saw {what}: {backends}")
+
+
+def _rejected(server: ServerProcess) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("paved_requests_rejected_total{") and 'reason="queue_full"' in line
+    )
+
+
+async def _hold(client: httpx.AsyncClient, server: ServerProcess, n: int) -> list[asyncio.Task]:
+    """`n` long streams straight to `server` (not through the gateway), held until cancelled."""
+
+    async def one() -> None:
+        async with client.stream("POST", server.url + "/v1/completions", json=_LONG_BODY) as r:
+            async for _ in r.aiter_bytes():
+                pass
+
+    return [asyncio.create_task(one()) for _ in range(n)]
+
+
+def test_the_gateways_router_reads_the_frontends_gauges(tmp_path, bounded_frontends):
+    with _tight_gateway(tmp_path, bounded_frontends, "--health-interval", "0.2") as gw:
+        idle = _gauges_when(gw, lambda bs: all(b["gauges"] for b in bs.values()), "gauges")
+        for s in bounded_frontends:
+            g = idle[s.url]["gauges"]
+            assert (g["waiting"], g["kv_usage"], g["queued"], g["max_queued"], g["full"]) == (
+                0,
+                0,
+                0,
+                2,
+                False,
+            )
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=120) as c:
+                holders = await _hold(c, bounded_frontends[0], 2)
+                try:
+                    busy = await asyncio.to_thread(
+                        _gauges_when,
+                        gw,
+                        lambda bs: (bs[bounded_frontends[0].url]["gauges"] or {}).get("queued") == 2,
+                        "the first frontend full",
+                    )
+                    assert busy[bounded_frontends[0].url]["gauges"]["full"] is True
+                    assert busy[bounded_frontends[0].url]["gauges"]["kv_usage"] > 0
+                    assert busy[bounded_frontends[1].url]["gauges"]["full"] is False
+                finally:
+                    for h in holders:
+                        h.cancel()
+                    await asyncio.gather(*holders, return_exceptions=True)
+
+        asyncio.run(scenario())
+    # Turned off, the rounds still check readiness but read no gauges.
+    with _tight_gateway(
+        tmp_path / "off", bounded_frontends, "--health-interval", "0.2", "--no-backend-metrics"
+    ) as gw:
+        checked = _gauges_when(gw, lambda bs: all(b["checked"] for b in bs.values()), "a health round")
+        assert all(b["gauges"] is None and b["ready"] for b in checked.values()), checked
+
+
+def test_every_backend_reading_full_holds_the_request_in_the_queue_not_a_503(tmp_path, bounded_frontends):
+    with _tight_gateway(tmp_path, bounded_frontends, "--health-interval", "0.2", "--queue-size", "8") as gw:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=120) as c:
+                holders = [t for s in bounded_frontends for t in await _hold(c, s, 2)]
+                try:
+                    await asyncio.to_thread(
+                        _gauges_when,
+                        gw,
+                        lambda bs: all((b["gauges"] or {}).get("full") for b in bs.values()),
+                        "both frontends full",
+                    )
+                    refused_before = [_rejected(s) for s in bounded_frontends]
+                    waiter = asyncio.ensure_future(
+                        c.post(
+                            gw.url + "/v1/completions",
+                            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                            headers={"Authorization": f"Bearer {gw.key_t}"},
+                        )
+                    )
+                    for _ in range(400):
+                        if _metric(gw, "paved_gateway_queue_depth", model="tiny") == 1:
+                            break
+                        await asyncio.sleep(0.05)
+                    # Held in the gateway's queue, never sent to a frontend that would refuse it.
+                    assert _metric(gw, "paved_gateway_queue_depth", model="tiny") == 1
+                    assert not waiter.done()
+                    assert [_rejected(s) for s in bounded_frontends] == refused_before
+                finally:
+                    for h in holders:
+                        h.cancel()
+                    await asyncio.gather(*holders, return_exceptions=True)
+                # The frontends drain, the next health round reads room: the request is served.
+                r = await waiter
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 2
+                assert [_rejected(s) for s in bounded_frontends] == refused_before
+                assert _metric(gw, "paved_gateway_queue_depth", model="tiny") == 0
+
+        asyncio.run(scenario())

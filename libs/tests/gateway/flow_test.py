@@ -313,6 +313,52 @@ def test_a_probe_goes_when_nothing_ends():
     asyncio.run(run())
 
 
+def test_a_held_request_waits_for_an_ending_request_or_a_probe_never_its_own_room():
+    # A request held because the backends' gauges read full did not ask them: with nothing of
+    # ours in flight the window (never below one) has room for it at once, and taking that room
+    # would loop without a wait. It goes when a request of ours ends, or with the next probe.
+    async def run() -> None:
+        plain = FlowController(FlowConfig(retry_interval_s=3600))
+        bounced = await plain.acquire(M, "t", FG, _far())
+        await asyncio.wait_for(bounced.requeue(), 5)  # a push-back's requeue: granted at once
+        assert bounced.granted
+        bounced.release()
+
+        flow = FlowController(FlowConfig(retry_interval_s=3600))
+        alone = await flow.acquire(M, "t", FG, _far())
+        held = asyncio.create_task(alone.requeue(hold=True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not held.done() and flow.depth(M) == 1 and flow.in_flight(M) == 0
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        assert flow.depth(M) == 0 and flow.in_flight(M) == 0
+
+        flow = FlowController(FlowConfig(retry_interval_s=3600))  # a window not closed yet
+        busy = await flow.acquire(M, "t", FG, _far())
+        second = await flow.acquire(M, "t", FG, _far())
+        held = asyncio.create_task(second.requeue(hold=True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not held.done() and flow.depth(M) == 1
+        busy.release(completed=True)  # one of ours ends: the held one goes
+        await asyncio.wait_for(held, 5)
+        assert second.granted and flow.depth(M) == 0
+        second.release(completed=True)
+
+    asyncio.run(run())
+    probed = FlowController(FlowConfig(retry_interval_s=0.01))
+
+    async def probe() -> None:
+        alone = await probed.acquire(M, "t", FG, _far())
+        await asyncio.wait_for(alone.requeue(hold=True), 5)  # the probe sends it
+        assert alone.granted and probed.depth(M) == 0
+        alone.release()
+
+    asyncio.run(probe())
+
+
 def test_a_requeue_past_the_deadline_is_refused():
     flow = FlowController()
 

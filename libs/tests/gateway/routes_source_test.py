@@ -1,5 +1,6 @@
 """FileRoutesSource (initial load, hot reload, bad or missing file keeps the last table, TOML)
-and HealthChecker against real aiohttp servers on loopback (ready, not ready, not listening)."""
+and HealthChecker against real aiohttp servers on loopback (ready, not ready, not listening;
+the load gauges of their Prometheus text reaching the router)."""
 
 from __future__ import annotations
 
@@ -283,3 +284,171 @@ def test_health_checker_validates_arguments() -> None:
         HealthChecker(router, interval_s=0)
     with pytest.raises(ValueError, match="start with"):
         HealthChecker(router, path="health")
+
+
+def gauges_text(model: str, *, waiting: float, running: float, kv: float, queued: int, bound: int) -> str:
+    """What a paved frontend's /metrics says of one model (and a histogram it also carries)."""
+    return (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0",model_name="{model}"}} {waiting}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{engine="0",model_name="{model}"}} {running}\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} {kv}\n'
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        f'vllm:e2e_request_latency_seconds_bucket{{le="+Inf",model_name="{model}"}} 7.0\n'
+        "# TYPE paved_queued_sequences gauge\n"
+        f'paved_queued_sequences{{model="{model}"}} {queued}\n'
+        "# TYPE paved_max_queued_sequences gauge\n"
+        f'paved_max_queued_sequences{{model="{model}"}} {bound}\n'
+    )
+
+
+async def serve_metrics(texts: dict[str, str], *, ready: int = 200) -> tuple[web.AppRunner, int]:
+    """/health/ready answering `ready`; each path of `texts` answering its current text (a path
+    missing from it answers 404: edit the dict between rounds)."""
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "x"}, status=ready)
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = texts.get(request.path)
+        if text is None:
+            return web.Response(status=404)
+        return web.Response(text=text, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/health/ready", health)
+    app.router.add_get("/{tail:.*}", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+def test_health_rounds_read_each_backends_gauges_into_the_router() -> None:
+    async def run() -> None:
+        a_texts = {"/metrics": gauges_text("tiny", waiting=3, running=5, kv=0.25, queued=8, bound=8)}
+        # b's gauges are on a metrics port of their own (a launcher's metrics proxy).
+        proxy_texts = {"/metrics": gauges_text("tiny", waiting=0, running=1, kv=0.5, queued=1, bound=8)}
+        a, a_port = await serve_metrics(a_texts)
+        b, b_port = await serve_metrics({})
+        proxy, proxy_port = await serve_metrics(proxy_texts)
+        a_url, b_url = f"http://127.0.0.1:{a_port}", f"http://127.0.0.1:{b_port}"
+        routes = {
+            "models": [
+                {
+                    "alias": "tiny",
+                    "backends": [
+                        {"url": a_url, "version": "v1"},
+                        {
+                            "url": b_url,
+                            "version": "v1",
+                            "metrics_url": f"http://127.0.0.1:{proxy_port}/metrics",
+                        },
+                    ],
+                }
+            ]
+        }
+        router = Router(parse_routes(routes))
+        checker = HealthChecker(router, interval_s=3600, timeout_s=2.0)
+        try:
+            assert await checker.check_now() == {a_url: True, b_url: True}
+            snap = router.snapshot()
+            assert snap[a_url]["gauges"] is not None and snap[b_url]["gauges"] is not None
+            assert {
+                k: snap[a_url]["gauges"][k] for k in ("waiting", "kv_usage", "queued", "max_queued", "full")
+            } == {
+                "waiting": 3.0,
+                "kv_usage": 0.25,
+                "queued": 8.0,
+                "max_queued": 8.0,
+                "full": True,
+            }
+            assert (snap[b_url]["gauges"]["queued"], snap[b_url]["gauges"]["full"]) == (1.0, False)
+            assert not router.saturated("tiny", sticky_key="k")
+            proxy_texts["/metrics"] = gauges_text("tiny", waiting=9, running=8, kv=1.0, queued=9, bound=8)
+            await checker.check_now()
+            assert router.saturated("tiny", sticky_key="k")
+            # A scrape that fails (404, garbage, another model's series only) leaves readiness
+            # to /health/ready and the last gauges to go stale; the error is kept.
+            del proxy_texts["/metrics"]
+            a_texts["/metrics"] = gauges_text("other", waiting=0, running=0, kv=0, queued=0, bound=8)
+            assert await checker.check_now() == {a_url: True, b_url: True}
+            assert "HTTP 404" in str(checker.gauges[b_url]) and "model_name='tiny'" in str(
+                checker.gauges[a_url]
+            )
+            assert router.snapshot()[b_url]["gauges"]["queued"] == 9.0  # not overwritten
+            a_texts["/metrics"] = "vllm:num_requests_waiting{ nonsense\n"
+            assert await checker.check_now() == {a_url: True, b_url: True}
+            assert "unparsable" in str(checker.gauges[a_url])
+        finally:
+            await checker.stop()
+            for runner in (a, b, proxy):
+                await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_gauge_scrapes_are_bounded_and_can_be_turned_off() -> None:
+    async def run() -> None:
+        texts = {"/metrics": gauges_text("tiny", waiting=1, running=1, kv=0.1, queued=2, bound=4)}
+        runner, port = await serve_metrics(texts)
+        url = f"http://127.0.0.1:{port}"
+        router = Router(parse_routes(routes_obj(port)))
+        off = HealthChecker(router, interval_s=3600, scrape_metrics=False)
+        small = HealthChecker(router, interval_s=3600, max_metrics_bytes=64)
+        try:
+            assert await off.check_now() == {url: True}
+            assert router.snapshot()[url]["gauges"] is None and off.gauges == {}
+            assert await small.check_now() == {url: True}
+            assert "larger than 64 bytes" in str(small.gauges[url])
+            assert router.snapshot()[url]["gauges"] is None
+        finally:
+            await off.stop()
+            await small.stop()
+            await runner.cleanup()
+
+    asyncio.run(run())
+    with pytest.raises(ValueError, match="max_metrics_bytes"):
+        HealthChecker(empty_router(), max_metrics_bytes=0)
+
+
+def test_a_frontend_serving_several_models_of_the_table_is_read_over_all_of_them() -> None:
+    async def run() -> None:
+        # One family per name, a series per model, as a frontend's /metrics has them.
+        text = "".join(
+            f'# TYPE {name} gauge\n{name}{{{label}="a"}} {va}\n{name}{{{label}="b"}} {vb}\n'
+            for name, label, va, vb in (
+                ("vllm:num_requests_waiting", "model_name", 1, 2),
+                ("vllm:num_requests_running", "model_name", 0, 0),
+                ("vllm:kv_cache_usage_perc", "model_name", 0.2, 0.4),
+                ("paved_queued_sequences", "model", 4, 0),
+                ("paved_max_queued_sequences", "model", 4, 4),
+            )
+        )
+        runner, port = await serve_metrics({"/metrics": text})
+        url = f"http://127.0.0.1:{port}"
+        routes = {
+            "models": [
+                {"alias": alias, "backends": [{"url": url, "version": "v1", "upstream_model": alias}]}
+                for alias in ("a", "b")
+            ]
+        }
+        router = Router(parse_routes(routes))
+        checker = HealthChecker(router, interval_s=3600)
+        try:
+            await checker.check_now()
+            gauges = router.snapshot()[url]["gauges"]
+            # Summed over both models: `a` alone is full, the frontend as a whole is not.
+            assert gauges is not None and (gauges["waiting"], gauges["queued"], gauges["full"]) == (
+                3.0,
+                4.0,
+                False,
+            )
+        finally:
+            await checker.stop()
+            await runner.cleanup()
+
+    asyncio.run(run())
