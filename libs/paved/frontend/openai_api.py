@@ -234,13 +234,14 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     headers = _headers(resolved)
     if body.stream:
         events = responses.chat_events(
-            counted(stream, log),
+            stream,
             request_id=request_id,
             model=body.model,
             n=body.n,
             mode=resolved.tool_mode,
             with_logprobs=logprobs is not None,
             include_usage=body.include_usage(),
+            on_output=log.add_output,
         )
         return _SSEResponse(events, admitted, headers)
     try:
@@ -290,19 +291,20 @@ async def completions(body: schemas.CompletionRequest, request: Request):
         for i, p in enumerate(prompts)
     ]
     admitted = await _admit(state, served, generates, body.n * len(prompts))
-    streams = [counted(s, log, i) for i, s in enumerate(admitted.streams)]
     headers = _headers(resolved)
     if body.stream:
         events = responses.completion_events(
-            streams,
+            admitted.streams,
             request_id=request_id,
             model=body.model,
             n=body.n,
             echo=body.echo,
             logprobs=body.logprobs,
             include_usage=body.include_usage(),
+            on_output=log.add_output,
         )
         return _SSEResponse(events, admitted, headers)
+    streams = [counted(s, log, i) for i, s in enumerate(admitted.streams)]
     try:
         results = await _unless_disconnected(
             request, asyncio.gather(*(responses.collect(s, body.n) for s in streams))

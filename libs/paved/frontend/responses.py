@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +27,50 @@ logger = logging.getLogger(__name__)
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: dict[str, Any]) -> bytes:
-    """One `data:` event. JSON escapes control characters but leaves U+0085, U+2028 and U+2029
-    raw, and line-based SSE clients (httpx's `aiter_lines`, anything built on str.splitlines)
-    end a line at each: a generated string holding one would cut its event in two. They are
-    escaped here (the same JSON value); other text stays UTF-8 (no 6-byte escapes for it)."""
-    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+def _line_safe(text: str) -> str:
+    """JSON escapes control characters but leaves U+0085, U+2028 and U+2029 raw, and line-based
+    SSE clients (httpx's `aiter_lines`, anything built on str.splitlines) end a line at each: a
+    generated string holding one would cut its event in two. They are escaped here (the same
+    JSON value); other text stays UTF-8 (no 6-byte escapes for it)."""
     # An ASCII-only text cannot hold them: str.replace returns at once.
-    text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
-    return b"data: " + text.encode() + b"\n\n"
+    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def _json(value: Any) -> str:
+    return _line_safe(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+# The string encoder json.dumps(..., ensure_ascii=False) itself uses (C when available).
+_encode_str = json.encoder.encode_basestring
+
+
+def _json_str(text: str) -> str:
+    """`_json(text)` for a str, without json.dumps's per-call encoder set-up."""
+    return _line_safe(_encode_str(text))
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One `data:` event, on one line whatever its strings hold (see `_line_safe`)."""
+    return b"data: " + _json(payload).encode() + b"\n\n"
+
+
+class _Chunks:
+    """The `data:` events of one stream, `sse({**base, "choices": [...]})` byte for byte, built
+    per token without json.dumps: the constant head is encoded once, and a choice without
+    logprobs is a template around its text (the frontend's CPU per streamed token competes with
+    the engine for the cores; see docs/benchmarks.md, //bench:frontend)."""
+
+    def __init__(self, base: dict[str, Any]):
+        # `data: {"id":...,"model":...` + `,"choices":[`
+        self.head = "data: " + _json(base)[:-1] + ',"choices":['
+
+    def event(self, choices: list[str]) -> bytes:
+        """One event from choices already encoded (`_json` or a template)."""
+        return (self.head + ",".join(choices) + "]}\n\n").encode()
+
+
+def _finish_json(finish_reason: str | None) -> str:
+    return "null" if finish_reason is None else _json_str(finish_reason)
 
 
 def new_id(prefix: str) -> str:
@@ -218,6 +253,12 @@ async def guarded_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield sse(error_body(error.status, error.message, error.param, error.code))
 
 
+# Called with (stream index, output) for every engine output an event stream reads: the
+# request's token counts (paved.frontend.tracing.RequestLog.add_output) without another
+# generator layer per token.
+OutputObserver = Callable[[int, GenerateOutput], None]
+
+
 async def chat_events(
     stream: AsyncIterator[GenerateOutput],
     *,
@@ -227,21 +268,21 @@ async def chat_events(
     mode: ToolMode | None,
     with_logprobs: bool,
     include_usage: bool,
+    on_output: OutputObserver | None = None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return sse({**base, "choices": choices})
-
-    yield chunk(
+    chunks = _Chunks(base)
+    yield chunks.event(
         [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            _json(
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
             for i in range(n)
         ]
     )
@@ -250,12 +291,13 @@ async def chat_events(
     buffered = [ChoiceResult() for _ in range(n)] if mode is not None and mode.kind == "required" else None
     named_started = [False] * n
     async for out in stream:
+        if on_output is not None:
+            on_output(0, out)
         if out.prompt_tokens is not None:
             prompt_tokens, cached = out.prompt_tokens, out.cached_prompt_tokens or 0
-        choices = []
+        choices: list[str] = []
         for d in out.choices:
             completion_tokens += d.token_count
-            logprobs = chat_logprobs(d.logprobs) if with_logprobs and d.logprobs else None
             if buffered is not None:
                 b = buffered[d.index]
                 b.text_parts.append(d.text)
@@ -270,24 +312,30 @@ async def chat_events(
                     ]
                 else:
                     delta["content"] = message["content"]
-                choices.append({"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish})
+                choices.append(
+                    _json({"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish})
+                )
                 continue
+            logprobs = _json(chat_logprobs(d.logprobs)) if with_logprobs and d.logprobs else "null"
             if mode is not None:  # named function: the text is its arguments
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
                 if not named_started[d.index]:
                     named_started[d.index] = True
                     call.update(id=tool_call_id(), type="function")
                     call["function"] = {"name": mode.name, "arguments": d.text}
-                delta = {"tool_calls": [call]} if d.text or call.get("id") else {}
+                delta_json = _json({"tool_calls": [call]}) if d.text or call.get("id") else "{}"
+            elif d.text:
+                delta_json = '{"content":' + _json_str(d.text) + "}"
             else:
-                delta = {"content": d.text} if d.text else {}
-            if not delta and d.finish_reason is None:
+                delta_json = "{}"
+            if delta_json == "{}" and d.finish_reason is None:
                 continue
             choices.append(
-                {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                f'{{"index":{d.index},"delta":{delta_json},"logprobs":{logprobs},'
+                f'"finish_reason":{_finish_json(d.finish_reason)}}}'
             )
         if choices:
-            yield chunk(choices)
+            yield chunks.event(choices)
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
     yield SSE_DONE
@@ -349,39 +397,59 @@ async def completion_events(
     echo: bool,
     logprobs: int | None,
     include_usage: bool,
+    on_output: OutputObserver | None = None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+    chunks = _Chunks(base)
     offsets = [0] * (n * len(streams))
     # Per prompt: its text and logprobs, echoed at the head of each of its n choices.
     prompts: list[tuple[str, list[TokenLogprob]] | None] = [None] * len(streams)
     echoed = [False] * (n * len(streams))
     prompt_tokens = completion_tokens = cached = 0
-    async for s, out in merge(streams):
+
+    def event(s: int, out: GenerateOutput) -> bytes | None:
+        nonlocal prompt_tokens, completion_tokens, cached
+        if on_output is not None:
+            on_output(s, out)
         if out.prompt_tokens is not None:
             prompt_tokens += out.prompt_tokens
             cached += out.cached_prompt_tokens or 0
             prompts[s] = (out.prompt_text or "", list(out.prompt_logprobs or []))
-        choices = []
+        choices: list[str] = []
         for d in out.choices:
             index = s * n + d.index
             completion_tokens += d.token_count
             text = d.text
-            entries: list[TokenLogprob] = list(d.logprobs or [])
+            entries: Sequence[TokenLogprob] = d.logprobs or ()
             if echo and not echoed[index]:
                 echoed[index] = True
                 prompt_text, prompt_entries = prompts[s] or ("", [])
                 text = prompt_text + text
-                entries = prompt_entries + entries
+                entries = [*prompt_entries, *entries]
             if not text and d.finish_reason is None and not entries:
                 continue
-            lp = None
+            lp = "null"
             if logprobs is not None:
-                lp = completion_logprobs(entries, offsets[index])
+                lp = _json(completion_logprobs(entries, offsets[index]))
                 offsets[index] += len(text)
-            choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason})
-        if choices:
-            yield sse({**base, "choices": choices})
+            choices.append(
+                f'{{"index":{index},"text":{_json_str(text)},"logprobs":{lp},'
+                f'"finish_reason":{_finish_json(d.finish_reason)}}}'
+            )
+        return chunks.event(choices) if choices else None
+
+    # One prompt (the common case) reads its stream directly rather than through merge().
+    if len(streams) == 1:
+        async for out in streams[0]:
+            encoded = event(0, out)
+            if encoded is not None:
+                yield encoded
+    else:
+        async for s, out in merge(streams):
+            encoded = event(s, out)
+            if encoded is not None:
+                yield encoded
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens, cached)})
     yield SSE_DONE

@@ -51,8 +51,10 @@ class RequestLog:
         if out.prompt_tokens is not None:
             self._stream_prompts[stream] = out.prompt_tokens
             self.prompt_tokens = sum(self._stream_prompts.values())
-        generated = sum(d.token_count for d in out.choices)
-        self.completion_tokens = (self.completion_tokens or 0) + generated
+        generated = self.completion_tokens or 0
+        for d in out.choices:  # once per streamed token: a loop, not sum() over a generator
+            generated += d.token_count
+        self.completion_tokens = generated
 
 
 def _state(scope: Scope) -> dict:
