@@ -44,21 +44,9 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-NATIVE_SRCS = [
-    "batch_masker.cc",
-    "choice.cc",
-    "compile.cc",
-    "constraint.cc",
-    "dfa.cc",
-    "json_schema.cc",
-    "json_value.cc",
-    "mask_cache.cc",
-    "regex_ast.cc",
-    "regex_parser.cc",
-    "token_bitmask.cc",
-    "vocab.cc",
-    "python/module.cc",
-]
+# The library's sources as //cc/constraints builds them (every .cc but the tests) and the module.
+_LIB_SRCS = sorted(p.name for p in (ROOT / "cc/constraints").glob("*.cc") if not p.name.endswith("_test.cc"))
+NATIVE_SRCS = [*_LIB_SRCS, "python/module.cc"]
 
 
 def _import_native(build_dir: Path, rebuild: bool) -> str:
