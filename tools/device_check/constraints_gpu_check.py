@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=1, sort_keys=True)
     print(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "constraints_gpu_check.json").write_text(text + "\n")
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "constraints_gpu_check.json").write_text(text + "\n")
     return status
 
 
