@@ -479,6 +479,9 @@ class _RequestStream:
         self._collector = collector
         self._prompt_ids = prompt_ids
         self._prompt_text = prompt_text
+        # Read once, not per token.
+        self._num_top = request.sampling.logprobs
+        self._prefill_only = request.sampling.max_tokens == 0
         self._first = True
         self._finished = False
         self._closed = False
@@ -503,17 +506,18 @@ class _RequestStream:
             # Cancelled (client gone) or failed: free the engine's slot before propagating.
             await self.aclose()
             raise
-        s = self._request.sampling
+        num_top, prefill_only = self._num_top, self._prefill_only
         result = GenerateOutput(
-            choices=[_choice(o, s.logprobs, s.max_tokens == 0) for o in out.outputs], finished=out.finished
+            choices=[_choice(o, num_top, prefill_only) for o in out.outputs], finished=out.finished
         )
         if self._first:
             self._first = False
             result.prompt_tokens = len(self._prompt_ids)
             result.cached_prompt_tokens = out.num_cached_tokens
-            if s.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_logprobs = self._request.sampling.prompt_logprobs
+            if prompt_logprobs is not None and out.prompt_logprobs is not None:
                 result.prompt_logprobs = _prompt_logprobs(
-                    out.prompt_logprobs, self._prompt_ids, s.prompt_logprobs, self._engine._tokenizer
+                    out.prompt_logprobs, self._prompt_ids, prompt_logprobs, self._engine._tokenizer
                 )
             if self._request.echo:
                 result.prompt_text = self._prompt_text

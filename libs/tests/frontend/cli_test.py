@@ -109,3 +109,29 @@ def test_kserve_keys_are_validated_in_files(tmp_path):
     path.write_text(json.dumps({"server": {"kserve_grpc_port": "8001"}, "models": [model]}))
     with pytest.raises(ValueError, match="kserve_grpc_port must be an integer"):
         config_file.load(str(path))
+
+
+def test_engines_started_settles_the_process(monkeypatch):
+    """Once the engines are up the server freezes start-up's objects out of the collector and
+    has vLLM (when loaded) cache its environment, as vLLM's own engine processes do."""
+    import gc
+    import sys
+    import types
+
+    import uvicorn
+
+    from paved.frontend.registry import ModelRegistry
+    from paved.frontend.server import _Server
+
+    cached = []
+    monkeypatch.setitem(
+        sys.modules, "vllm.envs", types.SimpleNamespace(enable_envs_cache=lambda: cached.append(True))
+    )
+    gc.unfreeze()
+    server = _Server(uvicorn.Config(app=None), ModelRegistry([]))
+    try:
+        server.engines_started()
+        assert gc.get_freeze_count() > 0
+        assert cached == [True]
+    finally:
+        gc.unfreeze()
