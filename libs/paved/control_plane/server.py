@@ -30,7 +30,7 @@ from paved.control_plane.leader import LeaderLock
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
-from paved.gateway.auth import AdminAuth, load_admin_key
+from paved.gateway.access.auth import AdminAuth, load_admin_key
 from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
 logger = logging.getLogger("paved.control_plane")

@@ -4,7 +4,7 @@ control plane sharing one database).
 
 `ControlStore` wraps a synchronous SQLAlchemy engine; every public method is a coroutine that
 runs its database work in a worker thread (`asyncio.to_thread`), so the event loop never blocks
-on the database (the style of paved.gateway.state).
+on the database (the style of paved.gateway.access.state).
 
 Invariants:
 - At most one non-deleted deployment per `(model_id, version)`, at most one `current`

@@ -69,7 +69,7 @@ from paved.gateway.ann import VectorIndex
 if TYPE_CHECKING:
     import redis.asyncio
 
-    from paved.gateway.state import GatewayStore
+    from paved.gateway.access.state import GatewayStore
 
 logger = logging.getLogger(__name__)
 

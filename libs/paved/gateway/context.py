@@ -65,8 +65,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
-from paved.gateway.state import GatewayStore
 from paved.sql import utc, utc_now
 
 logger = logging.getLogger(__name__)

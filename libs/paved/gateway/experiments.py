@@ -68,10 +68,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from paved.gateway.admin_api import _admin_route_class
-from paved.gateway.auth import AdminAuth, Authenticator
+from paved.gateway.access.admin_api import _admin_route_class
+from paved.gateway.access.auth import AdminAuth, Authenticator
+from paved.gateway.access.state import TENANT_NAME_RE, GatewayStore
 from paved.gateway.errors import GatewayError
-from paved.gateway.state import TENANT_NAME_RE, GatewayStore
 from paved.sql import utc, utc_now
 
 if TYPE_CHECKING:

@@ -43,9 +43,9 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 import paved
-from paved.gateway.auth import Authenticator
+from paved.gateway.access.auth import Authenticator
+from paved.gateway.access.limits import Limiter
 from paved.gateway.errors import GatewayError, ModelNotAllowedError, grpc_code_name
-from paved.gateway.limits import Limiter
 from paved.gateway.router import Pick, Router
 from paved.gateway.types import Principal
 from paved.http.kserve_names import grpc_status_name

@@ -46,7 +46,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 import paved
-from paved.gateway.auth import Authenticator
+from paved.gateway.access.auth import Authenticator
+from paved.gateway.access.limits import Limiter, Reservation
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.kserve_grpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -58,7 +59,6 @@ from paved.gateway.kserve_grpc import (
     sampling_max_tokens,
     write_access,
 )
-from paved.gateway.limits import Limiter, Reservation
 from paved.gateway.router import Router
 from paved.http.kserve_names import HTTP_MODEL_METHODS
 from paved.http.tracing import REQUEST_ID_HEADER, TRACEPARENT_HEADER, trace_context

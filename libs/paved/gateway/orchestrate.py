@@ -61,9 +61,9 @@ from paved.gateway import cache as cachelib
 from paved.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
+    from paved.gateway.access.limits import Limiter, Reservation
     from paved.gateway.context import ContextFitter, ConversationStore
     from paved.gateway.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
-    from paved.gateway.limits import Limiter, Reservation
     from paved.gateway.metrics import GatewayMetrics
     from paved.gateway.router import Router
     from paved.gateway.routes import CachePolicy, ModelRoute

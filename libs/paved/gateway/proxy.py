@@ -56,8 +56,8 @@ from paved.http.sockets import POOL_KEEPALIVE_S
 from paved.http.tracing import request_ids
 
 if TYPE_CHECKING:
-    from paved.gateway.auth import Authenticator
-    from paved.gateway.limits import Limiter, Reservation
+    from paved.gateway.access.auth import Authenticator
+    from paved.gateway.access.limits import Limiter, Reservation
     from paved.gateway.orchestrate import Hit, Orchestrator, Plan
     from paved.gateway.router import Pick, Router
     from paved.gateway.types import Principal

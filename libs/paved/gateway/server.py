@@ -21,17 +21,17 @@ from pathlib import Path
 
 import uvicorn
 
+from paved.gateway.access.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.access.limits import make_limiter
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
-from paved.gateway.auth import AdminAuth, Authenticator, load_admin_key
 from paved.gateway.flow import FlowConfig, FlowController
 from paved.gateway.health import FileRoutesSource, HealthChecker
-from paved.gateway.limits import make_limiter
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.router import Router
 from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
-from paved.gateway.state import GatewayStore
 from paved.gateway.tokens import TokenCounter
 from paved.gateway.watch_source import HttpRoutesSource, routes_url
 from paved.http.sockets import SERVER_KEEPALIVE_S, bind

@@ -89,10 +89,10 @@ from jinja2.utils import Joiner, Namespace
 from pydantic import BaseModel, ConfigDict, StrictStr
 from sqlalchemy.exc import IntegrityError
 
-from paved.gateway.admin_api import _admin_route_class
-from paved.gateway.auth import AdminAuth
+from paved.gateway.access.admin_api import _admin_route_class
+from paved.gateway.access.auth import AdminAuth
+from paved.gateway.access.state import TENANT_NAME_RE, GatewayStore, validate_tenant_name
 from paved.gateway.errors import GatewayError
-from paved.gateway.state import TENANT_NAME_RE, GatewayStore, validate_tenant_name
 from paved.sql import utc, utc_now
 
 TEMPLATE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")

@@ -20,7 +20,7 @@ from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import DeploymentSpec, Replica
-from paved.gateway.auth import AdminAuth
+from paved.gateway.access.auth import AdminAuth
 
 KEY = "admin-key-for-tests-0123456789"
 

@@ -1,4 +1,4 @@
-"""The admin API (paved.gateway.admin_api) served by uvicorn on loopback, driven by the `paved`
+"""The admin API (paved.gateway.access.admin_api) served by uvicorn on loopback, driven by the `paved`
 CLI in-process (main()) and as `python -m paved.cli.main`.
 
 Covers: every admin route refusing a missing or wrong admin key with a 401 OpenAI error body
@@ -28,11 +28,11 @@ from in_process import app_with
 from servers import serve_in_thread
 
 from paved.cli.main import main
-from paved.gateway import keys
-from paved.gateway.admin_api import admin_router
-from paved.gateway.auth import AdminAuth, Authenticator
+from paved.gateway.access import keys
+from paved.gateway.access.admin_api import admin_router
+from paved.gateway.access.auth import AdminAuth, Authenticator
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import AuthError
-from paved.gateway.state import GatewayStore
 
 ADMIN_KEY = "test-admin-key-0123456789"
 

@@ -38,9 +38,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paved.gateway import ann
+from paved.gateway.access.auth import AdminAuth, Authenticator
+from paved.gateway.access.limits import InProcessLimiter
+from paved.gateway.access.state import TENANT_NAME_RE, GatewayStore
 from paved.gateway.ann import VectorIndex
 from paved.gateway.app import Gateway, create_app
-from paved.gateway.auth import AdminAuth, Authenticator
 from paved.gateway.cache import (
     IGNORED_FIELDS,
     CachedAnswer,
@@ -55,13 +57,11 @@ from paved.gateway.cache import (
     question_numbers,
     replay_sse,
 )
-from paved.gateway.limits import InProcessLimiter
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.router import Router
 from paved.gateway.routes import parse_routes
-from paved.gateway.state import TENANT_NAME_RE, GatewayStore
 from paved.gateway.tokens import TokenCounter
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.redis import redis_server

@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from paved.gateway.access.limits import InProcessLimiter
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.context import (
     CONVERSATION_ID_RE,
     SUMMARY_HEADER,
@@ -38,12 +40,10 @@ from paved.gateway.context import (
     summary_request,
 )
 from paved.gateway.errors import GatewayError
-from paved.gateway.limits import InProcessLimiter
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
 from paved.gateway.router import Router
 from paved.gateway.routes import parse_routes
-from paved.gateway.state import GatewayStore
 from paved.gateway.tokens import TokenCounter
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.runfiles import tiny_model_dir

@@ -38,7 +38,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from paved.gateway import experiments as ex
-from paved.gateway.auth import AdminAuth, Authenticator
+from paved.gateway.access.auth import AdminAuth, Authenticator
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
 from paved.gateway.experiments import (
     Arm,
@@ -57,7 +58,6 @@ from paved.gateway.experiments import (
     welch_interval,
     wilson_interval,
 )
-from paved.gateway.state import GatewayStore
 from paved.http.errors import error_body, validation_message
 from paved.testing.postgres import create_database, postgres_server
 

@@ -31,13 +31,13 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import llm_inputs, stream, wait_for, xgb_model_dir
-from paved.gateway.auth import Authenticator
+from paved.gateway.access.auth import Authenticator
+from paved.gateway.access.limits import InProcessLimiter
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.kserve_grpc import KServeForwarder, read_head
 from paved.gateway.kserve_http import body_max_tokens, kserve_http_routes
-from paved.gateway.limits import InProcessLimiter
 from paved.gateway.router import Router
 from paved.gateway.routes import Backend, ModelRoute, RoutesTable
-from paved.gateway.state import GatewayStore
 from paved.gateway.types import Limits
 
 LLM = "tiny"

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import pytest
 import redis as syncredis
 
+from paved.gateway.access.limits import RedisLimiter, Reservation
 from paved.gateway.errors import GatewayError, RateLimitedError
-from paved.gateway.limits import RedisLimiter, Reservation
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.redis import redis_server
 

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paved.gateway.errors import GatewayError, RateLimitedError
-from paved.gateway.limits import (
+from paved.gateway.access.limits import (
     InProcessLimiter,
     RedisLimiter,
     Reservation,
     format_duration,
     make_limiter,
 )
+from paved.gateway.errors import GatewayError, RateLimitedError
 from paved.gateway.types import Limits, Principal, Tenant
 
 

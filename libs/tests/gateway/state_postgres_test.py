@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from paved.gateway import keys
-from paved.gateway.auth import Authenticator
+from paved.gateway.access import keys
+from paved.gateway.access.auth import Authenticator
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import AuthError, GatewayError
-from paved.gateway.state import GatewayStore
 from paved.gateway.types import Limits
 from paved.testing.postgres import create_database, postgres_server
 

@@ -22,11 +22,11 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paved.gateway import auth as auth_mod
-from paved.gateway import keys
-from paved.gateway.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.access import auth as auth_mod
+from paved.gateway.access import keys
+from paved.gateway.access.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.access.state import GatewayStore, api_keys_table
 from paved.gateway.errors import AuthError, GatewayError
-from paved.gateway.state import GatewayStore, api_keys_table
 from paved.gateway.types import Limits, Principal
 
 

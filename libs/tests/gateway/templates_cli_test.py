@@ -21,8 +21,8 @@ from in_process import app_with
 from servers import serve_in_thread
 
 from paved.cli.main import main
-from paved.gateway.auth import AdminAuth
-from paved.gateway.state import GatewayStore
+from paved.gateway.access.auth import AdminAuth
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.templates import TemplateRegistry, TenantPrompting, templates_router
 
 ADMIN_KEY = "templates-cli-admin-key-0123456789"

@@ -35,9 +35,9 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from paved.gateway import templates as tm
-from paved.gateway.auth import AdminAuth
+from paved.gateway.access.auth import AdminAuth
+from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
-from paved.gateway.state import GatewayStore
 from paved.gateway.templates import PromptTemplate, TemplateRegistry, TenantPrompting, parse_template_ref
 from paved.http.errors import error_body
 from paved.testing.postgres import create_database, postgres_server

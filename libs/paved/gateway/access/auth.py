@@ -30,9 +30,9 @@ from collections import OrderedDict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from paved.gateway import keys as keylib
+from paved.gateway.access import keys as keylib
+from paved.gateway.access.state import GatewayStore, KeyInfo
 from paved.gateway.errors import AuthError
-from paved.gateway.state import GatewayStore, KeyInfo
 from paved.gateway.types import Principal, Tenant
 
 # Far above any real header; beyond it the value is refused before any parsing.

@@ -7,7 +7,7 @@ on the database.
 
 Invariants:
 - No secret is ever stored or returned by a listing: `api_keys.secret_hash` holds the SHA-256 of
-  the secret part (paved.gateway.keys.hash_secret), and only `lookup` hands that hash out.
+  the secret part (paved.gateway.access.keys.hash_secret), and only `lookup` hands that hash out.
 - Every input is validated before it reaches SQL; a bad one is GatewayError(400), an unknown
   tenant or key GatewayError(404), a duplicate tenant GatewayError(409).
 - Datetimes are UTC-aware on the way in (naive ones are refused) and on the way out.
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
-from paved.gateway import keys as keylib
+from paved.gateway.access import keys as keylib
 from paved.gateway.errors import GatewayError
 from paved.gateway.types import Limits, Tenant
 from paved.sql import engine_for, utc, utc_now

@@ -40,9 +40,8 @@ from pydantic import (
     field_validator,
 )
 
-from paved.gateway.auth import AdminAuth
-from paved.gateway.errors import GatewayError
-from paved.gateway.state import (
+from paved.gateway.access.auth import AdminAuth
+from paved.gateway.access.state import (
     MAX_KEY_NAME_LEN,
     MAX_LIMIT,
     MAX_MODEL_LEN,
@@ -50,6 +49,7 @@ from paved.gateway.state import (
     GatewayStore,
     tenant_to_dict,
 )
+from paved.gateway.errors import GatewayError
 from paved.gateway.types import Limits
 
 MAX_EXPIRES_IN_S = 10 * 366 * 24 * 3600  # ten years

@@ -71,7 +71,9 @@ __all__ = [
     "make_limiter",
 ]
 
-log = logging.getLogger(__name__)
+# Not __name__: that is under "paved.gateway.access", the access log's logger, and a limiter
+# warning is no access line.
+log = logging.getLogger("paved.gateway.limits")
 
 DEFAULT_LEASE_S = 600.0
 # Kinds, as they appear in Redis keys (equal lengths keep key names unambiguous).
