@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from paved.control_plane.errors import BadRequest, ControlError
-from paved.gateway.routes import RoutesError, parse_routes
+from paved.gateway.routing.routes import RoutesError, parse_routes
 from paved.http.errors import error_body
 
 # A gateway's long poll is bounded so a stuck connection is noticed and load balancers in

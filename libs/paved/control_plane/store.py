@@ -54,7 +54,7 @@ from paved.control_plane.types import (
     RolloutStatus,
     Strategy,
 )
-from paved.gateway.routes import RoutesError, parse_routes
+from paved.gateway.routing.routes import RoutesError, parse_routes
 from paved.sql import engine_for, utc, utc_now
 
 # The model package's own name rule (paved.launcher.package), so every stored model id and
@@ -1161,7 +1161,7 @@ class ControlStore:
     async def publish_routes(self, table: dict[str, Any]) -> int:
         """Store a routes table; its revision. The same content as the latest -> the latest's
         revision, no new row. (Validating the table's meaning is the feed's job.)"""
-        # The gateway's own bound on a routes table (paved.gateway.routes.MAX_FILE_BYTES).
+        # The gateway's own bound on a routes table (paved.gateway.routing.routes.MAX_FILE_BYTES).
         routes = _json_obj(table, "routes table", limit=4 * 1024 * 1024)
         return await self._run(self._publish_routes_sync, routes)
 

@@ -25,12 +25,12 @@ from paved.gateway.access.auth import AdminAuth, Authenticator
 from paved.gateway.access.limits import Limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
-from paved.gateway.health import HealthChecker
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import Orchestrator
 from paved.gateway.proxy import OpenAIProxy
-from paved.gateway.router import Router
-from paved.gateway.routes import RoutesSource
+from paved.gateway.routing.health import HealthChecker
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import RoutesSource
 from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body, validation_message
 from paved.http.json_body import JSONBodyError, parse_json

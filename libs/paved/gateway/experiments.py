@@ -75,7 +75,7 @@ from paved.gateway.errors import GatewayError
 from paved.sql import utc, utc_now
 
 if TYPE_CHECKING:
-    from paved.gateway.routes import ModelRoute
+    from paved.gateway.routing.routes import ModelRoute
     from paved.gateway.templates import TemplateRegistry
 
 logger = logging.getLogger("paved.gateway.experiments")
@@ -107,7 +107,7 @@ MAX_FEEDBACK_GRACE_S = 2.0
 # Accumulators between flushes: far above 16 arms x the running experiments of one alias set.
 MAX_PENDING_ARMS = 20_000
 
-# The same shapes as the routes table's (paved.gateway.routes): an experiment names the alias,
+# The same shapes as the routes table's (paved.gateway.routing.routes): an experiment names the alias,
 # versions and templates a route would.
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 ARM_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")

@@ -46,7 +46,7 @@ import paved
 from paved.gateway.access.auth import Authenticator
 from paved.gateway.access.limits import Limiter
 from paved.gateway.errors import GatewayError, ModelNotAllowedError, grpc_code_name
-from paved.gateway.router import Pick, Router
+from paved.gateway.routing.router import Pick, Router
 from paved.gateway.types import Principal
 from paved.http.kserve_names import grpc_status_name
 from paved.http.tracing import (

@@ -59,7 +59,7 @@ from paved.gateway.kserve_grpc import (
     sampling_max_tokens,
     write_access,
 )
-from paved.gateway.router import Router
+from paved.gateway.routing.router import Router
 from paved.http.kserve_names import HTTP_MODEL_METHODS
 from paved.http.tracing import REQUEST_ID_HEADER, TRACEPARENT_HEADER, trace_context
 

@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from paved.gateway.context import ContextFitter, ConversationStore
     from paved.gateway.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
     from paved.gateway.metrics import GatewayMetrics
-    from paved.gateway.router import Router
-    from paved.gateway.routes import CachePolicy, ModelRoute
+    from paved.gateway.routing.router import Router
+    from paved.gateway.routing.routes import CachePolicy, ModelRoute
     from paved.gateway.templates import PromptTemplate, TemplateRegistry
     from paved.gateway.tokens import PromptCount, TokenCounter
     from paved.gateway.types import Principal

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from paved.gateway.access.auth import Authenticator
     from paved.gateway.access.limits import Limiter, Reservation
     from paved.gateway.orchestrate import Hit, Orchestrator, Plan
-    from paved.gateway.router import Pick, Router
+    from paved.gateway.routing.router import Pick, Router
     from paved.gateway.types import Principal
 
 logger = logging.getLogger("paved.gateway")

@@ -26,14 +26,14 @@ from paved.gateway.access.limits import make_limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
 from paved.gateway.flow import FlowConfig, FlowController
-from paved.gateway.health import FileRoutesSource, HealthChecker
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
-from paved.gateway.router import Router
-from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
+from paved.gateway.routing.health import FileRoutesSource, HealthChecker
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
+from paved.gateway.routing.watch_source import HttpRoutesSource, routes_url
 from paved.gateway.tokens import TokenCounter
-from paved.gateway.watch_source import HttpRoutesSource, routes_url
 from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
 logger = logging.getLogger("paved.gateway")

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from paved.control_plane.errors import BadRequest, ControlError, Unavailable
 from paved.control_plane.routes_feed import MAX_WAIT_S, RoutesFeed, routes_api
 from paved.control_plane.store import ControlStore
-from paved.gateway.routes import parse_routes
+from paved.gateway.routing.routes import parse_routes
 
 
 class CountingStore(ControlStore):

@@ -42,8 +42,8 @@ from paved.gateway.context import (
 from paved.gateway.errors import GatewayError
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
-from paved.gateway.router import Router
-from paved.gateway.routes import parse_routes
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import parse_routes
 from paved.gateway.tokens import TokenCounter
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.runfiles import tiny_model_dir

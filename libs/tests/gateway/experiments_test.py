@@ -1232,7 +1232,7 @@ def test_feedback_route_with_a_tenant_key(db_url):
 
 
 def _routes(*versions: str, template: str | None = None):
-    from paved.gateway.routes import parse_routes
+    from paved.gateway.routing.routes import parse_routes
 
     backends = [{"id": f"b-{v}", "url": "http://127.0.0.1:9", "version": v} for v in versions]
     route: dict[str, Any] = {"alias": "llama", "backends": backends}
@@ -1245,7 +1245,7 @@ async def _orchestrator(store: GatewayStore, table) -> Any:
     """An Orchestrator as paved.gateway.server wires one, over `table`; nothing is forwarded."""
     from paved.gateway.metrics import GatewayMetrics
     from paved.gateway.orchestrate import InternalClient, Orchestrator
-    from paved.gateway.router import Router
+    from paved.gateway.routing.router import Router
     from paved.gateway.templates import TemplateRegistry
     from paved.gateway.tokens import TokenCounter
 

@@ -34,9 +34,9 @@ from servers import ServerProcess
 from paved.control_plane.errors import ControlError
 from paved.control_plane.routes_feed import RoutesFeed, routes_api
 from paved.control_plane.store import ControlStore
-from paved.gateway.router import Router
-from paved.gateway.routes import RoutesError, parse_routes
-from paved.gateway.watch_source import HttpRoutesSource, routes_url
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import RoutesError, parse_routes
+from paved.gateway.routing.watch_source import HttpRoutesSource, routes_url
 
 SIM = "sim://tiny?tokens_per_s=400&max_num_seqs=64"
 TOKEN = "cp-" + secrets.token_hex(12)

@@ -36,8 +36,8 @@ from paved.gateway.access.limits import InProcessLimiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.kserve_grpc import KServeForwarder, read_head
 from paved.gateway.kserve_http import body_max_tokens, kserve_http_routes
-from paved.gateway.router import Router
-from paved.gateway.routes import Backend, ModelRoute, RoutesTable
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import Backend, ModelRoute, RoutesTable
 from paved.gateway.types import Limits
 
 LLM = "tiny"

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError, NoBackendError
-from paved.gateway.router import HOLDER_FRESH_REQUESTS, PREFIX_BOUND, Router
-from paved.gateway.routes import (
+from paved.gateway.routing.router import HOLDER_FRESH_REQUESTS, PREFIX_BOUND, Router
+from paved.gateway.routing.routes import (
     MAX_BACKENDS,
     RoutesError,
     RoutesTable,

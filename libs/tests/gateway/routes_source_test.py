@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from paved.gateway.health import FileRoutesSource, HealthChecker
-from paved.gateway.router import Router
-from paved.gateway.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
+from paved.gateway.routing.health import FileRoutesSource, HealthChecker
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
 
 
 def routes_obj(*ports: int, version: str = "v1") -> dict[str, Any]:
@@ -68,7 +68,7 @@ def test_file_source_load_reload_and_keeping_the_last_table(
             assert good != first
 
             path.write_text('{"models": [')
-            with caplog.at_level(logging.WARNING, logger="paved.gateway.health"):
+            with caplog.at_level(logging.WARNING, logger="paved.gateway.routing.health"):
                 assert await source.reload_now() is False
                 assert await source.reload_now() is False
             assert source.last_error and "invalid JSON" in source.last_error

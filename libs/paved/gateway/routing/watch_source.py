@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from paved.gateway.router import Router
-from paved.gateway.routes import MAX_FILE_BYTES, RoutesError, RoutesSource, RoutesTable, parse_routes
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import MAX_FILE_BYTES, RoutesError, RoutesSource, RoutesTable, parse_routes
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-from paved.gateway.router import Router
-from paved.gateway.routes import (
+from paved.gateway.routing.router import Router
+from paved.gateway.routing.routes import (
     MAX_FILE_BYTES,
     RoutesError,
     RoutesSource,

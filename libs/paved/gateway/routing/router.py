@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from paved.gateway.errors import GatewayError, NoBackendError
-from paved.gateway.routes import Backend, ModelRoute, RoutesTable
+from paved.gateway.routing.routes import Backend, ModelRoute, RoutesTable
 
 # 160 points per unit of weight (ketama's count): each backend's share of the ring is within
 # a few percent of its weight's share.
