@@ -123,7 +123,7 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        # Flow control (paved.gateway.flow): the per-model queue in front of dispatch.
+        # Flow control (paved.gateway.flow.flow): the per-model queue in front of dispatch.
         self.queue_depth = Gauge(
             "paved_gateway_queue_depth",
             "Requests waiting in the gateway's queue for room at a model's backends, by model alias "

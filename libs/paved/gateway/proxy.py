@@ -2,7 +2,7 @@
 
 Order of a request (each stage timed into the access log and `paved_gateway_stage_*`):
   auth (401) -> body + model check (400 / 404, not-allowed worded as unknown) -> prompt tokens
-  -> limits (429, tokens reserved) -> the model's queue (paved.gateway.flow; straight through
+  -> limits (429, tokens reserved) -> the model's queue (paved.gateway.flow.flow; straight through
   while its backends have room) -> route + forward, moving to another backend only while
   nothing has reached the client (connect errors, 502/503/504) -> answer -> reconcile. When
   every backend tried had no room (503, a connect timeout), or before sending when every
@@ -47,7 +47,7 @@ from starlette.types import Receive
 
 from paved.gateway.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
-from paved.gateway.flow import PRIORITY_HEADER, FlowController, Priority, Slot
+from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, Slot
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.tokens import TokenCounter
 from paved.http.errors import error_body

@@ -25,7 +25,7 @@ from paved.gateway.access.auth import AdminAuth, Authenticator, load_admin_key
 from paved.gateway.access.limits import make_limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
-from paved.gateway.flow import FlowConfig, FlowController
+from paved.gateway.flow.flow import FlowConfig, FlowController
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestrate import InternalClient, Orchestrator
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig

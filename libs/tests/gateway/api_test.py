@@ -660,7 +660,7 @@ def test_a_kept_alive_connection_closed_under_a_request_is_retried(tmp_path):
         backend.close()
 
 
-# Flow control (paved.gateway.flow) end to end: two frontends that hold 4 requests each (2
+# Flow control (paved.gateway.flow.flow) end to end: two frontends that hold 4 requests each (2
 # decoding, 2 waiting in the engine; more is a 503 "overloaded"), requests of ~1 s each.
 TIGHT = "sim://tiny?tokens_per_s=10&max_num_seqs=2&max_waiting=2"
 TIGHT_CAPACITY = 8

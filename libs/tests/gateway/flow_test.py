@@ -1,4 +1,4 @@
-"""The gateway's flow control (paved.gateway.flow): fair order across tenants (hypothesis),
+"""The gateway's flow control (paved.gateway.flow.flow): fair order across tenants (hypothesis),
 priority, the bound and the deadline as 503 + Retry-After, cancellation leaving no waiter and no
 slot behind, and the window learned from the backends' push-back."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paved.gateway.errors import GatewayError
-from paved.gateway.flow import FlowConfig, FlowController, Priority, QueueRefusedError, Slot
+from paved.gateway.flow.flow import FlowConfig, FlowController, Priority, QueueRefusedError, Slot
 from paved.gateway.metrics import GatewayMetrics
 
 M = "tiny"
