@@ -103,7 +103,7 @@ import faiss
 import httpx
 import numpy as np
 
-from paved.gateway.cache import CachedAnswer, SemanticCache, question_numbers
+from paved.gateway.caching.cache import CachedAnswer, SemanticCache, question_numbers
 
 DIM = 384
 THRESHOLD = 0.92

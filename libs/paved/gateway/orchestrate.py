@@ -22,7 +22,7 @@ body goes upstream. `Cache-Control: no-cache` skips the lookup (the fresh answer
 
 Invariants:
 - A cache hit only ever comes from the same tenant, model version, template version,
-  response_format, sampling parameters and earlier turns (see paved.gateway.cache).
+  response_format, sampling parameters and earlier turns (see paved.gateway.caching.cache).
 - The caches never fail a request: an embedding or cache-store outage is a miss.
 - The gateway's own calls (summaries, embeddings) go through the router to the platform's
   backends with deadlines (metered in `paved_gateway_internal_call_duration_seconds`), and their
@@ -57,7 +57,7 @@ import aiohttp
 import anyio
 import numpy as np
 
-from paved.gateway import cache as cachelib
+from paved.gateway.caching import cache as cachelib
 from paved.gateway.errors import GatewayError
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
-from paved.gateway.cache import answer_from_stream, replay_sse
+from paved.gateway.caching.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, Slot
 from paved.gateway.metrics import GatewayMetrics

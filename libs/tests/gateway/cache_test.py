@@ -37,13 +37,13 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paved.gateway import ann
 from paved.gateway.access.auth import AdminAuth, Authenticator
 from paved.gateway.access.limits import InProcessLimiter
 from paved.gateway.access.state import TENANT_NAME_RE, GatewayStore
-from paved.gateway.ann import VectorIndex
 from paved.gateway.app import Gateway, create_app
-from paved.gateway.cache import (
+from paved.gateway.caching import ann
+from paved.gateway.caching.ann import VectorIndex
+from paved.gateway.caching.cache import (
     IGNORED_FIELDS,
     CachedAnswer,
     EntryIds,
@@ -1055,7 +1055,7 @@ def test_semantic_evict_ids():
 
 def test_semantic_lookup_in_a_thread_after_a_bulk_load(monkeypatch):
     """A lookup whose index has many rows to scan exactly runs in a worker thread."""
-    from paved.gateway import cache as cache_mod
+    from paved.gateway.caching import cache as cache_mod
 
     monkeypatch.setattr(cache_mod, "_INLINE_EXACT_ROWS", 2)
     seen: list[str] = []

@@ -127,7 +127,7 @@ class Backend:
 class CachePolicy:
     """A route's caches: `exact` (hash of the canonical request) and `semantic` (nearest
     earlier question by `embedding_model`'s embeddings, cosine >= `threshold`), both kept for
-    `ttl_s`. Either applies only to deterministic requests (see paved.gateway.cache)."""
+    `ttl_s`. Either applies only to deterministic requests (see paved.gateway.caching.cache)."""
 
     exact: bool = True
     semantic: bool = False

@@ -64,7 +64,7 @@ import sqlalchemy as sa
 from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
-from paved.gateway.ann import VectorIndex
+from paved.gateway.caching.ann import VectorIndex
 
 if TYPE_CHECKING:
     import redis.asyncio
