@@ -204,7 +204,7 @@ def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestr
 
         app.include_router(templates_router(orchestrator.templates, gateway.admin))
     if orchestrator.experiments is not None and orchestrator.recorder is not None:
-        from paved.gateway.experiments import experiments_router, feedback_router
+        from paved.gateway.experiments.experiments import experiments_router, feedback_router
 
         app.include_router(experiments_router(orchestrator.experiments, orchestrator.recorder, gateway.admin))
         app.include_router(feedback_router(orchestrator.recorder, gateway.authenticator))

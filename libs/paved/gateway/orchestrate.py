@@ -63,7 +63,7 @@ from paved.gateway.errors import GatewayError
 if TYPE_CHECKING:
     from paved.gateway.access.limits import Limiter, Reservation
     from paved.gateway.context import ContextFitter, ConversationStore
-    from paved.gateway.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
+    from paved.gateway.experiments.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
     from paved.gateway.metrics import GatewayMetrics
     from paved.gateway.routing.router import Router
     from paved.gateway.routing.routes import CachePolicy, ModelRoute
@@ -337,7 +337,7 @@ class Orchestrator:
         if self.experiments is not None and endpoint in ("chat", "completions"):
             experiment = await self.experiments.running_for(tenant, alias)
             if experiment is not None and pinned is None:
-                from paved.gateway.experiments import assign, unit_key
+                from paved.gateway.experiments.experiments import assign, unit_key
 
                 unit = unit_key(
                     experiment,

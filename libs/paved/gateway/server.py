@@ -300,7 +300,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
 def _orchestrator(args: argparse.Namespace, store: GatewayStore, proxy: OpenAIProxy) -> Orchestrator:
     from paved.gateway.caching import cache
     from paved.gateway.context import ContextFitter, ConversationStore
-    from paved.gateway.experiments import ExperimentRecorder, ExperimentRegistry
+    from paved.gateway.experiments.experiments import ExperimentRecorder, ExperimentRegistry
     from paved.gateway.templates import TemplateRegistry
 
     exact: cache.ExactCache | None = None

@@ -37,11 +37,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from paved.gateway import experiments as ex
 from paved.gateway.access.auth import AdminAuth, Authenticator
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
-from paved.gateway.experiments import (
+from paved.gateway.experiments import experiments as ex
+from paved.gateway.experiments.experiments import (
     Arm,
     Experiment,
     ExperimentRecorder,

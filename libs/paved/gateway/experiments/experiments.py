@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import sqlalchemy as sa
 from fastapi import APIRouter, Request, Response
@@ -76,9 +76,16 @@ from paved.sql import utc, utc_now
 
 if TYPE_CHECKING:
     from paved.gateway.routing.routes import ModelRoute
-    from paved.gateway.templates import TemplateRegistry
 
 logger = logging.getLogger("paved.gateway.experiments")
+
+
+class TemplateLookup(Protocol):
+    """What an arm's template is checked against: orchestration's TemplateRegistry, known here
+    by shape only, since the orchestrator (above this layer) is what assigns arms."""
+
+    async def get(self, ref: str) -> Any: ...
+
 
 SAMPLING_PARAMS = frozenset(
     {
@@ -467,9 +474,9 @@ class ExperimentRegistry:
         self.db_reads = 0  # snapshot reads (tests and metrics: the cache's effect is observable)
         # Unbound (a bare library registry) nothing outside the experiment itself is checked.
         self._route_of: Callable[[str], ModelRoute | None] | None = None
-        self._templates: TemplateRegistry | None = None
+        self._templates: TemplateLookup | None = None
 
-    def bind(self, route_of: Callable[[str], ModelRoute | None], templates: TemplateRegistry | None) -> None:
+    def bind(self, route_of: Callable[[str], ModelRoute | None], templates: TemplateLookup | None) -> None:
         """Check what `create` names against the gateway: `route_of(alias)` is the alias's route
         in force (None: no such alias); `templates` None means the gateway renders no templates,
         so an arm naming one is refused."""
