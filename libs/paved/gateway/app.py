@@ -26,7 +26,7 @@ from paved.gateway.access.limits import Limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
 from paved.gateway.metrics import GatewayMetrics
-from paved.gateway.orchestrate import Orchestrator
+from paved.gateway.orchestration.orchestrate import Orchestrator
 from paved.gateway.proxy import OpenAIProxy
 from paved.gateway.routing.health import HealthChecker
 from paved.gateway.routing.router import Router
@@ -200,7 +200,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestrator) -> None:
     if orchestrator.templates is not None:
-        from paved.gateway.templates import templates_router
+        from paved.gateway.orchestration.templates import templates_router
 
         app.include_router(templates_router(orchestrator.templates, gateway.admin))
     if orchestrator.experiments is not None and orchestrator.recorder is not None:

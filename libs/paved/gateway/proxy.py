@@ -49,7 +49,7 @@ from paved.gateway.caching.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, Slot
 from paved.gateway.metrics import GatewayMetrics
-from paved.gateway.tokens import TokenCounter
+from paved.gateway.orchestration.tokens import TokenCounter
 from paved.http.errors import error_body
 from paved.http.json_body import JSONBodyError, parse_json
 from paved.http.sockets import POOL_KEEPALIVE_S
@@ -58,7 +58,7 @@ from paved.http.tracing import request_ids
 if TYPE_CHECKING:
     from paved.gateway.access.auth import Authenticator
     from paved.gateway.access.limits import Limiter, Reservation
-    from paved.gateway.orchestrate import Hit, Orchestrator, Plan
+    from paved.gateway.orchestration.orchestrate import Hit, Orchestrator, Plan
     from paved.gateway.routing.router import Pick, Router
     from paved.gateway.types import Principal
 
@@ -111,7 +111,7 @@ class OpenAIProxy:
         self.tokens = tokens
         self.config = config
         self._session: aiohttp.ClientSession | None = None
-        # Templates, conversations, caches and experiments (paved.gateway.orchestrate); set by
+        # Templates, conversations, caches and experiments (paved.gateway.orchestration.orchestrate); set by
         # whoever builds the gateway, None for a plain forwarding gateway.
         self.orchestrator: Orchestrator | None = None
 

@@ -27,13 +27,13 @@ from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
 from paved.gateway.flow.flow import FlowConfig, FlowController
 from paved.gateway.metrics import GatewayMetrics
-from paved.gateway.orchestrate import InternalClient, Orchestrator
+from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
+from paved.gateway.orchestration.tokens import TokenCounter
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.routing.health import FileRoutesSource, HealthChecker
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
 from paved.gateway.routing.watch_source import HttpRoutesSource, routes_url
-from paved.gateway.tokens import TokenCounter
 from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
 logger = logging.getLogger("paved.gateway")
@@ -299,9 +299,9 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
 
 def _orchestrator(args: argparse.Namespace, store: GatewayStore, proxy: OpenAIProxy) -> Orchestrator:
     from paved.gateway.caching import cache
-    from paved.gateway.context import ContextFitter, ConversationStore
     from paved.gateway.experiments.experiments import ExperimentRecorder, ExperimentRegistry
-    from paved.gateway.templates import TemplateRegistry
+    from paved.gateway.orchestration.context import ContextFitter, ConversationStore
+    from paved.gateway.orchestration.templates import TemplateRegistry
 
     exact: cache.ExactCache | None = None
     where = args.exact_cache or ("redis" if args.redis else "memory")

@@ -58,11 +58,11 @@ from paved.gateway.caching.cache import (
     replay_sse,
 )
 from paved.gateway.metrics import GatewayMetrics
-from paved.gateway.orchestrate import InternalClient, Orchestrator
+from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
+from paved.gateway.orchestration.tokens import TokenCounter
 from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import parse_routes
-from paved.gateway.tokens import TokenCounter
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.redis import redis_server
 

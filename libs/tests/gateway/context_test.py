@@ -28,7 +28,9 @@ import pytest
 
 from paved.gateway.access.limits import InProcessLimiter
 from paved.gateway.access.state import GatewayStore
-from paved.gateway.context import (
+from paved.gateway.errors import GatewayError
+from paved.gateway.metrics import GatewayMetrics
+from paved.gateway.orchestration.context import (
     CONVERSATION_ID_RE,
     SUMMARY_HEADER,
     ContextFitter,
@@ -39,12 +41,10 @@ from paved.gateway.context import (
     summary_message,
     summary_request,
 )
-from paved.gateway.errors import GatewayError
-from paved.gateway.metrics import GatewayMetrics
-from paved.gateway.orchestrate import InternalClient, Orchestrator
+from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
+from paved.gateway.orchestration.tokens import TokenCounter
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import parse_routes
-from paved.gateway.tokens import TokenCounter
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.runfiles import tiny_model_dir
 
@@ -66,7 +66,7 @@ def tok() -> Any:
 
 
 def tokens_of(tok: Any, messages: list[dict]) -> int:
-    """The model's own prompt count, as paved.gateway.tokens counts chat requests."""
+    """The model's own prompt count, as paved.gateway.orchestration.tokens counts chat requests."""
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return len(tok.encode(rendered, add_special_tokens=False))
 
@@ -323,7 +323,7 @@ def test_without_a_working_summarizer_the_oldest_turns_are_dropped(conversations
             # A cached summary is not used without a summarizer either: dropping is the mode.
             assert await conversations.save_summary(TENANT, "c", "old summary", 4, expected_revision=15)
         conv = await conversations.load(TENANT, "c")
-        with caplog.at_level(logging.WARNING, logger="paved.gateway.context"):
+        with caplog.at_level(logging.WARNING, logger="paved.gateway.orchestration.context"):
             fitted = await fit(fitter, tok, budget=300, summarize=summarizer)
         cut = fitted.summarized_turns
         assert cut > 0 and fitted.summary is None
@@ -364,13 +364,13 @@ def test_a_refused_summarizer_drops_turns_without_a_warning(conversations, tok, 
     async def go():
         await fill(conversations, "c", 15)
         conv = await conversations.load(TENANT, "c")
-        with caplog.at_level(logging.INFO, logger="paved.gateway.context"):
+        with caplog.at_level(logging.INFO, logger="paved.gateway.orchestration.context"):
             fitted = await fit(fitter, tok, budget=300, summarize=summarizer)
         cut = fitted.summarized_turns
         assert summarizer.refused == 1 and summarizer.calls == []
         assert cut > 0 and fitted.summary is None
         assert fitted.messages == [*SYSTEM, *conv.turns[cut:], user(100)]
-        ours = [r for r in caplog.records if r.name == "paved.gateway.context"]
+        ours = [r for r in caplog.records if r.name == "paved.gateway.orchestration.context"]
         assert not [r for r in ours if r.levelno >= logging.WARNING]
         assert any("may not run" in r.getMessage() for r in ours)
         assert (await conversations.load(TENANT, "c")).summary is None

@@ -1244,10 +1244,10 @@ def _routes(*versions: str, template: str | None = None):
 async def _orchestrator(store: GatewayStore, table) -> Any:
     """An Orchestrator as paved.gateway.server wires one, over `table`; nothing is forwarded."""
     from paved.gateway.metrics import GatewayMetrics
-    from paved.gateway.orchestrate import InternalClient, Orchestrator
+    from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
+    from paved.gateway.orchestration.templates import TemplateRegistry
+    from paved.gateway.orchestration.tokens import TokenCounter
     from paved.gateway.routing.router import Router
-    from paved.gateway.templates import TemplateRegistry
-    from paved.gateway.tokens import TokenCounter
 
     router, metrics = Router(table), GatewayMetrics()
     orchestrator = Orchestrator(

@@ -23,7 +23,7 @@ from servers import serve_in_thread
 from paved.cli.main import main
 from paved.gateway.access.auth import AdminAuth
 from paved.gateway.access.state import GatewayStore
-from paved.gateway.templates import TemplateRegistry, TenantPrompting, templates_router
+from paved.gateway.orchestration.templates import TemplateRegistry, TenantPrompting, templates_router
 
 ADMIN_KEY = "templates-cli-admin-key-0123456789"
 

@@ -1,5 +1,5 @@
-"""Prompt templates (paved.gateway.templates) over GatewayStores on SQLite, their admin API under
-FastAPI's TestClient, and the registry on a real PostgreSQL 15.
+"""Prompt templates (paved.gateway.orchestration.templates) over GatewayStores on SQLite, their
+admin API under FastAPI's TestClient, and the registry on a real PostgreSQL 15.
 
 Covers: template refs; versions (latest + 1, immutable, pinned vs latest, concurrent creators);
 the caches over an injected clock (a second replica's writes seen once cache_s passes, misses
@@ -34,11 +34,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from paved.gateway import templates as tm
 from paved.gateway.access.auth import AdminAuth
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
-from paved.gateway.templates import PromptTemplate, TemplateRegistry, TenantPrompting, parse_template_ref
+from paved.gateway.orchestration import templates as tm
+from paved.gateway.orchestration.templates import (
+    PromptTemplate,
+    TemplateRegistry,
+    TenantPrompting,
+    parse_template_ref,
+)
 from paved.http.errors import error_body
 from paved.testing.postgres import create_database, postgres_server
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from paved.engine.sim import SimConfig, SimEngine
 from paved.frontend.app import create_app
 from paved.frontend.registry import ModelRegistry
-from paved.gateway.tokens import TokenCounter
+from paved.gateway.orchestration.tokens import TokenCounter
 from paved.runfiles import tiny_model_dir
 
 

@@ -62,13 +62,13 @@ from paved.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from paved.gateway.access.limits import Limiter, Reservation
-    from paved.gateway.context import ContextFitter, ConversationStore
     from paved.gateway.experiments.experiments import Arm, Experiment, ExperimentRecorder, ExperimentRegistry
     from paved.gateway.metrics import GatewayMetrics
+    from paved.gateway.orchestration.context import ContextFitter, ConversationStore
+    from paved.gateway.orchestration.templates import PromptTemplate, TemplateRegistry
+    from paved.gateway.orchestration.tokens import PromptCount, TokenCounter
     from paved.gateway.routing.router import Router
     from paved.gateway.routing.routes import CachePolicy, ModelRoute
-    from paved.gateway.templates import PromptTemplate, TemplateRegistry
-    from paved.gateway.tokens import PromptCount, TokenCounter
     from paved.gateway.types import Principal
 
 logger = logging.getLogger("paved.gateway")
@@ -457,7 +457,7 @@ class Orchestrator:
     async def _fit(self, plan: Plan, body: dict[str, Any], conversation_id: Any, route: ModelRoute) -> None:
         if self.fitter is None or self.conversations is None:
             raise GatewayError(400, "this gateway keeps no conversations", param="conversation_id")
-        from paved.gateway.context import CONVERSATION_ID_RE
+        from paved.gateway.orchestration.context import CONVERSATION_ID_RE
 
         if not isinstance(conversation_id, str) or not CONVERSATION_ID_RE.fullmatch(conversation_id):
             raise GatewayError(
@@ -508,7 +508,7 @@ class Orchestrator:
             )
 
             async def summarize(msgs: list[dict[str, Any]], max_tokens: int) -> str:
-                from paved.gateway.context import SummaryRefused
+                from paved.gateway.orchestration.context import SummaryRefused
 
                 prompt = await self.tokens.count(summarizer_route.tokenizer, "chat", {"messages": msgs}, 1)
                 try:
