@@ -25,9 +25,9 @@ from paved.gateway.access.auth import AdminAuth, Authenticator
 from paved.gateway.access.limits import Limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import GatewayError
+from paved.gateway.forwarding.proxy import OpenAIProxy
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.orchestrate import Orchestrator
-from paved.gateway.proxy import OpenAIProxy
 from paved.gateway.routing.health import HealthChecker
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesSource

@@ -26,10 +26,10 @@ from paved.gateway.access.limits import make_limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
 from paved.gateway.flow.flow import FlowConfig, FlowController
+from paved.gateway.forwarding.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
 from paved.gateway.orchestration.tokens import TokenCounter
-from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.routing.health import FileRoutesSource, HealthChecker
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
@@ -337,7 +337,7 @@ async def _serve(args: argparse.Namespace) -> int:
     extra_routes = []
     grpc_server = None
     with contextlib.suppress(ImportError):
-        from paved.gateway.kserve_http import kserve_http_routes
+        from paved.gateway.forwarding.kserve_http import kserve_http_routes
 
         extra_routes = list(
             kserve_http_routes(
@@ -354,7 +354,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.kserve_grpc_port is not None:
         import grpc
 
-        from paved.gateway.kserve_grpc import KServeForwarder
+        from paved.gateway.forwarding.kserve_grpc import KServeForwarder
 
         forwarder = KServeForwarder(gateway.router, gateway.authenticator, gateway.limiter)
         grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])

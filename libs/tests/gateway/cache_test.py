@@ -57,10 +57,10 @@ from paved.gateway.caching.cache import (
     question_numbers,
     replay_sse,
 )
+from paved.gateway.forwarding.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
 from paved.gateway.orchestration.tokens import TokenCounter
-from paved.gateway.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import parse_routes
 from paved.gateway.types import Limits, Principal, Tenant

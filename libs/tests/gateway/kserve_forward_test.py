@@ -34,8 +34,8 @@ from libs.tests.kserve.kserve_fakes import llm_inputs, stream, wait_for, xgb_mod
 from paved.gateway.access.auth import Authenticator
 from paved.gateway.access.limits import InProcessLimiter
 from paved.gateway.access.state import GatewayStore
-from paved.gateway.kserve_grpc import KServeForwarder, read_head
-from paved.gateway.kserve_http import body_max_tokens, kserve_http_routes
+from paved.gateway.forwarding.kserve_grpc import KServeForwarder, read_head
+from paved.gateway.forwarding.kserve_http import body_max_tokens, kserve_http_routes
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import Backend, ModelRoute, RoutesTable
 from paved.gateway.types import Limits

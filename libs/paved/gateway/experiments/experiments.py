@@ -121,7 +121,7 @@ ARM_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,255}")
 VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 TEMPLATE_REF_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}(@[1-9][0-9]{0,8})?")
-# As the proxy's x-request-id (paved.gateway.proxy): what a recorded request id can look like.
+# As the proxy's x-request-id (paved.gateway.forwarding.proxy): what a recorded request id can look like.
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 Z95 = 1.959963984540054  # the standard normal's 0.975 quantile

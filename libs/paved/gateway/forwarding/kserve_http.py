@@ -49,7 +49,7 @@ import paved
 from paved.gateway.access.auth import Authenticator
 from paved.gateway.access.limits import Limiter, Reservation
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
-from paved.gateway.kserve_grpc import (
+from paved.gateway.forwarding.kserve_grpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EXTENSIONS,
     SERVER_NAME,
