@@ -40,6 +40,66 @@ PY_RULES = {"py_library", "py_binary", "py_test", "paved_py_test", "paved_images
 # Dependencies a macro adds on its own (tools/build_defs/py.bzl, tools/oci/defs.bzl).
 MACRO_DEPS = {"paved_images_test": ("//libs/paved/images",)}
 
+
+def _gateway_rule(layer: str, why: str, above: str = "") -> dict:
+    """The gateway layer `layer` (base: //libs/paved/gateway:base, else the package
+    //libs/paved/gateway/<layer>) reaches none of the layers named in `above` nor the
+    composition (app, server), not even through another target: visibility only stops a direct
+    dependency."""
+    own = "//libs/paved/gateway:base" if layer == "base" else f"//libs/paved/gateway/{layer}:"
+    return {
+        "why": why,
+        "targets": own,
+        "closure": True,
+        "no_modules": (),
+        "no_targets": (
+            *(f"//libs/paved/gateway/{a}:" for a in above.split()),
+            "//libs/paved/gateway:gateway",
+            "//libs/paved/gateway:server",
+        ),
+    }
+
+
+# The gateway's layers (docs/ARCHITECTURE.md, "Enforced dependency arrows"), each over the
+# ones it may use: base < access, routing, flow < caching (access) < experiments (access,
+# routing) < orchestration (access, routing, caching, experiments) < forwarding (all of them)
+# < the composition (app, server).
+_GATEWAY_LAYERS = (
+    _gateway_rule(
+        "base",
+        "the gateway's base knows none of its layers",
+        "access routing flow caching experiments orchestration forwarding",
+    ),
+    _gateway_rule(
+        "access",
+        "access knows nothing of orchestration (nor of routing, caching, flow or forwarding)",
+        "routing flow caching experiments orchestration forwarding",
+    ),
+    _gateway_rule(
+        "routing",
+        "routing knows nothing of forwarding, orchestration or caching (nor of access or flow)",
+        "access flow caching experiments orchestration forwarding",
+    ),
+    _gateway_rule(
+        "flow",
+        "flow control orders requests: it knows nothing of routing or forwarding",
+        "access routing caching experiments orchestration forwarding",
+    ),
+    _gateway_rule(
+        "caching",
+        "caching knows nothing of forwarding (nor of routing, experiments or orchestration)",
+        "routing flow experiments orchestration forwarding",
+    ),
+    _gateway_rule(
+        "experiments",
+        "experiments know nothing of orchestration or forwarding",
+        "flow caching orchestration forwarding",
+    ),
+    _gateway_rule("orchestration", "orchestration knows nothing of forwarding", "flow forwarding"),
+    _gateway_rule("forwarding", "forwarding is what the app composes, never the reverse"),
+)
+
+
 # Invariants of the architecture (docs/ARCHITECTURE.md, "Enforced dependency arrows").
 # A rule applies to every target whose label starts with `targets`; `closure` means it is
 # checked over the target and everything it depends on, transitively.
@@ -73,7 +133,7 @@ RULES = (
     },
     {
         "why": "the gateway runs no engine: it forwards to instances",
-        "targets": "//libs/paved/gateway:",
+        "targets": "//libs/paved/gateway",  # every layer's package
         "closure": True,
         "no_modules": ("vllm",),
         "no_targets": (
@@ -98,6 +158,7 @@ RULES = (
         "no_modules": ("vllm", "torch", "numpy", "fastapi", "grpc", "pydantic"),
         "no_targets": ("//libs/paved/engine:", "//libs/paved/constraints:", "//cc/"),
     },
+    *_GATEWAY_LAYERS,
 )
 
 

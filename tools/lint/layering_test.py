@@ -239,3 +239,72 @@ def test_an_unreadable_srcs_is_an_error_not_a_silent_pass(tmp_path):
     _write(tmp_path, {"WORKSPACE": "", "p/BUILD.bazel": build})
     with pytest.raises(ValueError, match="cannot evaluate srcs"):
         layering.load_targets(str(tmp_path))
+
+
+def _gateway_layer(name: str, deps=()) -> str:
+    return textwrap.dedent(
+        f"""
+        py_library(name = "{name}", srcs = glob(["*.py"]), imports = ["../../.."], deps = {list(deps)})
+        """
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer", "above", "via", "why"),
+    [
+        ("caching", "forwarding", None, "caching knows nothing of forwarding"),
+        # Through a target outside the gateway: visibility would not see it, the closure does.
+        ("access", "orchestration", "libs/paved/helper", "access knows nothing of orchestration"),
+    ],
+)
+def test_a_gateway_layer_reaching_one_above_it_is_reported(tmp_path, layer, above, via, why):
+    base = "//libs/paved/gateway:base"
+    files = {
+        "WORKSPACE": "",
+        "libs/paved/BUILD.bazel": ROOT_BUILD,
+        "libs/paved/__init__.py": "",
+        "libs/paved/gateway/BUILD.bazel": (
+            'py_library(name = "base", srcs = ["__init__.py"], imports = ["../.."], '
+            'deps = ["//libs/paved"])\n'
+        ),
+        "libs/paved/gateway/__init__.py": "",
+        f"libs/paved/gateway/{above}/BUILD.bazel": _gateway_layer(above, [base]),
+        f"libs/paved/gateway/{above}/__init__.py": "",
+        f"libs/paved/gateway/{above}/top.py": "VALUE = 1\n",
+        f"libs/paved/gateway/{layer}/__init__.py": "",
+    }
+    if via is None:
+        files[f"libs/paved/gateway/{layer}/BUILD.bazel"] = _gateway_layer(
+            layer, [base, f"//libs/paved/gateway/{above}"]
+        )
+        files[f"libs/paved/gateway/{layer}/low.py"] = f"from paved.gateway.{above}.top import VALUE\n"
+        path = [f"//libs/paved/gateway/{layer}:{layer}", f"//libs/paved/gateway/{above}:{above}"]
+    else:
+        files[f"{via}/BUILD.bazel"] = textwrap.dedent(
+            f"""
+            py_library(
+                name = "helper",
+                srcs = ["__init__.py"],
+                imports = ["../.."],
+                deps = ["//libs/paved", "//libs/paved/gateway/{above}"],
+            )
+            """
+        )
+        files[f"{via}/__init__.py"] = f"from paved.gateway.{above}.top import VALUE\n"
+        files[f"libs/paved/gateway/{layer}/BUILD.bazel"] = _gateway_layer(layer, [base, f"//{via}"])
+        files[f"libs/paved/gateway/{layer}/low.py"] = "from paved.helper import VALUE\n"
+        path = [
+            f"//libs/paved/gateway/{layer}:{layer}",
+            f"//{via}:helper",
+            f"//libs/paved/gateway/{above}:{above}",
+        ]
+    _write(tmp_path, files)
+    found = _messages(tmp_path)
+    assert len(found) == 1, found
+    head, _, tail = found[0].partition(" (")
+    assert head == (
+        f"libs/paved/gateway/{layer}/BUILD.bazel:1: //libs/paved/gateway/{layer}:{layer} "
+        f"reaches //libs/paved/gateway/{above}:{above}"
+    )
+    assert tail.startswith(why)
+    assert tail.endswith("): " + " -> ".join(path))
