@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_BACKENDS = 10_000
@@ -296,8 +296,8 @@ def _host(host: str | None, path: str) -> str:
     return host
 
 
-def _http_url(value: str, path: str) -> str:
-    """An http:// base URL (scheme, host, optional port; no path, query, fragment or user)."""
+def _http_parts(value: str, path: str) -> SplitResult:
+    """`value` split as an http:// URL with a valid host and port and no credentials."""
     if len(value) > 2048:
         raise _fail(path, "is longer than 2048 characters")
     try:
@@ -309,35 +309,28 @@ def _http_url(value: str, path: str) -> str:
         raise _fail(path, f"must be an http:// URL, got {value!r}")
     if parts.username is not None or parts.password is not None:
         raise _fail(path, "must not carry credentials")
-    if parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise _fail(path, f"must be a base URL (scheme://host[:port]) without path or query, got {value!r}")
     _host(parts.hostname, path)
     if port == 0:
         raise _fail(path, "port must be 1-65535")
+    return parts
+
+
+def _http_url(value: str, path: str) -> str:
+    """An http:// base URL (scheme, host, optional port; no path, query, fragment or user)."""
+    parts = _http_parts(value, path)
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise _fail(path, f"must be a base URL (scheme://host[:port]) without path or query, got {value!r}")
     return value.rstrip("/")
 
 
 def _metrics_url(value: str, path: str) -> str:
     """An http:// URL with a path (e.g. a metrics proxy's http://host:port/metrics); no query,
     fragment or user."""
-    if len(value) > 2048:
-        raise _fail(path, "is longer than 2048 characters")
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError as e:
-        raise _fail(path, f"{value!r} is not a valid URL ({e})") from None
-    if parts.scheme != "http":
-        raise _fail(path, f"must be an http:// URL, got {value!r}")
-    if parts.username is not None or parts.password is not None:
-        raise _fail(path, "must not carry credentials")
+    parts = _http_parts(value, path)
     if parts.query or parts.fragment or "?" in value or "#" in value:
         raise _fail(path, f"must be a URL without query or fragment, got {value!r}")
     if not parts.path.startswith("/") or any(c.isspace() or not c.isprintable() for c in parts.path):
         raise _fail(path, f"must name a path (e.g. http://host:port/metrics), got {value!r}")
-    _host(parts.hostname, path)
-    if port == 0:
-        raise _fail(path, "port must be 1-65535")
     return value
 
 
