@@ -35,7 +35,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -299,23 +299,8 @@ class OpenAIProxy:
 
     async def _wait_turn(self, call: _Call, waiting: Awaitable[_T]) -> _T:
         """Wait in the queue unless the client leaves first (then the waiter leaves too)."""
-        turn = asyncio.ensure_future(waiting)
-        gone = asyncio.ensure_future(_disconnected(call.request.receive))
-        try:
-            done, _ = await asyncio.wait((turn, gone), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            turn.cancel()
-            gone.cancel()
-            raise
-        if turn in done:
-            gone.cancel()
-            return turn.result()
-        turn.cancel()
-        with contextlib.suppress(BaseException):
-            got = await turn
-            if isinstance(got, Slot):
-                got.release()  # granted in the same instant: give it back
-        raise _Disconnected
+        # A slot granted in the same instant as the client left is given back.
+        return await _unless_gone(call.request.receive, waiting, _release_slot)
 
     async def _attempts(
         self, call: _Call, reservation: Reservation, affinity: bytes | None, slot: Slot | None
@@ -438,22 +423,8 @@ class OpenAIProxy:
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.config.connect_timeout_s, sock_read=self.config.upstream_timeout_s
         )
-        send = asyncio.ensure_future(self.session.post(url, data=payload, headers=headers, timeout=timeout))
-        gone = asyncio.ensure_future(_disconnected(request.receive))
-        try:
-            done, _ = await asyncio.wait((send, gone), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            send.cancel()
-            gone.cancel()
-            raise
-        if send in done:
-            gone.cancel()
-            return send.result()
-        send.cancel()
-        with contextlib.suppress(BaseException):
-            resp = await send
-            resp.close()
-        raise _Disconnected
+        send = self.session.post(url, data=payload, headers=headers, timeout=timeout)
+        return await _unless_gone(request.receive, send, lambda resp: resp.close())
 
     async def _whole(
         self,
@@ -721,6 +692,32 @@ class _GuardedStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._cleanup()
+
+
+async def _unless_gone(receive: Receive, work: Awaitable[_T], discard: Callable[[_T], object]) -> _T:
+    """`work`'s result, unless the client disconnects first: `work` is then cancelled, a result
+    it produced in that same instant goes to `discard` (nothing is leaked), and _Disconnected is
+    raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        gone.cancel()
+        raise
+    if task in done:
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        discard(await task)
+    raise _Disconnected
+
+
+def _release_slot(got: object) -> None:
+    if isinstance(got, Slot):
+        got.release()
 
 
 async def _disconnected(receive: Receive) -> None:
