@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import jsonschema
 
@@ -44,7 +44,6 @@ from paved.frontend.schemas import (
     Tool,
 )
 
-T = TypeVar("T")
 PAVED_CONSTRAINT_XARG = "paved_constraint"
 BACKEND_HEADER = "x-paved-constraint-backend"
 # Generic JSON object, the meaning of response_format json_object.

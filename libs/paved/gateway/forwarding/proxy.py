@@ -439,19 +439,15 @@ class OpenAIProxy:
         backend = pick.backend
         ok = upstream.status < 500 or upstream.status == 503
         try:
-            read = asyncio.ensure_future(_read_whole(upstream, self.config.upstream_timeout_s))
-            gone = asyncio.ensure_future(_disconnected(call.request.receive))
-            done, _ = await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
-            if read not in done:
-                read.cancel()
+            read = _read_whole(upstream, self.config.upstream_timeout_s)
+            try:
+                data = await _unless_gone(call.request.receive, read, _discard)
+            except _Disconnected:
                 upstream.close()
                 self.metrics.disconnects.labels(alias).inc()
                 log["status"] = 499
                 await self._settle(reservation, None)
                 return Response(status_code=499)
-            gone.cancel()
-            try:
-                data = read.result()
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 ok = False
                 raise GatewayError(
@@ -713,6 +709,10 @@ async def _unless_gone(receive: Receive, work: Awaitable[_T], discard: Callable[
     with contextlib.suppress(BaseException):
         discard(await task)
     raise _Disconnected
+
+
+def _discard(_: object) -> None:
+    """A body read in the instant its client left: nothing holds a resource."""
 
 
 def _release_slot(got: object) -> None:
