@@ -21,23 +21,11 @@ from paved.frontend import schemas
 from paved.frontend.errors import to_api_error
 from paved.frontend.structured import ToolMode
 from paved.http.errors import error_body
+from paved.http.sse import event_json, line_safe
 
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def _line_safe(text: str) -> str:
-    """JSON escapes control characters but leaves U+0085, U+2028 and U+2029 raw, and line-based
-    SSE clients (httpx's `aiter_lines`, anything built on str.splitlines) end a line at each: a
-    generated string holding one would cut its event in two. They are escaped here (the same
-    JSON value); other text stays UTF-8 (no 6-byte escapes for it)."""
-    # An ASCII-only text cannot hold them: str.replace returns at once.
-    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
-
-
-def _json(value: Any) -> str:
-    return _line_safe(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
 
 
 # The string encoder json.dumps(..., ensure_ascii=False) itself uses (C when available).
@@ -45,13 +33,13 @@ _encode_str = json.encoder.encode_basestring
 
 
 def _json_str(text: str) -> str:
-    """`_json(text)` for a str, without json.dumps's per-call encoder set-up."""
-    return _line_safe(_encode_str(text))
+    """`event_json(text)` for a str, without json.dumps's per-call encoder set-up."""
+    return line_safe(_encode_str(text))
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    """One `data:` event, on one line whatever its strings hold (see `_line_safe`)."""
-    return b"data: " + _json(payload).encode() + b"\n\n"
+    """One `data:` event, on one line whatever its strings hold (see `paved.http.sse`)."""
+    return b"data: " + event_json(payload).encode() + b"\n\n"
 
 
 class _Chunks:
@@ -62,10 +50,10 @@ class _Chunks:
 
     def __init__(self, base: dict[str, Any]):
         # `data: {"id":...,"model":...` + `,"choices":[`
-        self.head = "data: " + _json(base)[:-1] + ',"choices":['
+        self.head = "data: " + event_json(base)[:-1] + ',"choices":['
 
     def event(self, choices: list[str]) -> bytes:
-        """One event from choices already encoded (`_json` or a template)."""
+        """One event from choices already encoded (`event_json` or a template)."""
         return (self.head + ",".join(choices) + "]}\n\n").encode()
 
 
@@ -275,7 +263,7 @@ async def chat_events(
     chunks = _Chunks(base)
     yield chunks.event(
         [
-            _json(
+            event_json(
                 {
                     "index": i,
                     "delta": {"role": "assistant", "content": ""},
@@ -313,17 +301,17 @@ async def chat_events(
                 else:
                     delta["content"] = message["content"]
                 choices.append(
-                    _json({"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish})
+                    event_json({"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish})
                 )
                 continue
-            logprobs = _json(chat_logprobs(d.logprobs)) if with_logprobs and d.logprobs else "null"
+            logprobs = event_json(chat_logprobs(d.logprobs)) if with_logprobs and d.logprobs else "null"
             if mode is not None:  # named function: the text is its arguments
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
                 if not named_started[d.index]:
                     named_started[d.index] = True
                     call.update(id=tool_call_id(), type="function")
                     call["function"] = {"name": mode.name, "arguments": d.text}
-                delta_json = _json({"tool_calls": [call]}) if d.text or call.get("id") else "{}"
+                delta_json = event_json({"tool_calls": [call]}) if d.text or call.get("id") else "{}"
             elif d.text:
                 delta_json = '{"content":' + _json_str(d.text) + "}"
             else:
@@ -431,7 +419,7 @@ async def completion_events(
                 continue
             lp = "null"
             if logprobs is not None:
-                lp = _json(completion_logprobs(entries, offsets[index]))
+                lp = event_json(completion_logprobs(entries, offsets[index]))
                 offsets[index] += len(text)
             choices.append(
                 f'{{"index":{index},"text":{_json_str(text)},"logprobs":{lp},'

@@ -65,6 +65,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
 from paved.gateway.caching.ann import VectorIndex
+from paved.http.sse import event_json
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -242,10 +243,8 @@ def is_cacheable_answer(status: int, body: bytes) -> bool:
 
 
 def _dumps(value: Any) -> bytes:
-    # U+0085/U+2028/U+2029 escaped: JSON leaves them raw, and line-based SSE clients split a
-    # replayed `data:` line at each (as the frontend's `responses.sse` escapes them).
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").encode()
+    # One line for every client: the replayed events are read as the frontend's were.
+    return event_json(value).encode()
 
 
 class _NotMergeable(Exception):
