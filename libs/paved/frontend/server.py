@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             public = adopt(args.listen_fd)
         except (OSError, ValueError) as e:
+            sock.close()
             print(f"serve: --listen-fd {args.listen_fd}: {e}", file=sys.stderr)
             return 2
     host, port = sock.getsockname()[:2]

@@ -2,6 +2,7 @@
 any engine starts; good files parse into in-process and remote models plus KServe settings."""
 
 import json
+import socket
 
 import pytest
 
@@ -52,6 +53,17 @@ def test_bad_flags_exit_2_with_a_message(capsys, argv, needle):
         code = e.code
     assert code == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fd", ["-1", "99999", "file", "udp"])
+def test_a_listen_fd_that_is_not_a_tcp_socket_exits_2(capsys, tmp_path, fd):
+    with open(tmp_path / "f", "w") as f, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        number = {"file": str(f.fileno()), "udp": str(udp.fileno())}.get(fd, fd)
+        argv = ["--engine", "kserve://127.0.0.1:9", "--model", "m", "--port", "0", "--listen-fd", number]
+        code = main(argv)
+        assert udp.fileno() >= 0  # a refused descriptor is left to its owner
+    assert code == 2
+    assert f"--listen-fd {number}" in capsys.readouterr().err
 
 
 def test_config_file_with_remote_and_kserve(tmp_path):

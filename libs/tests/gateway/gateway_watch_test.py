@@ -431,3 +431,27 @@ def test_gateway_main_without_routes_exits_2(tmp_path: Path) -> None:
         env=dict(os.environ),
     )
     assert bad.returncode == 2 and b"--routes-cache needs --routes http" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--queue-size", "-1"], b"--queue-size must be 0..1000000"),
+        (["--queue-size", "many"], b"--queue-size: invalid int value"),
+        (["--queue-max-wait", "0"], b"--queue-max-wait must be in (0, 3600] seconds"),
+        (["--queue-max-wait", "nan"], b"--queue-max-wait must be in (0, 3600] seconds"),
+        (["--queue-max-wait", "inf"], b"--queue-max-wait must be in (0, 3600] seconds"),
+        (["--tenant-weight", "acme"], b"--tenant-weight"),
+        (["--tenant-weight", "acme=-2"], b"--tenant-weight"),
+        (["--tenant-weight", "acme=nan"], b"--tenant-weight"),
+    ],
+)
+def test_gateway_main_refuses_bad_flow_control_flags_with_exit_2(flags: list[str], needle: bytes) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "paved.gateway.server", "--routes", "routes.json", *flags],
+        capture_output=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 2, proc.stderr.decode()
+    assert needle in proc.stderr, proc.stderr.decode()
