@@ -390,14 +390,8 @@ class Router:
         """A backend for one request to `model`. `sticky_key` (e.g. the tenant or user) keeps a
         caller on one version of a split; `affinity` (bytes of the prompt's leading tokens)
         keys prefix affinity; `exclude` lists ids already tried (retries)."""
-        route = self.route(model)
-        _, pinned = self.split_model(model)
-        versions = self._versions(route, pinned, sticky_key)
         now = self._clock()
-        in_versions = [b for b in route.backends if b.version in versions]
-        candidates = [
-            b for b in in_versions if b.weight > 0 and b.id not in exclude and self._available(b.id, now)
-        ]
+        route, versions, in_versions, candidates = self._candidates(model, sticky_key, exclude, now)
         if candidates:
             # A backend whose frontend says it admits nothing more would answer 503: another
             # with room (or unknown room) takes the request.
@@ -429,16 +423,23 @@ class Router:
         frontend admits nothing more: forwarding would only earn a 503 `overloaded`. False when
         any candidate has room or unknown room (no gauges, stale ones, a frontend that exports
         no admission bound), and when there is no candidate at all (pick says why)."""
+        now = self._clock()
+        candidates = self._candidates(model, sticky_key, exclude, now)[3]
+        return bool(candidates) and all(self._full(self._states[b.id], now) for b in candidates)
+
+    def _candidates(
+        self, model: str, sticky_key: str, exclude: Collection[str], now: float
+    ) -> tuple[ModelRoute, tuple[str, ...], list[Backend], list[Backend]]:
+        """(route, versions, the backends of those versions, the ones that may take a request
+        now: weight > 0, not excluded, available), as `pick` and `saturated` both read them."""
         route = self.route(model)
         _, pinned = self.split_model(model)
         versions = self._versions(route, pinned, sticky_key)
-        now = self._clock()
+        in_versions = [b for b in route.backends if b.version in versions]
         candidates = [
-            b
-            for b in route.backends
-            if b.version in versions and b.weight > 0 and b.id not in exclude and self._available(b.id, now)
+            b for b in in_versions if b.weight > 0 and b.id not in exclude and self._available(b.id, now)
         ]
-        return bool(candidates) and all(self._full(self._states[b.id], now) for b in candidates)
+        return route, versions, in_versions, candidates
 
     def _full(self, state: _State, now: float) -> bool:
         if state.max_queued is None or state.queued is None or not self._fresh(state, now):
