@@ -46,6 +46,7 @@ from paved.metrics.gauges import scrape
 logger = logging.getLogger("paved.control_plane")
 
 _LIVE = ("starting", "ready", "unhealthy")
+_ADDRESSES = ("url", "admin_url", "kserve_grpc", "kserve_http", "metrics_url", "driver_ref")
 
 
 class Controller:
@@ -218,6 +219,11 @@ class Controller:
             if not await driver.alive(r):
                 await self._fail(r, "its process exited before it was ready")
                 return
+            r = await self._locate(r, driver)
+            if not r.admin_url:  # not placed yet (a pod without an IP): nothing to probe
+                if now - started > self.health_timeout_s:
+                    await self._fail(r, f"not placed after {self.health_timeout_s:.0f} s")
+                return
             kind = d.fingerprint.get("kind", "generate") if d.fingerprint else "generate"
             ok, reason = await probe_ready(r, model_id=d.spec.model_id, kind=kind, smoke=self.smoke)
             if ok:
@@ -260,6 +266,14 @@ class Controller:
             data={"replica": r.id, "reason": reason},
         )
         await self._retire(r)
+
+    async def _locate(self, r: Replica, driver: Driver) -> Replica:
+        """Store the addresses the driver has learned for `r` since it was created."""
+        located = await driver.locate(r)
+        changed = {f: getattr(located, f) for f in _ADDRESSES if getattr(located, f) != getattr(r, f)}
+        if not changed:
+            return r
+        return await self.store.update_replica(r.id, **changed)
 
     async def _fail(self, r: Replica, reason: str) -> None:
         await self.store.update_replica(r.id, state="failed", reason=reason)

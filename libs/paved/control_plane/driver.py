@@ -3,6 +3,10 @@
 Invariants every driver keeps:
 - `create` returns at once with a replica in state "starting"; the replica becomes ready only
   when `paved.control_plane.probes.probe_ready` says so (the driver never decides readiness).
+- A replica's addresses may be unknown at `create` (a Kubernetes pod has no IP until it is
+  scheduled): its urls are then "" and `locate` returns them once known. The controller stores
+  what `locate` returns and probes a replica only once it has an admin url. Addresses never
+  change after they are known (a pod keeps its IP for its whole life).
 - A replica's `driver_ref` is all a driver needs to find its process again: a control plane
   that restarts builds a new driver and calls `adopt` with the replicas its store remembers.
 - `alive` is true only for the very process the driver started (a reused pid is not alive).
@@ -88,6 +92,11 @@ class Driver(Protocol):
 
     async def delete(self, replica: Replica) -> None:
         """Kill now and reap."""
+        ...
+
+    async def locate(self, replica: Replica) -> Replica:
+        """`replica` with the addresses (and driver_ref) it has now; unchanged when nothing
+        new is known. Never blocks on the replica's start."""
         ...
 
     async def alive(self, replica: Replica) -> bool:

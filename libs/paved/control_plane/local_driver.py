@@ -286,6 +286,10 @@ class LocalDriver:
         )
 
     # -- liveness ----------------------------------------------------------------------------
+    async def locate(self, replica: Replica) -> Replica:
+        """A local replica's ports are chosen at create: nothing more to learn."""
+        return replica
+
     def _alive(self, ref: _Ref) -> bool:
         proc = self._procs.get(ref.pid)
         if proc is not None and proc.poll() is not None:

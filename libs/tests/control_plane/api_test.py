@@ -296,6 +296,9 @@ class _RecordingDriver:
     async def alive(self, replica: Replica) -> bool:
         return True
 
+    async def locate(self, replica: Replica) -> Replica:
+        return replica
+
 
 def test_the_controller_drains_replicas_of_a_deleted_deployment(tmp_path: Path):
     async def main() -> None:

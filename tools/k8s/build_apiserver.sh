@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Builds kube-apiserver and kube-controller-manager from Debian's `kubernetes` source package
+# (no registry ships them; ../shared/FIELD_NOTES.md, "Kubernetes") and prints the folder that
+# holds them. The binaries are cached outside the repository, keyed by the source package's
+# version and this script's own hash, so only the first run on a machine pays the build
+# (about 6 minutes on 2 cores); later runs print the cached folder in well under a second.
+#
+# Usage: tools/k8s/build_apiserver.sh            -> prints the bin folder on stdout
+# Env:   PAVED_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/paved)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cache_root="${PAVED_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/paved}/kubernetes"
+script_hash="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-12)"
+GO=/usr/lib/go-1.19/bin
+
+log() { printf 'build_apiserver: %s\n' "$*" >&2; }
+die() { printf 'build_apiserver: %s\n' "$*" >&2; exit 1; }
+as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
+
+# The machine's own apt lists stay untouched: deb-src entries for the same archives live in
+# a private sources dir and lists dir, passed to apt with -o.
+apt_dir="$cache_root/apt"
+apt_opts=(-o "Dir::Etc::sourcelist=/dev/null" -o "Dir::Etc::sourceparts=$apt_dir/sources"
+          -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache::archives=$apt_dir/archives")
+
+source_version() {
+  mkdir -p "$apt_dir/sources" "$apt_dir/lists/partial" "$apt_dir/archives/partial"
+  local src
+  for src in /etc/apt/sources.list.d/*.sources; do
+    [[ -f $src ]] || continue
+    sed -e 's/^Types:.*/Types: deb-src/' "$src" > "$apt_dir/sources/$(basename "$src")"
+  done
+  if [[ -f /etc/apt/sources.list ]]; then
+    sed -n -e 's/^deb /deb-src /p' /etc/apt/sources.list > "$apt_dir/sources/main.list"
+  fi
+  # One update per day at most: the version pins the cache key.
+  if [[ -z $(find "$apt_dir/lists" -maxdepth 1 -name '*Sources*' -mmin -1440 2>/dev/null) ]]; then
+    apt-get "${apt_opts[@]}" update >&2 || die "apt-get update for deb-src failed"
+  fi
+  apt-cache "${apt_opts[@]}" showsrc kubernetes 2>/dev/null | sed -n 's/^Version: //p' | sort -V | tail -1
+}
+
+version="$(source_version)"
+[[ -n $version ]] || die "no 'kubernetes' source package in the machine's Debian archives"
+out="$cache_root/$version-$script_hash/bin"
+if [[ -x $out/kube-apiserver && -x $out/kube-controller-manager ]]; then
+  echo "$out"
+  exit 0
+fi
+
+for p in golang-1.19-go rsync jq; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || {
+    log "installing golang-1.19-go rsync jq with apt (one time)"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y golang-1.19-go rsync jq >&2
+    break
+  }
+done
+
+work="$(mktemp -d "$cache_root/build.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+log "building kube-apiserver and kube-controller-manager $version (first time on this machine: minutes)"
+(cd "$work" && apt-get "${apt_opts[@]}" source --download-only "kubernetes=$version" >&2)
+orig="$(ls "$work"/kubernetes_*.orig.tar.gz | head -1)"
+[[ -f $orig ]] || die "apt-get source gave no .orig.tar.gz"
+mkdir "$work/src"
+tar -xzf "$orig" -C "$work/src" --strip-components=1
+cd "$work/src"
+# Debian's own layout: a GOPATH in which the tree is k8s.io/kubernetes (plain `go build
+# -mod=vendor` fails with "updates to go.mod needed").
+mkdir -p .go/src/k8s.io
+ln -s ../../.. .go/src/k8s.io/kubernetes
+mkdir -p "$work/home"
+GOPATH="$PWD/.go" GOCACHE="$work/gocache" HOME="$work/home" CGO_ENABLED=0 PATH="$GO:$PATH" \
+  make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >&2
+mkdir -p "$out.tmp"
+cp _output/bin/kube-apiserver _output/bin/kube-controller-manager "$out.tmp/"
+mv "$out.tmp" "$out"
+log "cached in $out"
+echo "$out"
