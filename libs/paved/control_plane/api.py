@@ -114,6 +114,8 @@ class DeploymentBody(_Model):
     no_gc: bool = False
     # Gateway route options for the alias (store.ROUTE_OPTIONS), e.g. {"cache": {"exact": true}}.
     route: dict[str, Any] = Field(default_factory=dict)
+    # Cluster drivers: {"node_selector": {...}, "tolerations": [...]} (store.validate_placement).
+    placement: dict[str, Any] = Field(default_factory=dict)
 
 
 class DeploymentPatch(_Model):
@@ -158,6 +160,7 @@ def deployment_view(d: Deployment, desired: dict[str, int] | None = None) -> dic
         "autoscale": vars(spec.autoscale),
         "no_gc": spec.no_gc,
         "route": spec.route,
+        "placement": spec.placement,
         "state": d.state,
         "current": d.current,
         "fingerprint": d.fingerprint,
@@ -255,6 +258,7 @@ def create_app(
             autoscale=AutoscalePolicy(**body.autoscale.model_dump()),
             no_gc=body.no_gc,
             route=body.route,
+            placement=body.placement,
         )
         d = await store.create_deployment(spec, fingerprint)
         # Registered, not running: a rollout (or the first deploy) starts it.

@@ -327,6 +327,59 @@ def validate_route_options(model_id: str, options: object) -> dict[str, Any]:
     return options
 
 
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_TOLERATION_KEYS = frozenset({"key", "operator", "value", "effect", "toleration_seconds"})
+MAX_TOLERATIONS = 32
+
+
+def validate_placement(placement: object) -> dict[str, Any]:
+    """`placement` if a cluster could take it, else BadRequest naming the key: node_selector
+    label keys and values as Kubernetes spells them, tolerations with a known operator and
+    effect (what the API server would refuse is refused here, at registration)."""
+    if not isinstance(placement, dict):
+        raise BadRequest("placement must be a JSON object with node_selector and/or tolerations")
+    unknown = sorted(set(placement) - {"node_selector", "tolerations"})
+    if unknown:
+        raise BadRequest(f"unknown placement field(s) {unknown}; known: ['node_selector', 'tolerations']")
+    selector = placement.get("node_selector", {})
+    if not isinstance(selector, dict) or len(selector) > MAX_TOLERATIONS:
+        raise BadRequest(f"placement.node_selector must be an object of at most {MAX_TOLERATIONS} labels")
+    for key, value in selector.items():
+        if not isinstance(key, str) or _LABEL_KEY.fullmatch(key) is None:
+            raise BadRequest(f"placement.node_selector key {key!r:.80} is not a Kubernetes label key")
+        if not isinstance(value, str) or _LABEL_VALUE.fullmatch(value) is None:
+            raise BadRequest(f"placement.node_selector[{key!r}] = {value!r:.80} is not a label value")
+    tolerations = placement.get("tolerations", [])
+    if not isinstance(tolerations, list) or len(tolerations) > MAX_TOLERATIONS:
+        raise BadRequest(f"placement.tolerations must be a list of at most {MAX_TOLERATIONS} objects")
+    for i, t in enumerate(tolerations):
+        where = f"placement.tolerations[{i}]"
+        if not isinstance(t, dict) or set(t) - _TOLERATION_KEYS:
+            raise BadRequest(f"{where} must be an object with keys among {sorted(_TOLERATION_KEYS)}")
+        operator = t.get("operator", "Equal")
+        if operator not in ("Equal", "Exists"):
+            raise BadRequest(f"{where}.operator must be 'Equal' or 'Exists', got {operator!r:.40}")
+        if t.get("effect", "") not in ("", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            raise BadRequest(f"{where}.effect must be NoSchedule, PreferNoSchedule or NoExecute")
+        key = t.get("key", "")
+        if not isinstance(key, str) or (key and _LABEL_KEY.fullmatch(key) is None):
+            raise BadRequest(f"{where}.key {key!r:.80} is not a Kubernetes label key")
+        if not key and operator != "Exists":
+            raise BadRequest(f"{where}: an empty key needs operator 'Exists'")
+        value = t.get("value", "")
+        if not isinstance(value, str) or _LABEL_VALUE.fullmatch(value) is None:
+            raise BadRequest(f"{where}.value {value!r:.80} is not a label value")
+        if operator == "Exists" and value:
+            raise BadRequest(f"{where}: operator 'Exists' takes no value")
+        seconds = t.get("toleration_seconds")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0):
+            raise BadRequest(f"{where}.toleration_seconds must be an integer >= 0")
+    return placement
+
+
 def validate_spec(spec: object) -> DeploymentSpec:
     """The spec if every field is sane, else BadRequest naming the field."""
     if not isinstance(spec, DeploymentSpec):
@@ -355,6 +408,7 @@ def validate_spec(spec: object) -> DeploymentSpec:
     if not isinstance(spec.no_gc, bool):
         raise BadRequest("no_gc must be a boolean")
     validate_route_options(spec.model_id, spec.route)
+    validate_placement(spec.placement)
     return spec
 
 

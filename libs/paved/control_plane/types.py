@@ -52,6 +52,10 @@ class DeploymentSpec:
     # The gateway route options this version's alias is published with (ROUTE_OPTIONS in
     # paved.control_plane.store: cache, template, context budget, summarizer, tokenizer).
     route: dict[str, Any] = field(default_factory=dict)
+    # Where a cluster driver may place the replicas: {"node_selector": {label: value},
+    # "tolerations": [Kubernetes toleration objects]} (store.validate_placement). The local
+    # driver has one host and ignores it.
+    placement: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
