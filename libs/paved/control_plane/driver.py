@@ -16,6 +16,7 @@ Invariants every driver keeps:
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +51,9 @@ class ReplicaRequest:
     # The package's kind (its fingerprint's): "kserve" is a classic model the launcher serves
     # through paved.kserve (HTTP and gRPC are both KServe v2), never the paved frontend.
     kind: str = "generate"
+    # Accelerators one replica needs (the package's tensor x pipeline parallel size, from its
+    # fingerprint's "resources"); a cluster driver requests them, the local driver ignores it.
+    gpus: int = 0
 
     def validate(self) -> None:
         """BadRequest naming the field when a value is unusable."""
@@ -71,6 +75,8 @@ class ReplicaRequest:
             raise BadRequest(f"kserve must be a boolean, got {self.kserve!r}")
         if self.kind not in ("generate", "embed", "kserve"):
             raise BadRequest(f"kind must be 'generate', 'embed' or 'kserve', got {self.kind!r}")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or not 0 <= self.gpus <= 1024:
+            raise BadRequest(f"gpus must be an integer in [0, 1024], got {self.gpus!r}")
         if self.kind == "kserve" and not self.kserve:
             raise BadRequest("a kserve replica needs kserve=true (its gRPC port)")
         if self.kind == "kserve" and self.engine != "package":
@@ -110,3 +116,60 @@ class Driver(Protocol):
     async def close(self) -> None:
         """Forget the driver's resources; running replicas keep running (adopt finds them)."""
         ...
+
+
+def port_names(req: ReplicaRequest) -> tuple[str, ...]:
+    """What each of a replica's ports is for, in allocation order (metrics last: index 2 stays
+    gRPC's place)."""
+    return ("http", "admin", *(("grpc",) if req.kserve else ()), "metrics")
+
+
+def launcher_args(
+    req: ReplicaRequest,
+    *,
+    host: str,
+    ports: dict[str, int],
+    cache_dir: str,
+    metrics_dir: str,
+    drain_timeout_s: float,
+    s3_endpoint_url: str | None = None,
+) -> list[str]:
+    """The launcher's arguments (after `python -m paved.launcher.main`) for one replica: every
+    driver runs the same launcher the same way, only where (host, ports, dirs) differs.
+    `ports` maps each name of `port_names(req)` to its port."""
+    argv = [
+        req.package_uri,
+        "--host", host, "--port", str(ports["http"]),
+        "--admin-host", host, "--admin-port", str(ports["admin"]),
+        "--cache-dir", cache_dir,
+        "--metrics-dir", metrics_dir,
+        "--metrics-host", host, "--metrics-port", str(ports["metrics"]),
+        "--drain-timeout", str(drain_timeout_s),
+        "--progress", "log",
+    ]  # fmt: skip
+    if s3_endpoint_url:
+        argv += ["--s3-endpoint-url", s3_endpoint_url]
+    if req.kserve:
+        argv += ["--grpc-port", str(ports["grpc"])]
+
+    # The launcher expands {placeholders} in --child-cmd: literal braces are doubled.
+    def lit(s: str) -> str:
+        return shlex.quote(s).replace("{", "{{").replace("}", "}}")
+
+    drain = f"--drain-timeout {drain_timeout_s}"
+    grpc = " --kserve-grpc-port {grpc_port}" if req.kserve else ""
+    # The frontend serves the public HTTP port itself once ready (no relay in the launcher).
+    handoff = " --listen-fd {http_fd}"
+    if req.kind == "kserve":
+        pass  # the launcher serves a kserve package through paved.kserve by itself
+    elif req.engine.startswith("sim://"):
+        argv += [
+            "--child-cmd",
+            f"{{python}} -m paved.frontend.server --engine {lit(req.engine)} --model {lit(req.model_id)} "
+            f"--port {{http_port}} {drain}{grpc}{handoff}",
+        ]
+    elif req.kserve:
+        # The paved frontend over the package's engine (the launcher's config names the model
+        # dir, the engine args and the private HTTP port), plus its KServe listener.
+        argv += ["--child-cmd", f"{{python}} -m paved.frontend.server --config {{config}}{grpc}{handoff}"]
+    return argv

@@ -8,7 +8,13 @@ from the package's model.json (validated by paved.launcher.package), without fet
      "tokenizer_sha256": sha256 over the tokenizer files' (path, manifest sha256) list,
      "chat_template_sha256": see below, or None when the package has no chat template,
      "max_model_len": engine_args.max_model_len or None,
-     "kserve": engine_args.kserve (declared KServe tensor specs) or None}
+     "kserve": engine_args.kserve (declared KServe tensor specs) or None,
+     "resources": {"tensor_parallel_size", "pipeline_parallel_size", "gpus"}: what a replica
+       needs (engine_args' vLLM parallel sizes; gpus = their product, 0 for a classic model)}
+
+"resources" is recorded for the drivers (a Kubernetes pod's nvidia.com/gpu) and is not part of
+the comparison: a client cannot observe how many GPUs serve it, so changing it never blocks a
+rollout.
 
 A "kserve" package has no tokenizer (its tokenizer and chat template fields are None); its
 "kserve" field is engine_args.kserve when declared, else the manifest sha256 of its Triton
@@ -45,6 +51,7 @@ from paved.launcher.package import (
 from paved.launcher.storage import Downloader, TransferError, local_path, parse_s3_uri
 
 FIELDS = ("kind", "tokenizer_sha256", "chat_template_sha256", "max_model_len", "kserve")
+_NOT_COMPARED = frozenset({"resources"})
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _SMALL = 16 << 20
 
@@ -88,6 +95,7 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
             "chat_template_sha256": None,
             "max_model_len": None,
             "kserve": declared or {"config_json_sha256": config},
+            "resources": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpus": 0},
         }
     kind = engine_args.get("kind", "generate")
     if kind not in ("generate", "embed"):
@@ -102,13 +110,27 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
         "chat_template_sha256": _chat_template_sha(package, tokenizer_config),
         "max_model_len": max_len if isinstance(max_len, int) and not isinstance(max_len, bool) else None,
         "kserve": declared,
+        "resources": _resources(engine_args),
     }
+
+
+def _resources(engine_args: dict[str, Any]) -> dict[str, int]:
+    sizes = {}
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = engine_args.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+            raise BadRequest(
+                f"engine_args.{name} must be an integer in [1, 1024], got {value!r:.40}",
+                code="invalid_package",
+            )
+        sizes[name] = value
+    return {**sizes, "gpus": sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]}
 
 
 def fingerprint_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
     """The fingerprint fields whose values differ (in FIELDS order, then any extra keys)."""
     a, b = a or {}, b or {}
-    extra = sorted((set(a) | set(b)) - set(FIELDS))
+    extra = sorted((set(a) | set(b)) - set(FIELDS) - _NOT_COMPARED)
     return [k for k in (*FIELDS, *extra) if a.get(k) != b.get(k)]
 
 

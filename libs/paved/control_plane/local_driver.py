@@ -38,7 +38,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from paved.control_plane.driver import PortsExhausted, ReplicaRequest
+from paved.control_plane.driver import PortsExhausted, ReplicaRequest, launcher_args, port_names
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.types import Replica
 from paved.procs import marked_processes, proc_start_time
@@ -140,14 +140,8 @@ class LocalDriver:
                 )
         return await asyncio.to_thread(self._create, req)
 
-    @staticmethod
-    def _port_names(req: ReplicaRequest) -> tuple[str, ...]:
-        """What each allocated port is for, in allocation order (metrics last: ports[2] stays
-        gRPC's place)."""
-        return ("http", "admin", *(("grpc",) if req.kserve else ()), "metrics")
-
     def _create(self, req: ReplicaRequest) -> Replica:
-        ports = self._allocate(req.replica_id, len(self._port_names(req)))
+        ports = self._allocate(req.replica_id, len(port_names(req)))
         try:
             return self._spawn(req, ports)
         except BaseException:
@@ -178,46 +172,18 @@ class LocalDriver:
             self._reserved.pop(replica_id, None)
 
     def _argv(self, req: ReplicaRequest, ports: tuple[int, ...], rdir: Path) -> list[str]:
-        named = dict(zip(self._port_names(req), ports, strict=True))
-        argv = [
-            self.python, "-m", "paved.launcher.main", req.package_uri,
-            "--host", _HOST, "--port", str(named["http"]),
-            "--admin-host", _HOST, "--admin-port", str(named["admin"]),
-            "--cache-dir", str(self.cache_dir),
-            "--metrics-dir", str(rdir / "metrics"),
-            "--metrics-host", _HOST, "--metrics-port", str(named["metrics"]),
-            "--drain-timeout", str(self.drain_timeout_s),
-            "--progress", "log",
+        return [
+            self.python, "-m", "paved.launcher.main",
+            *launcher_args(
+                req,
+                host=_HOST,
+                ports=dict(zip(port_names(req), ports, strict=True)),
+                cache_dir=str(self.cache_dir),
+                metrics_dir=str(rdir / "metrics"),
+                drain_timeout_s=self.drain_timeout_s,
+                s3_endpoint_url=self.s3_endpoint_url,
+            ),
         ]  # fmt: skip
-        if self.s3_endpoint_url:
-            argv += ["--s3-endpoint-url", self.s3_endpoint_url]
-        if req.kserve:
-            argv += ["--grpc-port", str(named["grpc"])]
-
-        # The launcher expands {placeholders} in --child-cmd: literal braces are doubled.
-        def lit(s: str) -> str:
-            return shlex.quote(s).replace("{", "{{").replace("}", "}}")
-
-        drain = f"--drain-timeout {self.drain_timeout_s}"
-        grpc = " --kserve-grpc-port {grpc_port}" if req.kserve else ""
-        # The frontend serves the public HTTP port itself once ready (no relay in the launcher).
-        handoff = " --listen-fd {http_fd}"
-        if req.kind == "kserve":
-            pass  # the launcher serves a kserve package through paved.kserve by itself
-        elif req.engine.startswith("sim://"):
-            argv += [
-                "--child-cmd",
-                f"{{python}} -m paved.frontend.server --engine {lit(req.engine)} --model {lit(req.model_id)} "
-                f"--port {{http_port}} {drain}{grpc}{handoff}",
-            ]
-        elif req.kserve:
-            # The paved frontend over the package's engine (the launcher's config names the
-            # model dir, the engine args and the private HTTP port), plus its KServe listener.
-            argv += [
-                "--child-cmd",
-                f"{{python}} -m paved.frontend.server --config {{config}}{grpc}{handoff}",
-            ]
-        return argv
 
     def _spawn(self, req: ReplicaRequest, ports: tuple[int, ...]) -> Replica:
         rdir = self.work_dir / req.replica_id
@@ -250,7 +216,7 @@ class LocalDriver:
             proc.wait()
             start = -1
         self._procs[proc.pid] = proc
-        named = dict(zip(self._port_names(req), ports, strict=True))
+        named = dict(zip(port_names(req), ports, strict=True))
         ref = {
             "pid": proc.pid,
             "start_time": start,

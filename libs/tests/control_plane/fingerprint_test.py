@@ -78,7 +78,8 @@ def pack(pkg: Path, out: Path) -> str:
 
 def test_tiny_package_fingerprint(package_dir):
     fp = fingerprint_package(tiny_tarball())
-    assert set(fp) == set(FIELDS)
+    assert set(fp) == {*FIELDS, "resources"}
+    assert fp["resources"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpus": 1}
     assert fp["kind"] == "generate"
     assert fp["max_model_len"] == 512  # the genrule's engine args
     assert fp["kserve"] is None
@@ -275,3 +276,26 @@ def test_a_kserve_package_fingerprints_its_triton_config(tmp_path: Path) -> None
     assert fingerprint_diff(fp, fingerprint_package(str(out))) == ["kserve"]
     # The LLM and the classic model never pass for one another.
     assert "kind" in fingerprint_diff(fp, fingerprint_package(tiny_tarball()))
+
+
+def test_parallel_sizes_are_resources_not_a_breaking_change(package_dir, tmp_path):
+    """tensor x pipeline parallel sizes become the replica's GPU count; a version that only
+    changes them rolls out like any compatible one (fingerprint_diff ignores resources), and a
+    size that is not a positive integer is refused at registration."""
+    base = fingerprint_package(str(package_dir))
+    wide = copy(package_dir, tmp_path, "wide")
+    manifest = json.loads((wide / "model.json").read_text())
+    manifest["engine_args"] = {
+        **manifest.get("engine_args", {}),
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 3,
+    }
+    (wide / "model.json").write_text(json.dumps(manifest))
+    fp = fingerprint_package(str(wide))
+    assert fp["resources"] == {"tensor_parallel_size": 2, "pipeline_parallel_size": 3, "gpus": 6}
+    assert fingerprint_diff(base, fp) == []
+    for bad in (0, -1, True, "2", 1.5):
+        manifest["engine_args"]["tensor_parallel_size"] = bad
+        (wide / "model.json").write_text(json.dumps(manifest))
+        with pytest.raises(ControlError, match="tensor_parallel_size"):
+            fingerprint_package(str(wide))
