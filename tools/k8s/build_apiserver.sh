@@ -2,7 +2,7 @@
 # Builds kube-apiserver and kube-controller-manager from Debian's `kubernetes` source package
 # (no registry ships them; ../shared/FIELD_NOTES.md, "Kubernetes") and prints the folder that
 # holds them. The binaries are cached outside the repository, keyed by the source package's
-# version and this script's own hash, so only the first run on a machine pays the build
+# version and RECIPE (bump it when the build steps change), so only the first run on a machine pays the build
 # (about 6 minutes on 2 cores); later runs print the cached folder in well under a second.
 #
 # Usage: tools/k8s/build_apiserver.sh            -> prints the bin folder on stdout
@@ -11,7 +11,7 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${PAVED_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/paved}/kubernetes"
-script_hash="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-12)"
+RECIPE=1
 GO=/usr/lib/go-1.19/bin
 
 log() { printf 'build_apiserver: %s\n' "$*" >&2; }
@@ -43,7 +43,7 @@ source_version() {
 
 version="$(source_version)"
 [[ -n $version ]] || die "no 'kubernetes' source package in the machine's Debian archives"
-out="$cache_root/$version-$script_hash/bin"
+out="$cache_root/$version-r$RECIPE/bin"
 if [[ -x $out/kube-apiserver && -x $out/kube-controller-manager ]]; then
   echo "$out"
   exit 0
