@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from paved.control_plane.errors import BadRequest, ControlError
 from paved.control_plane.types import Replica
@@ -54,6 +54,9 @@ class ReplicaRequest:
     # Accelerators one replica needs (the package's tensor x pipeline parallel size, from its
     # fingerprint's "resources"); a cluster driver requests them, the local driver ignores it.
     gpus: int = 0
+    # The deployment's placement (node_selector, tolerations: store.validate_placement), for a
+    # cluster driver; the local driver ignores it.
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """BadRequest naming the field when a value is unusable."""
@@ -77,6 +80,8 @@ class ReplicaRequest:
             raise BadRequest(f"kind must be 'generate', 'embed' or 'kserve', got {self.kind!r}")
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or not 0 <= self.gpus <= 1024:
             raise BadRequest(f"gpus must be an integer in [0, 1024], got {self.gpus!r}")
+        if not isinstance(self.placement, dict):
+            raise BadRequest(f"placement must be an object, got {self.placement!r:.80}")
         if self.kind == "kserve" and not self.kserve:
             raise BadRequest("a kserve replica needs kserve=true (its gRPC port)")
         if self.kind == "kserve" and self.engine != "package":

@@ -26,6 +26,9 @@ from paved.control_plane.api import create_app
 from paved.control_plane.controller import Controller
 from paved.control_plane.dashboard import dashboard_router
 from paved.control_plane.driver import Driver
+from paved.control_plane.errors import BadRequest
+from paved.control_plane.kube_driver import KubeDriver, api_client
+from paved.control_plane.kube_objects import KubeSettings
 from paved.control_plane.leader import LeaderLock
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
@@ -63,6 +66,54 @@ def _region(value: str) -> tuple[str, tuple[int, int]]:
     return name, (lo, hi)
 
 
+def _kube_region(value: str) -> tuple[str, str]:
+    name, _, context = value.partition("=")
+    if not name or not context:
+        raise argparse.ArgumentTypeError(
+            f"--kube-region {value!r}: expected NAME=CONTEXT (or NAME=in-cluster)"
+        )
+    return name, context
+
+
+def _drivers(args: argparse.Namespace, work_dir: Path) -> dict[str, Driver]:
+    """The region drivers the flags name; BadRequest (exit 2) for an unusable combination."""
+    if args.driver == "local":
+        if args.kube_region:
+            raise BadRequest("--kube-region needs --driver kubernetes")
+        regions = dict(args.region or [("local", (30000, 30999))])
+        return {
+            name: LocalDriver(
+                name,
+                port_range=ports,
+                work_dir=work_dir / name,
+                cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                s3_endpoint_url=args.s3_endpoint_url,
+                drain_timeout_s=args.drain_timeout,
+            )
+            for name, ports in regions.items()
+        }
+    if args.region:
+        raise BadRequest("--region is for --driver local; a kubernetes region is --kube-region NAME=CONTEXT")
+    if not args.kube_region:
+        raise BadRequest("--driver kubernetes needs at least one --kube-region NAME=CONTEXT")
+    settings = KubeSettings(
+        namespace=args.kube_namespace,
+        image=args.kube_image,
+        model_cache=args.kube_model_cache,
+        drain_timeout_s=args.drain_timeout,
+        gpu_resource=args.kube_gpu_resource,
+        cpu=args.kube_cpu,
+        memory=args.kube_memory,
+        s3_endpoint_url=args.s3_endpoint_url,
+    ).validate()
+    return {
+        name: KubeDriver(
+            name, client=api_client(context=context, kubeconfig=args.kubeconfig), settings=settings
+        )
+        for name, context in dict(args.kube_region).items()
+    }
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="control_plane", description="paved's control plane.")
     p.add_argument("--host", default="127.0.0.1")
@@ -75,6 +126,41 @@ def _parser() -> argparse.ArgumentParser:
         type=_region,
         metavar="NAME=LOW-HIGH",
         help="a region of local replicas and its port range (repeatable; default local=30000-30999)",
+    )
+    p.add_argument(
+        "--driver",
+        choices=("local", "kubernetes"),
+        default="local",
+        help="local: replicas are processes on this host (--region); kubernetes: pods on clusters "
+        "(--kube-region, one kube context per region; docs/kubernetes.md)",
+    )
+    p.add_argument(
+        "--kube-region",
+        action="append",
+        type=_kube_region,
+        metavar="NAME=CONTEXT",
+        help="a region on a cluster: a context of --kubeconfig, or 'in-cluster' (repeatable)",
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig file for --kube-region contexts (default ~/.kube/config)")
+    p.add_argument("--kube-namespace", default="paved", help="namespace of the replicas' objects")
+    p.add_argument("--kube-image", default="", help="the launcher image, pinned by digest (NAME@sha256:...)")
+    p.add_argument(
+        "--kube-model-cache",
+        default="",
+        help="pvc:CLAIM or host:/PATH for the launchers' model cache (default: an emptyDir per pod)",
+    )
+    p.add_argument(
+        "--kube-gpu-resource",
+        default="nvidia.com/gpu",
+        help="the extended resource a package's GPUs are requested as ('' on a CPU cluster)",
+    )
+    p.add_argument("--kube-cpu", default="2", help="CPU request of a replica pod")
+    p.add_argument("--kube-memory", default="8Gi", help="memory request and limit of a replica pod")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a draining replica has to finish its requests (a pod's grace period adds preStop)",
     )
     p.add_argument("--work-dir", help="replica logs and metrics dirs (default under $PAVED_STATE_DIR)")
     p.add_argument("--cache-dir", help="the launchers' model cache (default theirs)")
@@ -119,7 +205,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Path]:
     return state, work_dir
 
 
-async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
+async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver]) -> int:
     generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY")
     admin_key = load_admin_key(args.admin_key_file)
     if generated:
@@ -130,17 +216,6 @@ async def _serve(args: argparse.Namespace, state: str, work_dir: Path) -> int:
     admin = AdminAuth(admin_key)
     store = ControlStore(state)
     await store.start()
-    regions = dict(args.region or [("local", (30000, 30999))])
-    drivers: dict[str, Driver] = {
-        name: LocalDriver(
-            name,
-            port_range=ports,
-            work_dir=work_dir / name,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-            s3_endpoint_url=args.s3_endpoint_url,
-        )
-        for name, ports in regions.items()
-    }
     feed = RoutesFeed(store)
     analyzer = GatewayAnalyzer(args.gateway_metrics)
     if not args.gateway_metrics:
@@ -225,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--interval", args.interval, 0.05, 3600.0),
         ("--health-timeout", args.health_timeout, 1.0, 86400.0),
         ("--drain-delay", args.drain_delay, 0.0, 300.0),
+        ("--drain-timeout", args.drain_timeout, 0.1, 3600.0),
     ):
         # A nan or a zero interval would spin the reconcile loop; comparisons reject nan.
         if not low <= value <= high:
@@ -237,7 +313,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         state, work_dir = _prepare(args)
-        return uvloop.run(_serve(args, state, work_dir))
+        drivers = _drivers(args, work_dir)
+    except BadRequest as e:
+        print(f"control plane: {e.message}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"control plane: {e}", file=sys.stderr)
+        return 1
+    try:
+        return uvloop.run(_serve(args, state, drivers))
     except (OSError, ValueError) as e:
         print(f"control plane: {e}", file=sys.stderr)
         return 1
