@@ -42,9 +42,11 @@ from paved.control_plane.errors import BadRequest, ControlError
 from paved.control_plane.kube_objects import (
     ANNOTATION_REPLICA,
     LABEL_MEMBER,
+    LABEL_REGION,
     MANAGED_BY,
     PORTS,
     KubeSettings,
+    label_value,
     replica_objects,
 )
 from paved.control_plane.types import Replica
@@ -53,7 +55,6 @@ log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "paved"
 _PLURALS = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets"}
-_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 _WATCH_S = 50  # a watch is renewed this often (the server closes idle ones anyway)
 _SCALE_RETRIES = 8  # optimistic-concurrency retries of one scale update
 
@@ -93,6 +94,9 @@ class KubeDriver:
         self.namespace = settings.namespace
         self.timeout_s = float(request_timeout_s)
         self._api = client
+        # Only this region's objects: regions may share a namespace, and adopt scales whatever
+        # it lists to its member count.
+        self._selector = f"app.kubernetes.io/managed-by={MANAGED_BY},{LABEL_REGION}={label_value(region)}"
         self._lock = threading.Lock()  # guards everything below (watch thread + worker threads)
         self._pods: dict[str, dict[str, Any]] = {}  # pod name -> pod (as the API serves it)
         self._members: dict[str, set[str]] = {}  # Deployment name -> replica ids
@@ -185,7 +189,9 @@ class KubeDriver:
             raise KubeError(f"could not list pods in namespace {self.namespace} (region {self.region})")
 
     def _relist(self) -> str:
-        _, listing = self._request("GET", self._ns_path("v1", "pods"), query=[("labelSelector", _SELECTOR)])
+        _, listing = self._request(
+            "GET", self._ns_path("v1", "pods"), query=[("labelSelector", self._selector)]
+        )
         with self._changed:
             self._pods = {p["metadata"]["name"]: p for p in listing.get("items", [])}
             self._changed.notify_all()
@@ -216,7 +222,7 @@ class KubeDriver:
             method="GET",
             resource_path=self._ns_path("v1", "pods"),
             query_params=[
-                ("labelSelector", _SELECTOR),
+                ("labelSelector", self._selector),
                 ("watch", "true"),
                 ("resourceVersion", version),
                 ("timeoutSeconds", str(_WATCH_S)),
@@ -516,7 +522,7 @@ class KubeDriver:
         self._start()
         self._relist()
         _, listing = self._request(
-            "GET", self._ns_path("apps/v1", "deployments"), query=[("labelSelector", _SELECTOR)]
+            "GET", self._ns_path("apps/v1", "deployments"), query=[("labelSelector", self._selector)]
         )
         deployments = {d["metadata"]["name"] for d in listing.get("items", [])}
         adopted: list[Replica] = []

@@ -104,13 +104,13 @@ def object_name(deployment_id: str, region: str) -> str:
 
 def selector(deployment_id: str, region: str) -> dict[str, str]:
     return {
-        LABEL_DEPLOYMENT: _label(deployment_id),
-        LABEL_REGION: _label(region),
+        LABEL_DEPLOYMENT: label_value(deployment_id),
+        LABEL_REGION: label_value(region),
         LABEL_MEMBER: "true",
     }
 
 
-def _label(value: str) -> str:
+def label_value(value: str) -> str:
     """A label value for any string: as is when valid, else a readable hash."""
     if _LABEL_VALUE.fullmatch(value):
         return value
