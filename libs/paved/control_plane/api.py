@@ -15,6 +15,9 @@ the status of the `ControlError` raised (400 bad input, 401 no key, 404 unknown,
                                                 or still has desired or live replicas (PATCH
                                                 replicas 0 first and wait for them to drain)
     PUT    /v1/models/{model}/current           versioned: the version the bare alias follows
+    POST   /v1/models/{model}/wake              demand for a model scaled to zero (gateways call
+                                                it while they hold its requests): 0 -> N now;
+                                                idempotent
     POST   /v1/rollouts                         start: first deploy, red_black or versioned
     GET    /v1/rollouts[?model_id=&status=]     list; GET /v1/rollouts/{id}
     POST   /v1/rollouts/{id}/abort              roll back (at the next step)
@@ -26,6 +29,7 @@ the status of the `ControlError` raised (400 bad input, 401 no key, 404 unknown,
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -98,6 +102,8 @@ class AutoscaleBody(_Model):
     panic_threshold: float = Field(2.0, ge=1)
     scale_down_delay_s: float = Field(30.0, ge=0, le=3600)
     interval_s: float = Field(2.0, gt=0, le=60)
+    # Scale to zero after this long without demand (needs enabled and min_replicas 0).
+    scale_to_zero_after_s: float | None = Field(None, gt=0, le=7 * 86400)
 
 
 class DeploymentBody(_Model):
@@ -359,6 +365,15 @@ def create_app(
         )
         await controller.publish_routes()
         return deployment_view(await _deployment(model, body.version))
+
+    @api.post("/models/{model}/wake")
+    async def wake(model: str, request: Request) -> dict[str, Any]:
+        """A gateway holds requests for `model`: scale its deployments that sleep at zero to
+        max(1, min_replicas) now (Controller.wake). Idempotent; 404 for an unknown model."""
+        auth(request)
+        if not re.fullmatch(_NAME, model):
+            raise BadRequest(f"model must match {_NAME}", code="invalid_model")
+        return await controller.wake(model)
 
     @api.post("/rollouts", status_code=201)
     async def start_rollout(body: RolloutBody, request: Request) -> dict[str, Any]:

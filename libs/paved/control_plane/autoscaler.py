@@ -23,6 +23,12 @@ Invariants callers rely on:
 - State is bounded: observations older than the longest window and desires older than the
   delay are dropped, with hard caps on both.
 - One Autoscaler per deployment (one version): signals are never averaged across versions.
+
+Scale to zero is not a KPA decision: the KPA's floor is max(1, min_replicas) (the controller
+passes it so), and only `IdleClock` takes a deployment with `scale_to_zero_after_s` and
+min_replicas 0 to zero, after that long without demand. A deployment at zero is woken by
+demand (a gateway holding a request calls the control plane's wake endpoint), never by the
+KPA: at zero there are no replicas to read gauges from.
 """
 
 from __future__ import annotations
@@ -247,3 +253,48 @@ class Autoscaler:
             f"scale down {current_target} -> {down_to} (highest desire over the last {delay:g}s): {why}",
             "stable",
         )
+
+
+class IdleClock:
+    """When one deployment last showed demand, and whether it has been idle long enough to be
+    scaled to zero.
+
+    Invariants:
+    - `due` is True only when the policy asks for scale to zero (`scale_to_zero_after_s` set,
+      autoscaling enabled, min_replicas 0) and no demand was seen for `scale_to_zero_after_s`;
+      the idle time counts from the latest of this clock's creation (the controller makes one
+      when it first sees the deployment awake: just started, woken, or rolled out) and every
+      `demand` reported.
+    - Times are one clock's (the caller's); a demand time in the past of the latest one changes
+      nothing, so signals read at different moments may be reported in any order.
+    """
+
+    def __init__(self, now: float):
+        if not math.isfinite(now):
+            raise ValueError(f"now must be finite, got {now!r}")
+        self._last = now
+
+    @property
+    def last_demand(self) -> float:
+        return self._last
+
+    def demand(self, at: float | None) -> None:
+        """Demand seen at `at` (None: no reading, nothing changes)."""
+        if at is None:
+            return
+        if not math.isfinite(at):
+            raise ValueError(f"at must be finite, got {at!r}")
+        self._last = max(self._last, at)
+
+    def idle_for(self, now: float) -> float:
+        return max(0.0, now - self._last)
+
+    def due(self, policy: AutoscalePolicy, min_replicas: int, now: float) -> bool:
+        after = policy.scale_to_zero_after_s
+        return after is not None and wants_scale_to_zero(policy, min_replicas) and self.idle_for(now) >= after
+
+
+def wants_scale_to_zero(policy: AutoscalePolicy, min_replicas: int) -> bool:
+    """Whether a deployment of this policy and floor scales to zero when idle (and is woken by
+    demand): the one rule the controller, the routes table and the wake endpoint share."""
+    return policy.enabled and policy.scale_to_zero_after_s is not None and min_replicas == 0

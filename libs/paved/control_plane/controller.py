@@ -15,6 +15,11 @@ One reconcile pass (every `interval_s`, on the leader only):
    published only when the table changed.
 4. Rollouts: every running rollout whose wake time has come is advanced one step.
 5. Autoscaling: deployments with a policy and no running rollout get a decision per interval.
+   A deployment that scales to zero (`scale_to_zero_after_s`, min_replicas 0) goes to 0 after
+   that long without demand; `wake` (a gateway holding a request for it) brings it back to
+   max(1, min_replicas) at once. Its alias stays in the routes while at zero, with no backends
+   and `scaled_to_zero` (and `waking` once a wake asked for replicas), so gateways hold its
+   requests instead of answering 404. Driver-independent: only desired counts move.
 
 Desired counts are per (deployment, region) and persisted (`store.set_desired`), so a restarted
 control plane converges to the same fleet; replicas it finds recorded are adopted through the
@@ -34,9 +39,9 @@ from typing import Any
 
 from paved.control_plane import rollout as rollout_mod
 from paved.control_plane.analysis import GatewayAnalyzer
-from paved.control_plane.autoscaler import Autoscaler
+from paved.control_plane.autoscaler import Autoscaler, IdleClock, wants_scale_to_zero
 from paved.control_plane.driver import Driver, ReplicaRequest
-from paved.control_plane.errors import ControlError
+from paved.control_plane.errors import ControlError, NotFound
 from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
@@ -84,6 +89,11 @@ class Controller:
         self._wake: dict[str, float] = {}
         self._traffic_checked = 0.0
         self._scalers: dict[str, Autoscaler] = {}
+        # Deployment id -> its idle clock (wall time), while awake with a scale-to-zero policy.
+        self._idle: dict[str, IdleClock] = {}
+        # Wakes from several gateways at once decide one after the other: one scale-up, one
+        # audit event.
+        self._wake_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
         self.last_error: str | None = None
@@ -366,6 +376,8 @@ class Controller:
             engine=d.spec.engine,
             kserve=bool(d.fingerprint.get("kserve")) if d.fingerprint else False,
             kind=(d.fingerprint or {}).get("kind", "generate"),
+            gpus=int(((d.fingerprint or {}).get("resources") or {}).get("gpus", 0)),
+            placement=d.spec.placement,
         )
         try:
             replica = await driver.create(request)
@@ -447,6 +459,14 @@ class Controller:
                     # (it answers through a start or a drain, unlike the frontend's port).
                     backend["metrics_url"] = r.metrics_url
                 route["backends"].append(backend)
+        # Models that scale to zero keep their alias while they have no replica: marked, so a
+        # gateway holds their requests and wakes them (`waking`: replicas were asked for).
+        wakeable: dict[str, bool] = {}
+        for d in deployments:
+            if d.state == "active" and wants_scale_to_zero(d.spec.autoscale, d.spec.min_replicas):
+                desired = await self.store.get_desired(d.id)
+                asked = any(effective_desired(d, desired, region) for region in d.spec.regions)
+                wakeable[d.spec.model_id] = wakeable.get(d.spec.model_id, False) or asked
         # While a rollout splits a model's traffic between versions the split must be the
         # traffic share: least-outstanding would send nothing to a light version while the
         # heavy one is idle (it scores outstanding/weight), hiding it from the analysis.
@@ -462,9 +482,15 @@ class Controller:
             chosen = [d for d in mine if d.current] or [d for d in mine if d.state == "active"] or mine
             options = max(chosen, key=lambda d: d.created_at).spec.route if chosen else {}
             m.update({k: v for k, v in options.items() if k not in m})
-        # A model whose every replica is gone keeps an entry only if it has backends (the
-        # gateway answers an unknown model 404, and a routed one without health 503).
-        table = {"models": [m for m in models.values() if m["backends"]]}
+        for model_id, waking in wakeable.items():
+            m = models[model_id]
+            if not m["backends"]:
+                m["scaled_to_zero"] = True
+                if waking:
+                    m["waking"] = True
+        # Any other model whose every replica is gone keeps an entry only if it has backends
+        # (the gateway answers an unknown model 404, and a routed one without health 503).
+        table = {"models": [m for m in models.values() if m["backends"] or m.get("scaled_to_zero")]}
         for m in table["models"]:
             if "current" in m and m["current"] not in {b["version"] for b in m["backends"]}:
                 del m["current"]
@@ -578,9 +604,19 @@ class Controller:
 
     async def _autoscale(self, deployments: list[Deployment]) -> None:
         busy = {r.model_id for r in await self.store.list_rollouts(status="running")}
+        now = time.time()
+        for gone in set(self._idle) - {d.id for d in deployments if d.state == "active"}:
+            del self._idle[gone]
         for d in deployments:
             policy = d.spec.autoscale
             if not policy.enabled or d.state != "active" or d.spec.model_id in busy:
+                continue
+            desired = await self.store.get_desired(d.id)
+            if not any(effective_desired(d, desired, region) for region in d.spec.regions):
+                # At zero (asleep, or scaled there by the API): no replica to read, and demand
+                # wakes it (`wake`), not the KPA.
+                self._scalers.pop(d.id, None)
+                self._idle.pop(d.id, None)
                 continue
             scaler = self._scalers.get(d.id)
             if scaler is None:
@@ -592,15 +628,31 @@ class Controller:
                 with contextlib.suppress(Exception):
                     samples.append(await scrape(r.metrics_url or "", model_id=d.spec.model_id))
             scaler.observe(samples)
-            desired = await self.store.get_desired(d.id)
+            if wants_scale_to_zero(policy, d.spec.min_replicas):
+                clock = self._idle.get(d.id)
+                if clock is None:
+                    clock = self._idle[d.id] = IdleClock(now)
+                # Demand: a request in flight at a replica now, or one the gateways answered or
+                # held (a wake) since; `_traffic` and `wake` keep last_traffic_at.
+                if any(s.running + s.waiting > 0 for s in samples):
+                    clock.demand(now)
+                if d.last_traffic_at is not None:
+                    clock.demand(d.last_traffic_at.timestamp())
+                if clock.due(policy, d.spec.min_replicas, now):
+                    await self._scale_to_zero(d, desired, clock.idle_for(now))
+                    continue
+            # Zero is the idle clock's decision alone: the KPA never goes below one replica.
+            floor = max(1, d.spec.min_replicas)
             for region in d.spec.regions:
                 current = desired.get(region, d.spec.replicas)
+                if current == 0:
+                    continue  # a region scaled to 0 by the API stays there
                 live = [r for r in replicas if r.region == region and r.state in _LIVE]
                 n_ready = sum(1 for r in live if r.state == "ready")
                 decision = scaler.decide(
                     current_target=current,
                     ready=n_ready,
-                    min_replicas=d.spec.min_replicas,
+                    min_replicas=floor,
                     max_replicas=d.spec.max_replicas,
                     step_in_flight=n_ready != current,
                 )
@@ -619,6 +671,82 @@ class Controller:
                             "reason": decision.reason,
                         },
                     )
+
+    async def _scale_to_zero(self, d: Deployment, desired: dict[str, int], idle_s: float) -> None:
+        before = {region: effective_desired(d, desired, region) for region in d.spec.regions}
+        for region, n in before.items():
+            if n:
+                await self.store.set_desired(d.id, region, 0)
+        self._scalers.pop(d.id, None)
+        self._idle.pop(d.id, None)
+        after = d.spec.autoscale.scale_to_zero_after_s
+        reason = f"no demand for {idle_s:.0f} s (scale_to_zero_after_s {after:g})"
+        await self.store.audit(
+            "autoscale",
+            f"{d.spec.model_id}@{d.spec.version}: scaled to zero ({reason}); its alias stays routed "
+            "and a request wakes it",
+            model_id=d.spec.model_id,
+            version=d.spec.version,
+            data={"from": before, "to": 0, "mode": "to_zero", "reason": reason},
+        )
+        self._wakeup.set()  # drain now (out of the routes first)
+
+    async def wake(self, model_id: str) -> dict[str, Any]:
+        """Demand for `model_id` (a gateway holds a request for it): in every region where an
+        active deployment of it that scales to zero is at zero, it is scaled to
+        max(1, min_replicas) at once, and its idle clock restarts.
+
+        Idempotent: a wake of a model already waking or serving changes no count (several
+        gateways, or one gateway's repeated calls while it holds requests, make one scale-up
+        and one audit event); it only records the demand. Works on any control plane sharing
+        the store (the leader converges to the persisted counts). NotFound for a model with no
+        deployment. Returns {"model", "state": "serving" | "waking" | "not_scaled_to_zero",
+        "woke": {"model@version": {region: replicas}}}."""
+        deployments = await self.store.list_deployments(model_id=model_id)
+        if not deployments:
+            raise NotFound(f"no deployment of model {model_id}", code="model_not_found")
+        woke: dict[str, dict[str, int]] = {}
+        sleepers = [
+            d
+            for d in deployments
+            if d.state == "active" and wants_scale_to_zero(d.spec.autoscale, d.spec.min_replicas)
+        ]
+        async with self._wake_lock:
+            for d in sleepers:
+                now = datetime.now(UTC)
+                # Demand, persisted (the leader's idle clock reads it, whoever took the call);
+                # a wake every second per gateway writes at most once a second.
+                if d.last_traffic_at is None or (now - d.last_traffic_at).total_seconds() >= 1.0:
+                    d = await self.store.update_deployment(d.id, last_traffic_at=now)
+                desired = await self.store.get_desired(d.id)
+                for region in d.spec.regions:
+                    if effective_desired(d, desired, region) == 0:
+                        n = max(1, d.spec.min_replicas)
+                        await self.store.set_desired(d.id, region, n)
+                        woke.setdefault(f"{d.spec.model_id}@{d.spec.version}", {})[region] = n
+                mine = woke.get(f"{d.spec.model_id}@{d.spec.version}")
+                if mine:
+                    await self.store.audit(
+                        "autoscale",
+                        f"{d.spec.model_id}@{d.spec.version}: woken from zero by demand "
+                        f"(a gateway holds its requests): 0 -> {mine}",
+                        model_id=d.spec.model_id,
+                        version=d.spec.version,
+                        data={"from": 0, "to": mine, "mode": "wake", "reason": "a gateway holds requests"},
+                    )
+        if woke:
+            self._wakeup.set()
+        if not sleepers:
+            state = "not_scaled_to_zero"
+        else:
+            ids = {d.id for d in deployments if d.state == "active"}
+            replicas = await self.store.list_replicas()
+            state = (
+                "serving"
+                if any(r.deployment_id in ids and r.state == "ready" for r in replicas)
+                else "waking"
+            )
+        return {"model": model_id, "state": state, "woke": woke}
 
 
 def effective_desired(d: Deployment, desired_by_region: dict[str, int], region: str) -> int:

@@ -69,6 +69,8 @@ MAX_MESSAGE_LEN = 4096
 MAX_KIND_LEN = 64
 MAX_AUDIT_LIMIT = 1000
 MAX_JSON_BYTES = 1 << 20
+# The longest idle delay before scale to zero (a week): beyond it, keep a replica instead.
+MAX_SCALE_TO_ZERO_AFTER_S = 7 * 86400.0
 # Old routes revisions kept (the feed only ever serves the latest; a few are kept to debug).
 ROUTES_KEPT = 200
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -285,8 +287,17 @@ def validate_autoscale(policy: object) -> AutoscalePolicy:
     if not isinstance(policy.enabled, bool):
         raise BadRequest("autoscale.enabled must be a boolean")
     for f in dataclasses.fields(policy):
-        if f.name != "enabled":
+        if f.name not in ("enabled", "scale_to_zero_after_s"):
             _pos(getattr(policy, f.name), f"autoscale.{f.name}")
+    if policy.scale_to_zero_after_s is not None:
+        after = _pos(policy.scale_to_zero_after_s, "autoscale.scale_to_zero_after_s")
+        if after > MAX_SCALE_TO_ZERO_AFTER_S:
+            raise BadRequest(
+                f"autoscale.scale_to_zero_after_s must be at most {MAX_SCALE_TO_ZERO_AFTER_S:g} s, "
+                f"got {after:g}"
+            )
+        if not policy.enabled:
+            raise BadRequest("autoscale.scale_to_zero_after_s needs autoscale.enabled true")
     if policy.target_kv_usage > 1:
         raise BadRequest("autoscale.target_kv_usage is a fraction of the KV cache: (0, 1]")
     if policy.panic_window_s > policy.stable_window_s:
@@ -405,6 +416,12 @@ def validate_spec(spec: object) -> DeploymentSpec:
     if engine != "package" and not engine.startswith("sim://"):
         raise BadRequest("engine must be 'package' or a sim:// URI")
     validate_autoscale(spec.autoscale)
+    if spec.autoscale.scale_to_zero_after_s is not None and spec.min_replicas != 0:
+        # A floor above zero and an idle delay to zero contradict each other: say so rather
+        # than silently ignore one.
+        raise BadRequest(
+            f"autoscale.scale_to_zero_after_s needs min_replicas 0, got min_replicas {spec.min_replicas}"
+        )
     if not isinstance(spec.no_gc, bool):
         raise BadRequest("no_gc must be a boolean")
     validate_route_options(spec.model_id, spec.route)

@@ -34,6 +34,12 @@ class AutoscalePolicy:
     panic_threshold: float = 2.0  # desired/current ratio that enters panic mode
     scale_down_delay_s: float = 30.0
     interval_s: float = 2.0
+    # Scale to zero: with min_replicas 0, a deployment that has shown no demand (no request in
+    # flight at its replicas, none answered through the gateways, no wake call) for this long
+    # is scaled to 0; a gateway holding a request for it wakes it (POST
+    # /v1/models/{model}/wake). None: never below one replica (the KPA's floor is then
+    # max(1, min_replicas)). Needs `enabled` and min_replicas 0 (store.validate_spec).
+    scale_to_zero_after_s: float | None = None
 
 
 @dataclass(frozen=True)

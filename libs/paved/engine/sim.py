@@ -27,10 +27,12 @@ labels: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache
 `vllm:prompt_tokens`, `vllm:generation_tokens`, `vllm:request_success`.
 
     sim://MODEL[?tokens_per_s=F&max_num_seqs=N&kv_tokens=N&max_waiting=N&max_model_len=N
-               &tokenizer=DIR&max_logprobs=N&fail_after=N]
+               &tokenizer=DIR&max_logprobs=N&fail_after=N&start_delay_s=F]
 
 `fail_after=N` is fault injection for the platform's own tests: after N admitted requests every
 further one is refused as unavailable (503), as a replica going bad mid-rollout would be.
+`start_delay_s=F` makes `start` take F seconds more (a model's load time: cold starts, scale
+from zero).
 """
 
 from __future__ import annotations
@@ -281,6 +283,8 @@ class SimEngine:
         if self._task is not None:
             return
         config = self.config
+        if config.start_delay_s:
+            await asyncio.sleep(config.start_delay_s)
         if config.tokenizer:
             self._tokenizer_or_none = await asyncio.to_thread(HFTokenizer, config.tokenizer)
         else:

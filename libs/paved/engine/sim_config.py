@@ -30,6 +30,7 @@ class SimConfig:
     max_logprobs: int = 20
     constraint_backends: tuple[str, ...] = ("paved",)
     fail_after: int | None = None  # fault injection: refuse (503) every request after N
+    start_delay_s: float = 0.0  # how long `start` takes (a model's load time, for cold starts)
 
     def __post_init__(self):
         if self.kv_tokens is None:
@@ -51,6 +52,12 @@ class SimConfig:
             low = 0 if key in ("max_waiting", "max_logprobs") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        if (
+            not isinstance(self.start_delay_s, int | float)
+            or isinstance(self.start_delay_s, bool)
+            or not 0 <= self.start_delay_s <= 3600
+        ):
+            raise ValueError(f"start_delay_s must be a number in [0, 3600], got {self.start_delay_s!r}")
         if self.fail_after is not None and (
             isinstance(self.fail_after, bool) or not isinstance(self.fail_after, int) or self.fail_after < 0
         ):
@@ -87,7 +94,7 @@ class SimConfig:
             )
         except ValueError as e:
             raise ValueError(f"malformed query in {uri!r}: {e}") from None
-        known = {"tokens_per_s", "tokenizer", *cls._URI_INTS}
+        known = {"tokens_per_s", "start_delay_s", "tokenizer", *cls._URI_INTS}
         unknown = sorted(set(query) - known)
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} in {uri!r}; known: {sorted(known)}")
@@ -99,11 +106,11 @@ class SimConfig:
                     options[key] = int(value)
                 except ValueError:
                     raise ValueError(f"{key} must be an integer, got {value!r} in {uri!r}") from None
-            elif key == "tokens_per_s":
+            elif key in ("tokens_per_s", "start_delay_s"):
                 try:
                     options[key] = float(value)
                 except ValueError:
-                    raise ValueError(f"tokens_per_s must be a number, got {value!r} in {uri!r}") from None
+                    raise ValueError(f"{key} must be a number, got {value!r} in {uri!r}") from None
             else:
                 options[key] = value
         tokenizer = options.pop("tokenizer", None) if not check_files else None

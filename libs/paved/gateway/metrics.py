@@ -153,6 +153,21 @@ class GatewayMetrics:
             ("model",),
             registry=r,
         )
+        # Scale to zero: these exist while a model has no replica, so they are the demand signal
+        # an operator's autoscaler (or a dashboard) can read at zero.
+        self.held = Gauge(
+            "paved_gateway_held_requests",
+            "Requests held for a model scaled to zero while it wakes, by model alias",
+            ("model",),
+            registry=r,
+        )
+        self.wake_calls = Counter(
+            "paved_gateway_wake_calls",
+            "Calls to the control plane's wake endpoint for a model scaled to zero, by model alias "
+            "and outcome (ok, error)",
+            ("model", "outcome"),
+            registry=r,
+        )
         self.routes_revision = Gauge(
             "paved_gateway_routes_loaded_timestamp_seconds",
             "When the serving routes table was loaded",

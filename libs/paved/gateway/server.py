@@ -33,6 +33,7 @@ from paved.gateway.orchestration.tokens import TokenCounter
 from paved.gateway.routing.health import FileRoutesSource, HealthChecker
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
+from paved.gateway.routing.wake import WakeCaller
 from paved.gateway.routing.watch_source import HttpRoutesSource, routes_url
 from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
@@ -108,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds a request may wait in the queue before a 503 (default 30)",
+    )
+    p.add_argument(
+        "--wake-max-wait",
+        type=float,
+        default=180.0,
+        help="seconds a request for a model scaled to zero is held while it wakes before a 503 "
+        "(default 180; the control plane is asked to wake it at once)",
     )
     p.add_argument(
         "--tenant-weight",
@@ -189,6 +197,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--queue-size must be 0..1000000")
     if not 0 < args.queue_max_wait <= 3600:
         p.error("--queue-max-wait must be in (0, 3600] seconds")
+    if not 0 < args.wake_max_wait <= 3600:
+        p.error("--wake-max-wait must be in (0, 3600] seconds")
     try:
         args.tenant_weights = _tenant_weights(args.tenant_weight)
     except ValueError as e:
@@ -259,6 +269,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         stream_idle_timeout_s=args.stream_idle_timeout,
         max_attempts=args.max_attempts,
         default_max_tokens=args.default_max_tokens,
+        wake_max_wait_s=args.wake_max_wait,
     )
     flow = FlowController(
         FlowConfig(
@@ -276,6 +287,10 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         tokens=TokenCounter(),
         config=config,
         flow=flow,
+        # Models scaled to zero are woken through the control plane the routes come from.
+        waker=WakeCaller(routes_url(args.routes), token=args.routes_token, metrics=metrics)
+        if _is_url(args.routes)
+        else None,
     )
     orchestrator = None if args.no_orchestration else _orchestrator(args, store, proxy)
     proxy.orchestrator = orchestrator
@@ -294,6 +309,8 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
         ),
         orchestrator=orchestrator,
     )
+    if proxy.waker is not None:
+        gateway.on_stop.append(proxy.waker.close)
     return gateway, table
 
 

@@ -10,6 +10,16 @@ Order of a request (each stage timed into the access log and `paved_gateway_stag
   goes back to the queue and waits for room until its deadline (then 503 + Retry-After, code
   queue_timeout).
 
+Scale to zero: a model whose route is `scaled_to_zero` (no backends; the control plane scaled
+it to zero while idle) keeps its alias. Its queue's window is pinned to 0 while the table says
+so (`_on_table`), so its requests are held in the same queue, with the same fairness, bound,
+Retry-After refusals and disconnect handling, and the same limits already reserved; their
+deadline is `wake_max_wait_s` rather than the queue's wait. The first one held starts the
+wake loop (paved.gateway.routing.wake: the control plane's wake endpoint, once a second while
+requests are held); `paved_gateway_held_requests{model}` counts them. The table that routes
+the model's first ready replica unpins the window, which releases the held requests in their
+fair order.
+
 Invariants:
 - Every admitted request calls `Limiter.finish` exactly once: with the upstream's reported
   usage when the answer completed, with what was streamed so far (prompt plus content events)
@@ -18,6 +28,8 @@ Invariants:
   (connect errors, timeouts, resets, 5xx other than 503 backpressure).
 - Every granted queue slot is released exactly once, when the answer or stream has ended (or
   the request failed); a client that leaves while queued leaves the queue (499).
+- `paved_gateway_held_requests{model}` goes up once and down once per request held for a model
+  at zero, however its wait ends (granted, refused, client gone).
 - Upstream connections are pooled: one aiohttp session per gateway (keep-alive, no limit per
   host, so a burst opens what it needs and later requests reuse them), shared with the
   gateway's internal calls and KServe HTTP forwarding.
@@ -47,7 +59,7 @@ from starlette.types import Receive
 
 from paved.gateway.caching.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
-from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, Slot
+from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, QueueRefusedError, Slot
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.tokens import TokenCounter
 from paved.http.errors import error_body
@@ -60,6 +72,8 @@ if TYPE_CHECKING:
     from paved.gateway.access.limits import Limiter, Reservation
     from paved.gateway.orchestration.orchestrate import Hit, Orchestrator, Plan
     from paved.gateway.routing.router import Pick, Router
+    from paved.gateway.routing.routes import RoutesTable
+    from paved.gateway.routing.wake import WakeCaller
     from paved.gateway.types import Principal
 
 logger = logging.getLogger("paved.gateway")
@@ -85,6 +99,9 @@ class ProxyConfig:
     max_attempts: int = 3
     # Reserved for a request that names no max_tokens (reconciled with usage on finish).
     default_max_tokens: int = 256
+    # The longest a request for a model scaled to zero is held while it wakes (a cold start
+    # takes longer than a queue's usual wait); then 503 + Retry-After.
+    wake_max_wait_s: float = 180.0
 
 
 class OpenAIProxy:
@@ -100,6 +117,7 @@ class OpenAIProxy:
         tokens: TokenCounter,
         config: ProxyConfig,
         flow: FlowController | None = None,
+        waker: WakeCaller | None = None,
     ):
         self.authenticator = authenticator
         # The per-model queue in front of dispatch; None (or max_queued 0): a request finding
@@ -114,6 +132,13 @@ class OpenAIProxy:
         # Templates, conversations, caches and experiments (paved.gateway.orchestration.orchestrate); set by
         # whoever builds the gateway, None for a plain forwarding gateway.
         self.orchestrator: Orchestrator | None = None
+        # Scale to zero: the control plane's wake endpoint (None: a routes file, nobody to wake;
+        # requests are still held until their deadline), the aliases whose queue window this
+        # proxy pinned to 0 because the table has them at zero, and the requests held per alias.
+        self.waker = waker
+        self._at_zero: set[str] = set()
+        self._held: dict[str, int] = {}
+        router.add_listener(self._on_table)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -266,18 +291,70 @@ class OpenAIProxy:
                 await self._settle(reservation, None)
             raise
 
+    # ---- scale to zero ----------------------------------------------------------------------
+    def _on_table(self, table: RoutesTable) -> None:
+        """Pin the queue window of every model the table has at zero to 0 (its requests wait),
+        and unpin the ones that left zero (their held requests go, in fair order)."""
+        flow = self.flow
+        if flow is None or not flow.enabled:
+            return
+        at_zero = {alias for alias, route in table.models.items() if route.scaled_to_zero}
+        for alias in sorted(at_zero - self._at_zero):
+            flow.set_window(alias, 0)
+        for alias in sorted(self._at_zero - at_zero):
+            flow.set_window(alias, None)
+        self._at_zero = at_zero
+
+    def _wake(self, alias: str) -> None:
+        if self.waker is not None:
+            self.waker.wake(alias, lambda: self._held.get(alias, 0) > 0)
+
+    async def _held_wait(self, call: _Call, waiting: Awaitable[Slot], wait_s: float) -> Slot:
+        """Wait for a slot as a request held for a model at zero (counted while it waits)."""
+        alias = call.alias
+        self._held[alias] = self._held.get(alias, 0) + 1
+        self.metrics.held.labels(alias).inc()
+        try:
+            return await self._wait_turn(call, waiting)
+        except QueueRefusedError as e:
+            if e.code != "queue_timeout":
+                raise
+            raise QueueRefusedError(
+                f"the model '{alias}' is scaled to zero and no replica of it was ready within "
+                f"{wait_s:g} s (it is starting); retry after the Retry-After delay",
+                e.code or "queue_timeout",
+                int(e.headers.get("Retry-After", "1")),
+            ) from None
+        finally:
+            left = self._held[alias] - 1
+            if left:
+                self._held[alias] = left
+            else:
+                del self._held[alias]
+            self.metrics.held.labels(alias).dec()
+
     async def _dispatch(self, call: _Call, reservation: Reservation, affinity: bytes | None) -> Response:
         """Forward through the model's queue: straight through while its backends have room,
-        else held (fairly across tenants) until they do or the request's deadline passes."""
+        else held (fairly across tenants) until they do or the request's deadline passes. A
+        request for a model at zero is held the same way while the model wakes."""
         flow = self.flow
+        route = self.router.table.models.get(call.alias)
+        at_zero = route is not None and route.scaled_to_zero
+        if at_zero:
+            self._wake(call.alias)
         if flow is None or not flow.enabled:
             return await self._attempts(call, reservation, affinity, None)
         tenant = call.principal.tenant.name
-        deadline = time.monotonic() + flow.config.max_wait_s
+        wait_s = self.config.wake_max_wait_s if at_zero else flow.config.max_wait_s
+        deadline = time.monotonic() + wait_s
         slot = flow.try_acquire(call.alias, tenant, call.priority, deadline)
         try:
             if slot is None:
-                slot = await self._wait_turn(call, flow.acquire(call.alias, tenant, call.priority, deadline))
+                waiting = flow.acquire(call.alias, tenant, call.priority, deadline)
+                if at_zero:
+                    slot = await self._held_wait(call, waiting, wait_s)
+                else:
+                    slot = await self._wait_turn(call, waiting)
             while True:
                 try:
                     return await self._attempts(call, reservation, affinity, slot)

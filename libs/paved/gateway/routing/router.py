@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import math
 import random
 import time
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 
 from paved.gateway.errors import GatewayError, NoBackendError
 from paved.gateway.routing.routes import Backend, ModelRoute, RoutesTable
+
+logger = logging.getLogger(__name__)
 
 # 160 points per unit of weight (ketama's count): each backend's share of the ring is within
 # a few percent of its weight's share.
@@ -262,6 +265,7 @@ class Router:
         self._aliases_of: dict[str, tuple[str, ...]] = {}
         self._rings: dict[tuple[str, tuple[str, ...]], _Ring] = {}
         self._prefixes: dict[tuple[str, tuple[str, ...]], _Prefixes] = {}
+        self._listeners: list[Callable[[RoutesTable], None]] = []
         self.set_table(table)
 
     # -- table ------------------------------------------------------------------------------
@@ -304,6 +308,17 @@ class Router:
         # is reassigned on its prefixes' next request); a removed alias's table goes.
         self._prefixes = {k: v for k, v in self._prefixes.items() if k[0] in table.models}
         self._table = table
+        for listener in self._listeners:
+            try:
+                listener(table)
+            except Exception:  # a listener's bug must not keep the table from serving
+                logger.exception("routes table listener failed")
+
+    def add_listener(self, listener: Callable[[RoutesTable], None]) -> None:
+        """Call `listener(table)` after every `set_table` (synchronously, before any request
+        can see the new table), and once now with the table in force."""
+        self._listeners.append(listener)
+        listener(self._table)
 
     def aliases(self) -> list[str]:
         return list(self._table.models)

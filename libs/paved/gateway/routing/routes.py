@@ -13,6 +13,9 @@ Invariants of a `RoutesTable` built by `parse_routes` (the router relies on them
   models has the same urls), so per-backend state (load, ejection, readiness) is keyed by id;
 - weights are finite and >= 0 (0 = drained: routed to by nothing);
 - `split` and `current` name only versions some backend of the model serves;
+- a model has backends unless it is `scaled_to_zero` (its deployment scaled to zero replicas
+  while idle: the alias stays known, requests for it are held while it wakes), and a model
+  scaled to zero has none; `waking` (replicas were asked for) only marks a model at zero;
 - `revision` is a hash of the normalised content: equal tables have equal revisions whatever
   the file's format, key order or whitespace.
 """
@@ -68,6 +71,8 @@ _MODEL_KEYS = frozenset(
         "summarizer",
         "summarizer_temperature",
         "cache",
+        "scaled_to_zero",
+        "waking",
     }
 )
 _CACHE_KEYS = frozenset({"exact", "semantic", "ttl_s", "threshold", "embedding_model"})
@@ -164,6 +169,10 @@ class ModelRoute:
     cache: CachePolicy | None = None
     # The summarizer's sampling temperature (None: 0, greedy).
     summarizer_temperature: float | None = None
+    # At zero replicas (no backends): requests are held while the control plane wakes it;
+    # `waking` once it has asked for replicas.
+    scaled_to_zero: bool = False
+    waking: bool = False
 
     def __post_init__(self) -> None:
         backends = tuple(
@@ -236,6 +245,11 @@ def _route_to_obj(r: ModelRoute) -> dict[str, Any]:
             obj[name] = getattr(r, name)
     if r.cache is not None:
         obj["cache"] = {k: v for k, v in dataclasses.asdict(r.cache).items() if v is not None}
+    # Only when set: a table without models at zero keeps its revision.
+    if r.scaled_to_zero:
+        obj["scaled_to_zero"] = True
+    if r.waking:
+        obj["waking"] = True
     return obj
 
 
@@ -417,9 +431,20 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
         if strategy != "prefix_affinity":
             raise _fail(f"{path}.bounded_load_slack", "applies only to strategy prefix_affinity")
 
+    at_zero = obj.get("scaled_to_zero", False)
+    waking = obj.get("waking", False)
+    for name, flag in (("scaled_to_zero", at_zero), ("waking", waking)):
+        if not isinstance(flag, bool):
+            raise _fail(f"{path}.{name}", "must be true or false")
+    if waking and not at_zero:
+        raise _fail(f"{path}.waking", "marks only a model that is scaled_to_zero")
     raw_backends = obj.get("backends")
-    if not isinstance(raw_backends, list) or not raw_backends:
-        raise _fail(f"{path}.backends", "must be a non-empty list")
+    if at_zero:
+        if raw_backends not in (None, []):
+            raise _fail(f"{path}.backends", "must be empty for a model that is scaled_to_zero")
+        raw_backends = []
+    elif not isinstance(raw_backends, list) or not raw_backends:
+        raise _fail(f"{path}.backends", "must be a non-empty list (unless the model is scaled_to_zero)")
     budget[0] -= len(raw_backends)
     if budget[0] < 0:
         raise _fail(f"{path}.backends", f"the table has more than {MAX_BACKENDS} backends")
@@ -474,7 +499,7 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
     cache = _cache_policy(obj.get("cache"), f"{path}.cache") if "cache" in obj else None
     return ModelRoute(
         alias, tuple(backends), strategy, split, current, tokenizer, apt, kind, bounded_load, slack,
-        template, max_model_len, summarizer, cache, summarizer_temperature,
+        template, max_model_len, summarizer, cache, summarizer_temperature, at_zero, waking,
     )  # fmt: skip
 
 
