@@ -137,16 +137,20 @@ def _build_script() -> Path | None:
 def find_kube_bin(*, build_timeout_s: float = 1800.0) -> Path:
     """The folder holding kube-apiserver and kube-controller-manager.
 
-    $PAVED_KUBE_BIN when set (tools/bazel passes it to every test); otherwise the output of
-    tools/k8s/build_apiserver.sh (well under a second once cached; minutes the first time on a
-    machine). Never returns a folder without both binaries: raises RuntimeError naming the
-    command to run instead."""
+    $PAVED_KUBE_BIN when set (tools/bazel passes it to every test); otherwise, outside
+    `bazel test`, the output of tools/k8s/build_apiserver.sh (well under a second once cached;
+    minutes the first time on a machine). Never returns a folder without both binaries: raises
+    RuntimeError naming the command to run instead."""
     hint = f"run `{BUILD_SCRIPT}` (it prints the folder) and set {BIN_ENV} to that folder"
     env = os.environ.get(BIN_ENV)
     if env:
         if _has_binaries(Path(env)):
             return Path(env)
         raise RuntimeError(f"{BIN_ENV}={env} lacks {' or '.join(_BINARIES)}: {hint}")
+    if os.environ.get("TEST_TMPDIR"):
+        # Under `bazel test` HOME is the test's own temp dir: a build here would not hit the
+        # machine's cache and would take minutes in every test. tools/bazel passes the folder.
+        raise RuntimeError(f"{BIN_ENV} is not set in this test's environment (tools/bazel sets it): {hint}")
     script = _build_script()
     if script is None:
         raise RuntimeError(f"{BIN_ENV} is not set and {BUILD_SCRIPT} was not found: {hint}")
