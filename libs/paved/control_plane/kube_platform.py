@@ -530,9 +530,9 @@ def gateway_args(s: PlatformSettings) -> list[str]:
     ]
 
 
-# How long a terminating gateway keeps finishing what it has in flight (streams included)
-# after the Service stopped sending it new requests.
-GATEWAY_GRACE_S = 120
+# How long a terminating gateway finishes what it has in flight: its main's uvicorn
+# timeout_graceful_shutdown (paved.gateway.server); the grace period adds a margin to it.
+GATEWAY_SHUTDOWN_S = 10
 # Endpoints controllers and kube-proxies take a moment to drop a terminating pod; until then
 # new connections still arrive, so SIGTERM waits this long.
 GATEWAY_PRE_STOP_S = 5
@@ -591,7 +591,7 @@ def gateway_objects(s: PlatformSettings) -> list[dict[str, Any]]:
                     "serviceAccountName": GATEWAY,
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": GATEWAY_PRE_STOP_S + GATEWAY_GRACE_S,
+                    "terminationGracePeriodSeconds": GATEWAY_PRE_STOP_S + GATEWAY_SHUTDOWN_S + 5,
                     "securityContext": _pod_security(),
                     "affinity": _spread(selector),
                     "containers": [container],
