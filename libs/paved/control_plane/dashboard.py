@@ -75,12 +75,13 @@ class _AuditTail:
 
 
 def parse_gateway_usage(text: str) -> dict[str, Any]:
-    """Per-tenant answers (by status class), cache lookups by result, and the flow-control
-    queue per model and tenant (waiting now; total wait and dispatches) from one gateway's
-    Prometheus text."""
+    """Per-tenant answers (by status class), cache lookups by result, the flow-control queue per
+    model and tenant (waiting now; total wait and dispatches) and the requests held per model
+    at zero from one gateway's Prometheus text."""
     tenants: dict[str, dict[str, float]] = {}
     cache: dict[str, float] = {}
     queue: dict[str, dict[str, dict[str, float]]] = {}
+    held: dict[str, float] = {}
 
     def queued(s: Any) -> dict[str, float]:
         by_tenant = queue.setdefault(s.labels.get("model", ""), {})
@@ -102,20 +103,27 @@ def parse_gateway_usage(text: str) -> dict[str, Any]:
         elif family.name == "paved_gateway_queue_depth":
             for s in family.samples:
                 queued(s)["waiting"] += s.value
+        elif family.name == "paved_gateway_held_requests":
+            for s in family.samples:
+                model = s.labels.get("model", "")
+                held[model] = held.get(model, 0.0) + s.value
         elif family.name == "paved_gateway_queue_wait_seconds":
             for s in family.samples:
                 if s.name.endswith("_sum"):
                     queued(s)["wait_s"] += s.value
                 elif s.name.endswith("_count"):
                     queued(s)["waits"] += s.value
-    return {"tenants": tenants, "cache": cache, "queue": queue}
+    return {"tenants": tenants, "cache": cache, "queue": queue, "held": held}
 
 
 def _merge_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
     tenants: dict[str, dict[str, float]] = {}
     cache: dict[str, float] = {}
     queue: dict[tuple[str, str], dict[str, float]] = {}
+    held: dict[str, float] = {}
     for part in parts:
+        for model, n in part.get("held", {}).items():
+            held[model] = held.get(model, 0.0) + n
         for name, t in part["tenants"].items():
             into = tenants.setdefault(name, {"requests": 0.0, "errors": 0.0})
             into["requests"] += t["requests"]
@@ -144,14 +152,30 @@ def _merge_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
             }
             for (model, tenant), q in sorted(queue.items())
         ],
+        # Requests every gateway holds for a model scaled to zero while it wakes.
+        "held": dict(sorted(held.items())),
     }
 
 
 def traffic_split(routes: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Per alias and region: each version's backends, weight and share of the region's traffic
-    (the gateway picks backends in proportion to their weights while a rollout splits)."""
+    (the gateway picks backends in proportion to their weights while a rollout splits); a model
+    scaled to zero is one row with no versions and `zero` ("scaled_to_zero" or "waking")."""
     out = []
     for m in (routes or {}).get("models", []):
+        if m.get("scaled_to_zero"):
+            # No backend: one row saying so ("waking" once replicas were asked for).
+            out.append(
+                {
+                    "alias": m["alias"],
+                    "region": "",
+                    "strategy": m.get("strategy"),
+                    "current": None,
+                    "versions": [],
+                    "zero": "waking" if m.get("waking") else "scaled_to_zero",
+                }
+            )
+            continue
         regions: dict[str, dict[str, dict[str, Any]]] = {}
         for b in m.get("backends", []):
             versions = regions.setdefault(b.get("region") or "", {})

@@ -271,3 +271,24 @@ def test_the_kpa_never_chooses_zero_for_an_idle_deployment(tmp_path):
             await store.close()
 
     asyncio.run(main())
+
+
+# ---- the dashboard ---------------------------------------------------------------------------
+
+
+def test_the_dashboard_shows_models_at_zero_and_waking_with_their_held_requests():
+    from paved.control_plane.dashboard import _merge_usage, parse_gateway_usage, traffic_split
+
+    routes = {
+        "models": [
+            {"alias": "a", "backends": [], "scaled_to_zero": True},
+            {"alias": "b", "backends": [], "scaled_to_zero": True, "waking": True},
+        ]
+    }
+    assert [(t["alias"], t["zero"], t["versions"]) for t in traffic_split(routes)] == [
+        ("a", "scaled_to_zero", []),
+        ("b", "waking", []),
+    ]
+    text = 'paved_gateway_held_requests{model="b"} 3.0\n'
+    parts = [parse_gateway_usage(text), parse_gateway_usage(text)]
+    assert _merge_usage(parts)["held"] == {"b": 6.0}

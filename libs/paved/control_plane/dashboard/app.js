@@ -206,7 +206,8 @@
       }
       return el("tr", { "data-model": d.model_id, "data-version": d.version },
         td(d.model_id), td(d.version + (d.current ? " (current)" : "")), td(d.strategy), stateCell(d.state),
-        td(desired), td(`${d.min_replicas}–${d.max_replicas}`), td(d.autoscale && d.autoscale.enabled ? "on" : "off"),
+        td(desired), td(`${d.min_replicas}–${d.max_replicas}`), td(!(d.autoscale && d.autoscale.enabled) ? "off"
+          : d.autoscale.scale_to_zero_after_s ? `on, to zero after ${d.autoscale.scale_to_zero_after_s} s idle` : "on"),
         el("td", {}, ...buttons));
     }));
     // The rollout form: models, and the versions of the chosen model that are not serving.
@@ -264,7 +265,17 @@
 
   function renderTraffic(traffic) {
     const rows = [];
+    const held = (summary && summary.gateway && summary.gateway.held) || {};
     for (const t of traffic) {
+      if (t.zero) {
+        // Scaled to zero: the alias stays routed with no backend; requests are held while it wakes.
+        const n = held[t.alias] || 0;
+        const what = t.zero === "waking" ? "waking" : "scaled to zero";
+        rows.push(el("tr", { "data-alias": t.alias, "data-zero": t.zero },
+          td(t.alias), td("–"), td("–"), td(0, "num"), td("–", "num"),
+          el("td", { class: "num" }, el("span", { class: "state state-" + t.zero, text: n ? `${what} (${n} held)` : what }))));
+        continue;
+      }
       for (const v of t.versions) {
         const share = Math.round(v.share * 100);
         rows.push(el("tr", { "data-alias": t.alias, "data-region": t.region, "data-version": v.version },
@@ -389,7 +400,7 @@
       once("rollouts", s.rollouts, renderRollouts);
       once("rollout-audit", [s.rollouts[0], s.audit.length && s.audit[s.audit.length - 1].id], () => renderRolloutAudit(s));
       once("replicas", s.replicas, renderReplicas);
-      once("traffic", s.traffic, renderTraffic);
+      once("traffic", [s.traffic, s.gateway && s.gateway.held], () => renderTraffic(s.traffic));
       once("autoscale", s.autoscale, renderAutoscale);
       once("usage", s.gateway, renderUsage);
       once("audit", s.audit.length ? s.audit[s.audit.length - 1].id : 0, () => renderAudit(s.audit));
