@@ -53,8 +53,9 @@ has exited every other process of the container is killed (as the end of its PID
 would), found through the marker variables PAVED_PLAYED_NODE / PAVED_PLAYED_CONTAINER
 (`paved.procs.marked_processes`).
 
-Not played: image pulls, service networking (ClusterIPs do not route; Endpoints are maintained
-by the controller-manager from the pods' loopback IPs), resource limits, security contexts,
+Not played: image pulls, service networking (ClusterIPs do not route; EndpointSlices list the
+pods' loopback IPs, while v1 Endpoints stay empty: their validation refuses loopback addresses,
+so the controller-manager logs FailedToUpdateEndpoint), resource limits, security contexts,
 postStart hooks, projected/downwardAPI volumes, pod eviction, node affinity preferences, pod
 (anti-)affinity, topology spread, priority and preemption, image CMD (only an entrypoint).
 
@@ -238,9 +239,17 @@ class KubeHttp:
     def patch(self, path: str, body: Any, *, kind: str = "strategic-merge", **kw: Any) -> Any:
         return self.request("PATCH", path, body, content_type=f"application/{kind}-patch+json", **kw)
 
-    def watch(self, path: str, resource_version: str, *, timeout_s: int = 30) -> Iterator[dict[str, Any]]:
+    def watch(
+        self,
+        path: str,
+        resource_version: str,
+        *,
+        timeout_s: int = 30,
+        on_response: Callable[[Any], None] | None = None,
+    ) -> Iterator[dict[str, Any]]:
         """Watch events from `resource_version` on until the server ends the watch (after
-        about `timeout_s`); raises KubeError(410) when that version is too old."""
+        about `timeout_s`); raises KubeError(410) when that version is too old. `on_response`
+        gets the open response: its shutdown() ends a blocked read from another thread."""
         query = {
             "watch": "1",
             "resourceVersion": resource_version,
@@ -255,6 +264,8 @@ class KubeHttp:
             retries=False,
             preload_content=False,
         )
+        if on_response is not None:
+            on_response(resp)
         try:
             if resp.status != 200:
                 raise KubeError(resp.status, resp.read(), f"watch {path}")
@@ -735,7 +746,7 @@ class _Container:
 class _PodWorker:
     """One pod on the node: its processes, probes and status, in a thread of its own."""
 
-    TICK_S = 0.05
+    TICK_S = 0.1
 
     def __init__(self, node: PlayedNode, pod: dict[str, Any]):
         self.node = node
@@ -1385,6 +1396,10 @@ class _PodWorker:
             self.node._log(f"pod {self.ns}/{self.name}: status update: {e!r}")
 
 
+_OCTETS_USED: set[int] = set()
+_OCTETS_LOCK = threading.Lock()
+
+
 class PlayedNode:
     """A scheduler and a kubelet for one node, playing pods as local processes (module docstring).
 
@@ -1429,8 +1444,12 @@ class PlayedNode:
         self.probe_period_cap_s = probe_period_cap_s
         self.initial_delay_cap_s = initial_delay_cap_s
         self.max_restart_backoff_s = max_restart_backoff_s
-        # Pod addresses 127.<octet>.<i>.<j>: random per node, so parallel tests rarely share one.
-        self._octet = random.randint(2, 254)
+        # Pod addresses 127.<octet>.<i>.<j>: an octet of its own among this process's nodes,
+        # random so that parallel tests (other processes) rarely share one.
+        with _OCTETS_LOCK:
+            free = sorted(set(range(2, 255)) - _OCTETS_USED) or list(range(2, 255))
+            self._octet = random.choice(free)
+            _OCTETS_USED.add(self._octet)
         self._next_ip = random.randint(1, 200) * 256
         self.host_ip = f"127.{self._octet}.0.1"
         self.api = cluster.http()
@@ -1443,6 +1462,7 @@ class PlayedNode:
         self._wake_scheduler = threading.Event()
         self._synced = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._watch_resp: Any = None
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         self._log_file = self.root / "logs" / "node.log"
 
@@ -1480,6 +1500,9 @@ class PlayedNode:
         """Ends every process this node started; the API objects stay as they are."""
         self._stopping.set()
         self._wake_scheduler.set()
+        if self._watch_resp is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                self._watch_resp.shutdown()
         with self._lock:
             workers = list(self._workers.values())
         for w in workers:
@@ -1490,6 +1513,8 @@ class PlayedNode:
         for t in self._threads:
             t.join(max(0.1, min(5.0, deadline - time.monotonic())))
         self._kill_marked(NODE_MARK, self.id)
+        with _OCTETS_LOCK:
+            _OCTETS_USED.discard(self._octet)
 
     def _log(self, msg: str) -> None:
         with self._lock, open(self._log_file, "a") as f:
@@ -1589,7 +1614,9 @@ class PlayedNode:
                     self._observe(pod, pod["metadata"]["uid"])
                 self._synced.set()
                 while not self._stopping.is_set():
-                    for event in self.api.watch("/api/v1/pods", rv, timeout_s=10):
+                    for event in self.api.watch(
+                        "/api/v1/pods", rv, timeout_s=10, on_response=self._set_watch
+                    ):
                         if self._stopping.is_set():
                             return
                         obj = event.get("object") or {}
@@ -1606,6 +1633,11 @@ class PlayedNode:
                 if not self._stopping.is_set():
                     self._log(f"watch: {e!r}; relisting")
                     self._stopping.wait(0.5)
+
+    def _set_watch(self, resp: Any) -> None:
+        self._watch_resp = resp
+        if self._stopping.is_set():
+            resp.shutdown()
 
     def _mine(self, pod: Mapping[str, Any]) -> bool:
         return self.namespaces is None or pod["metadata"].get("namespace") in self.namespaces
