@@ -33,7 +33,12 @@ LABEL_DEPLOYMENT = "paved.dev/deployment"
 LABEL_REGION = "paved.dev/region"
 LABEL_MEMBER = "paved.dev/member"
 ANNOTATION_REPLICA = "paved.dev/replica"
-_DIGEST = re.compile(r"^[a-z0-9]+([._/:-][a-z0-9]+)*(/[a-z0-9._-]+)*@sha256:[0-9a-f]{64}$")
+_IMAGE = re.compile(
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"(?::[0-9]{1,5})?/)?"
+    r"[a-z0-9]+(?:(?:\.|_{1,2}|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_{1,2}|-+)[a-z0-9]+)*)*"
+    r"@sha256:[0-9a-f]{64}"
+)
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
@@ -69,10 +74,10 @@ class KubeSettings:
     def validate(self) -> KubeSettings:
         if not isinstance(self.namespace, str) or not _NAMESPACE.fullmatch(self.namespace):
             raise BadRequest(f"namespace must be a DNS label, got {self.namespace!r:.80}")
-        if not isinstance(self.image, str) or not _DIGEST.fullmatch(self.image):
-            raise BadRequest(
-                f"image must be pinned by digest (name@sha256:<64 hex>), got {self.image!r:.120}"
-            )
+        try:
+            image_ref(self.image)
+        except ValueError as e:
+            raise BadRequest(f"image must be pinned by digest: {e}") from None
         kind, _, where = self.model_cache.partition(":")
         if self.model_cache and not (
             (kind == "pvc" and _NAMESPACE.fullmatch(where)) or (kind == "host" and where.startswith("/"))
@@ -93,6 +98,23 @@ class KubeSettings:
                 raise BadRequest(f"{name} must be a Kubernetes quantity, got {getattr(self, name)!r:.40}")
         validate_placement({"node_selector": self.node_selector, "tolerations": self.tolerations})
         return self
+
+
+def image_ref(text: str) -> str:
+    """`text` if it is an image pinned by digest (name@sha256:<64 lowercase hex>), else
+    ValueError saying why (a tag, no digest, a malformed name)."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("an image is required, pinned by digest: NAME@sha256:<64 hex>")
+    if _IMAGE.fullmatch(text):
+        return text
+    name, at, digest = text.partition("@")
+    if not at:
+        raise ValueError(f"image {text!r:.200} is not pinned by digest: use NAME@sha256:<64 hex>, not a tag")
+    if ":" in name.rsplit("/", 1)[-1]:
+        raise ValueError(f"image {text!r:.200} has a tag as well as a digest: give NAME@sha256:<64 hex> only")
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+        raise ValueError(f"image {text!r:.200}: the digest must be sha256: and 64 lowercase hex digits")
+    raise ValueError(f"image {text!r:.200}: not a valid image name (lowercase [a-z0-9._-] path components)")
 
 
 def object_name(deployment_id: str, region: str) -> str:

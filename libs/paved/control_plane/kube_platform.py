@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paved.control_plane.errors import BadRequest
-from paved.control_plane.kube_objects import KubeSettings
+from paved.control_plane.kube_objects import KubeSettings, image_ref
 
 MIN_KUBERNETES = (1, 20)
 PART_OF = "paved"
@@ -79,12 +79,6 @@ CONTROL_PLANE_RULES: tuple[dict[str, list[str]], ...] = (
 
 # A reference pinned by digest: [registry[:port]/]path@sha256:<64 hex>. A tag (`:v1`), also one
 # next to a digest, is refused: what runs must be exactly what was reviewed.
-_IMAGE = re.compile(
-    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-    r"(?::[0-9]{1,5})?/)?"
-    r"[a-z0-9]+(?:(?:\.|_{1,2}|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_{1,2}|-+)[a-z0-9]+)*)*"
-    r"@sha256:[0-9a-f]{64}"
-)
 _DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*")
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
@@ -96,23 +90,6 @@ _VERSION = re.compile(r"v?([0-9]{1,3})\.([0-9]{1,3})(?:\.[0-9]{1,5})?")
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 # KubeSettings field -> PlatformSettings field.
 _REPLICA_FIELDS = {"cpu": "replica_cpu", "memory": "replica_memory"}
-
-
-def image_ref(text: str) -> str:
-    """`text` if it is an image pinned by digest (name@sha256:<64 lowercase hex>), else
-    ValueError saying why (a tag, no digest, a malformed name)."""
-    if not isinstance(text, str) or not text:
-        raise ValueError("an image is required, pinned by digest: NAME@sha256:<64 hex>")
-    if _IMAGE.fullmatch(text):
-        return text
-    name, at, digest = text.partition("@")
-    if not at:
-        raise ValueError(f"image {text!r:.200} is not pinned by digest: use NAME@sha256:<64 hex>, not a tag")
-    if ":" in name.rsplit("/", 1)[-1]:
-        raise ValueError(f"image {text!r:.200} has a tag as well as a digest: give NAME@sha256:<64 hex> only")
-    if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
-        raise ValueError(f"image {text!r:.200}: the digest must be sha256: and 64 lowercase hex digits")
-    raise ValueError(f"image {text!r:.200}: not a valid image name (lowercase [a-z0-9._-] path components)")
 
 
 def kubernetes_version(text: str) -> tuple[int, int]:
