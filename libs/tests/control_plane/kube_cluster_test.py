@@ -272,6 +272,76 @@ def test_exited_process_is_restarted(cluster: Cluster, node: PlayedNode) -> None
     assert pod["status"]["phase"] == "Running"
 
 
+def test_startup_probe_gates_readiness_which_follows_its_probe(
+    cluster: Cluster, node: PlayedNode, tmp_path: Path
+) -> None:
+    ns = cluster.namespace("probes")
+    api = cluster.http()
+    (tmp_path / "ok").write_text("ok")
+    # Each startup probe leaves a line, so the test knows it ran (and failed) a few times.
+    probe = (
+        "import os, sys; open(sys.argv[1] + '/tries', 'a').write('x'); "
+        "sys.exit(0 if os.path.exists(sys.argv[1] + '/started') else 1)"
+    )
+    body = {
+        "metadata": {"name": "gated"},
+        "spec": {
+            "volumes": [{"name": "state", "hostPath": {"path": str(tmp_path)}}],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "python:3",
+                    "command": [
+                        "python",
+                        "-m",
+                        "http.server",
+                        "--bind",
+                        "$(IP)",
+                        "--directory",
+                        "/state",
+                        "8080",
+                    ],
+                    "env": [{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                    "volumeMounts": [{"name": "state", "mountPath": "/state"}],
+                    "startupProbe": {
+                        "exec": {"command": ["python", "-c", probe, "/state"]},
+                        "periodSeconds": 1,
+                        "failureThreshold": 1000,
+                    },
+                    "readinessProbe": {
+                        "httpGet": {"port": 8080, "path": "/ok"},
+                        "periodSeconds": 1,
+                        "failureThreshold": 1,
+                    },
+                }
+            ],
+        },
+    }
+    api.request("POST", f"/api/v1/namespaces/{ns}/pods", body)
+    tries = tmp_path / "tries"
+    eventually("3 failed startup probes", lambda: tries.exists() and len(tries.read_text()) >= 3, node)
+
+    def status() -> dict[str, Any]:
+        pod = api.get(f"/api/v1/namespaces/{ns}/pods/gated")
+        return dict((pod["status"].get("containerStatuses") or [{}])[0], podReady=condition(pod, "Ready"))
+
+    # /ok answers 200 all along: only the startup probe keeps the pod from being Ready.
+    assert status()["started"] is False
+    assert status()["podReady"]["status"] == "False"
+    assert http_get(api.get(f"/api/v1/namespaces/{ns}/pods/gated")["status"]["podIP"], 8080, "/ok")[0] == 200
+    (tmp_path / "started").write_text("")
+    eventually(
+        "started and Ready",
+        lambda: (lambda st: st["started"] and st["podReady"]["status"] == "True")(status()),
+        node,
+    )
+    # Readiness keeps following its probe (failureThreshold 1); the container is not restarted.
+    (tmp_path / "ok").unlink()
+    eventually("not Ready once /ok is gone", lambda: status()["podReady"]["status"] == "False", node)
+    assert status()["restartCount"] == 0
+    assert status()["ready"] is False
+
+
 def test_liveness_failure_kills_at_grace_end_and_restarts(cluster: Cluster, node: PlayedNode) -> None:
     ns = cluster.namespace("liveness")
     api = cluster.http()
