@@ -292,3 +292,13 @@ def test_the_dashboard_shows_models_at_zero_and_waking_with_their_held_requests(
     text = 'paved_gateway_held_requests{model="b"} 3.0\n'
     parts = [parse_gateway_usage(text), parse_gateway_usage(text)]
     assert _merge_usage(parts)["held"] == {"b": 6.0}
+
+
+def test_the_sim_engines_start_delay_is_a_checked_uri_option():
+    from paved.engine.sim_config import SimConfig
+
+    assert SimConfig.from_uri("sim://tiny?start_delay_s=2.5").start_delay_s == 2.5
+    assert SimConfig.from_uri("sim://tiny").start_delay_s == 0
+    for bad in ("-1", "nan", "4000", "soon"):
+        with pytest.raises(ValueError, match="start_delay_s"):
+            SimConfig.from_uri(f"sim://tiny?start_delay_s={bad}")
