@@ -5,17 +5,22 @@ routes real traffic to the pods, the official `openai` client counts failures.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
+import openai
 import pytest
 from fleet import (
+    FAST,
+    SIM,
     TrafficDriver,
     audit_messages,
     deploy,
     first_deploy,
     rollout,
     serves,
+    tiny_package,
 )
 from kube_fleet import IMAGE, kube_fleet, kube_node
 
@@ -187,3 +192,53 @@ def test_a_pod_deleted_behind_the_driver_is_replaced(cluster, tmp_path):
         )
         assert httpx.get(gw.url + "/health/ready", timeout=10).status_code in (200, 404)
         cp.wait_for("serving again", lambda: serves(gw, key), timeout_s=60)
+
+
+def test_scale_to_zero_and_back_on_the_cluster(cluster, tmp_path):
+    """An idle model's Deployment goes to 0 pods; a burst through the gateway is held, wakes it
+    (the control plane scales the Deployment 0 -> 1), and every request is answered."""
+    k8s, _ = cluster
+    api = k8s.http()
+    with kube_fleet(k8s, tmp_path, "zero") as make:
+        cp, gw, key = make()
+        cp.api(
+            "POST",
+            "/v1/deployments",
+            {
+                "model_id": "tiny",
+                "version": "v1",
+                "package_uri": tiny_package(),
+                "engine": SIM,
+                "min_replicas": 0,
+                "replicas": 1,
+                "autoscale": {"enabled": True, "scale_to_zero_after_s": 2},
+            },
+        )
+        r = cp.api("POST", "/v1/rollouts", {"model_id": "tiny", "version": "v1", "params": FAST})
+        assert cp.wait_rollout(r["id"])["status"] == "succeeded"
+        cp.wait_for("no pod left", lambda: not _pods(api, "zero"), timeout_s=90)
+        (deployment,) = _deployments(api, "zero").values()
+        assert deployment["spec"].get("replicas", 0) == 0
+
+        async def burst() -> list[int | str]:
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+            async def one(i: int) -> int | str:
+                try:
+                    await client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4
+                    )
+                    return 200
+                except openai.APIStatusError as e:
+                    return e.status_code
+
+            try:
+                return list(await asyncio.gather(*(one(i) for i in range(12))))
+            finally:
+                await client.close()
+
+        assert asyncio.run(burst()) == [200] * 12
+        pods = [p for p in _pods(api, "zero") if not p["metadata"].get("deletionTimestamp")]
+        assert len(pods) == 1
+        kinds = [e["kind"] for e in cp.api("GET", "/v1/audit?model_id=tiny&limit=1000")["data"]]
+        assert "scale" in kinds
