@@ -1,6 +1,7 @@
 """Red-black rollouts end to end on the simulated engine: promotion overhead and rollback time.
 
-    tools/bazel run //bench:rollout -- [--interval-s I] [--analysis-s A] [--rate R] [--json]
+    tools/bazel run //bench:rollout -- [--driver local|kubernetes] [--interval-s I] [--analysis-s A]
+        [--rate R] [--json]
 
 One fleet (libs/tests/control_plane/fleet.py): the control-plane main (`--interval 0.5`, real
 launchers of the tiny package running `sim://tiny`), a gateway main following its routes, and a
@@ -25,6 +26,12 @@ Part 2, rollback: v2 -> v3 whose engine refuses (503) every request after the fi
 `--fail-after`, analysis interval A. `rollback_s` = from v3's first refused request (its retries
 counter) to the routes revision that puts 0 on v3; `rollback_ratio_vs_interval` = rollback_s / A.
 
+`--driver kubernetes` runs the same two parts with the control plane's Kubernetes driver on a
+real API server (kube-apiserver 1.20 from tools/k8s/build_apiserver.sh, etcd, the
+controller-manager) and a played node running each pod as a local launcher
+(libs/tests/control_plane/kube_fleet.py): the health gate then includes the pod's scheduling,
+its IP and the claim, and a drain is a pod deletion (preStop, SIGTERM, the node's final delete).
+
 Both parts also report the traffic driver's failed requests (the gateway retries a refused
 request on the old version, so clients must see none). With --json the last stdout line is one
 JSON object with every key.
@@ -33,6 +40,7 @@ JSON object with every key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -44,6 +52,7 @@ from typing import Any
 
 import httpx
 from fleet import SIM, TrafficDriver, deploy, first_deploy, make_fleet
+from kube_fleet import kube_fleet, kube_node
 
 
 class RoutesWatch:
@@ -308,6 +317,12 @@ def main() -> int:
         "--min-requests", type=int, default=1, help="the rollouts' min_requests (0: no inconclusive analysis)"
     )
     parser.add_argument("--rate", type=float, default=8.0, help="traffic driver requests/s")
+    parser.add_argument(
+        "--driver",
+        choices=("local", "kubernetes"),
+        default="local",
+        help="the control plane's driver: local processes, or pods on a real API server (played node)",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     for name in ("interval_s", "analysis_s", "rate"):
@@ -318,8 +333,12 @@ def main() -> int:
     if not 1 <= args.fail_after <= 100:
         parser.error("--fail-after must be in [1, 100]")
 
-    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp, make_fleet(Path(tmp)) as make:
-        cp, gw, key = make()
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp, contextlib.ExitStack() as stack:
+        if args.driver == "kubernetes":
+            cluster, _ = stack.enter_context(kube_node(Path(tmp) / "k8s"))
+            cp, gw, key = stack.enter_context(kube_fleet(cluster, Path(tmp), "bench"))()
+        else:
+            cp, gw, key = stack.enter_context(make_fleet(Path(tmp)))()
         gateway_metrics = gw.url + "/metrics"
         first_deploy(cp, gw, key)
         watch = RoutesWatch(cp.url + "/v1/routes", cp.admin_key).start()
@@ -329,6 +348,7 @@ def main() -> int:
         finally:
             watch.stop()
     summary["failed_requests"] = summary["promote_failed_requests"] + summary["rollback_failed_requests"]
+    summary["driver"] = args.driver
     print(
         f"promotion: {summary['promote_s']} s vs a minimum of {summary['promote_min_s']} s (health gate "
         f"{summary['promote_health_gate_s']} s + 3 x {args.interval_s:g} s): ratio "
