@@ -86,6 +86,7 @@ class Controller:
         self._live_misses: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
         self._draining: dict[str, asyncio.Task[None]] = {}
+        self._retired: set[str] = set()  # deleted deployments the drivers were told about
         self._wake: dict[str, float] = {}
         self._traffic_checked = 0.0
         self._scalers: dict[str, Autoscaler] = {}
@@ -206,6 +207,7 @@ class Controller:
         replicas = await self.store.list_replicas()
         await self._converge(deployments, replicas)
         await self._orphans(by_id, replicas)
+        await self._retire_deleted(replicas)
         await self.publish_routes()
         await self._rollouts()
         await self._autoscale(deployments)
@@ -348,6 +350,23 @@ class Controller:
                 version=version,
                 data={"replica": r.id, "deployment": r.deployment_id},
             )
+
+    async def _retire_deleted(self, replicas: list[Replica]) -> None:
+        """Tell the drivers once about each deleted deployment none of whose replicas runs, so
+        a cluster driver removes its objects (a failure is retried at the next pass)."""
+        running = {r.deployment_id for r in replicas if r.state in (*_LIVE, "draining")}
+        for d in await self.store.list_deployments(include_deleted=True):
+            if d.state != "deleted" or d.id in self._retired or d.id in running:
+                continue
+            try:
+                for region in d.spec.regions:
+                    driver = self.drivers.get(region)
+                    if driver is not None:
+                        await driver.retire(d.id)
+            except ControlError as e:
+                logger.warning("could not retire deployment %s: %s", d.id, e.message)
+                continue
+            self._retired.add(d.id)
 
     async def _start_draining(self, r: Replica, message: str, **audit: Any) -> None:
         """Mark `r` draining (out of the routes), audit why, and drain it in the background."""

@@ -118,6 +118,11 @@ class Driver(Protocol):
         """(still running: adopted, gone) after a control-plane restart."""
         ...
 
+    async def retire(self, deployment_id: str) -> None:
+        """The deployment is deleted and none of its replicas runs: remove what the driver keeps
+        for it besides replicas (a cluster's Deployment, Service, PDB). Idempotent."""
+        ...
+
     async def close(self) -> None:
         """Forget the driver's resources; running replicas keep running (adopt finds them)."""
         ...

@@ -47,6 +47,7 @@ from paved.control_plane.kube_objects import (
     PORTS,
     KubeSettings,
     label_value,
+    object_name,
     replica_objects,
 )
 from paved.control_plane.types import Replica
@@ -565,6 +566,23 @@ class KubeDriver:
             grace = self.settings.pre_stop_s + math.ceil(self.settings.drain_timeout_s)
             self._delete_pod(pod_name, uid, grace, wait=False)
         return adopted, gone
+
+    async def retire(self, deployment_id: str) -> None:
+        """Delete the deployment's Deployment, Service and PodDisruptionBudget in this region
+        (a scaled-to-zero deployment keeps them: a wake is then one scale call)."""
+        await asyncio.to_thread(self._retire, deployment_id)
+
+    def _retire(self, deployment_id: str) -> None:
+        name = object_name(deployment_id, self.region)
+        with self._lock:
+            self._members.pop(name, None)
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        for api_version, plural in (
+            ("apps/v1", "deployments"),
+            ("v1", "services"),
+            (self._pdb(), "poddisruptionbudgets"),
+        ):
+            self._request("DELETE", self._ns_path(api_version, plural, name), body=body, ok=(200, 202, 404))
 
     async def close(self) -> None:
         """Stop watching; the pods keep running (a new driver adopts them)."""

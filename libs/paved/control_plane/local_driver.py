@@ -369,6 +369,9 @@ class LocalDriver:
             raise BadRequest(f"replicas {wrong} are not in region {self.region!r}")
         return await asyncio.to_thread(self._adopt, list(replicas))
 
+    async def retire(self, deployment_id: str) -> None:
+        """A local deployment leaves nothing besides its replicas' processes."""
+
     async def close(self) -> None:
         """Forget everything; replicas keep running (a new driver adopts them)."""
         with self._lock:

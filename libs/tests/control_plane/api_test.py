@@ -299,6 +299,9 @@ class _RecordingDriver:
     async def locate(self, replica: Replica) -> Replica:
         return replica
 
+    async def retire(self, deployment_id: str) -> None:
+        pass
+
 
 def test_the_controller_drains_replicas_of_a_deleted_deployment(tmp_path: Path):
     async def main() -> None:

@@ -42,6 +42,15 @@ def _deployments(api, namespace: str) -> dict[str, dict]:
     return {d["metadata"]["annotations"]["paved.dev/version"]: d for d in items}
 
 
+def _objects(api, namespace: str) -> list[str]:
+    paths = (
+        f"/apis/apps/v1/namespaces/{namespace}/deployments",
+        f"/api/v1/namespaces/{namespace}/services",
+        f"/apis/policy/v1beta1/namespaces/{namespace}/poddisruptionbudgets",
+    )
+    return [o["metadata"]["name"] for path in paths for o in api.get(path)["items"]]
+
+
 def _live(cp, version: str | None = None) -> list[dict]:
     return [
         r
@@ -95,12 +104,19 @@ def test_create_scale_and_delete_as_pods_of_a_deployment(cluster, tmp_path):
         assert scale["spec"]["replicas"] == 1
         assert serves(gw, key)
 
-        # Scale to 0, then delete: no pod left, the Deployment at 0.
+        # Scale to 0 (no pod, the Deployment kept at 0), then delete: its objects go.
         cp.api("PATCH", "/v1/deployments/tiny/v1", {"min_replicas": 0, "replicas": 0})
         cp.wait_for("no pod", lambda: not _pods(api, "scale"), timeout_s=60)
         assert (
             api.get(f"/apis/apps/v1/namespaces/scale/deployments/{name}/scale")["spec"].get("replicas", 0)
             == 0
+        )
+        cp.wait_for(
+            "every replica stopped", lambda: not [r for r in cp.replicas("tiny") if r["state"] != "stopped"]
+        )
+        cp.api("DELETE", "/v1/deployments/tiny/v1")
+        cp.wait_for(
+            "its Deployment, Service and PDB deleted", lambda: not _objects(api, "scale"), timeout_s=60
         )
 
 
