@@ -103,4 +103,4 @@ def factory(backend: str) -> Callable[[ModelSource], ServedModel]:
     create = getattr(module, "create", None)
     if create is None:
         raise ModelConfigError(f"backend {backend!r} ({BACKEND_MODULES[backend]}) has no create(source)")
-    return create  # type: ignore[no-any-return]
+    return create
