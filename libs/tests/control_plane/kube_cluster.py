@@ -16,7 +16,9 @@ fit one node, with local processes on loopback:
   whose tolerations tolerate its NoSchedule/NoExecute taints and whose requests fit what the
   pods already bound to it leave of its allocatable (nvidia.com/gpu included; a resource the
   node lacks fits only a request of 0); a pod that does not fit stays Pending with
-  PodScheduled=False, reason Unschedulable and a scheduler-style message;
+  PodScheduled=False, reason Unschedulable and a scheduler-style message (with several played
+  nodes, each writes its own reason and the last one stands; a pod bound meanwhile keeps
+  PodScheduled=True); two nodes racing for a pod: the API server lets one binding win;
 - gives each pod its own loopback address 127.<node's octet>.<i>.<j>, so pods bind fixed ports
   as in a cluster, and parallel tests (other nodes) use other addresses;
 - runs init containers in order, then each container as a process in its own session:
@@ -1805,7 +1807,14 @@ def played_node(
     initial_delay_cap_s: float | None = None,
     max_restart_backoff_s: float = 5.0,
 ) -> Iterator[PlayedNode]:
-    """A `PlayedNode` registered and watching; on exit every process it started has ended."""
+    """A `PlayedNode` registered and watching; on exit every process it started has ended.
+
+    `images` maps an image reference (or its name without digest/tag) to its entrypoint argv;
+    `env` is added to every process's environment (under the container's own env);
+    `namespaces` limits the pods it schedules and runs (default: all);
+    `probe_period_cap_s` caps every probe's periodSeconds, `initial_delay_cap_s` (None: as
+    given) its initialDelaySeconds; `max_restart_backoff_s` caps the restart backoff, which
+    starts at 0.2 s and doubles per restart."""
     node = PlayedNode(
         cluster,
         name=name,
