@@ -43,7 +43,6 @@ from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, a
 from paved.kserve.errors import KServeError, invalid_argument, too_large, unsupported
 from paved.kserve.metrics import GRPC, KServeMetrics, batch_rows
 from paved.kserve.repository import (
-    MODEL_VERSION,
     InferRequest,
     InferResponse,
     ModelRepository,
@@ -240,7 +239,7 @@ def decode_request(
 def encode_response(
     model: ServedModel, request_id: str, response: InferResponse
 ) -> service_pb2.ModelInferResponse:
-    out = service_pb2.ModelInferResponse(model_name=model.name, model_version=MODEL_VERSION, id=request_id)
+    out = service_pb2.ModelInferResponse(model_name=model.name, model_version=model.version, id=request_id)
     for name, array in response.outputs.items():
         datatype = model.output_spec(name).datatype
         out.outputs.add(name=name, datatype=datatype, shape=array.shape)
@@ -291,7 +290,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except KServeError as e:
             await context.abort(e.code, e.message)
         response = service_pb2.ModelMetadataResponse(
-            name=model.name, versions=[MODEL_VERSION], platform=model.platform or model.backend
+            name=model.name,
+            versions=self.repository.versions(model.name),
+            platform=model.platform or model.backend,
         )
         for specs, target in ((model.inputs, response.inputs), (model.outputs, response.outputs)):
             for spec in specs:
@@ -318,7 +319,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             state, reason = model.state()
             if request.ready and state != "READY":
                 continue
-            response.models.add(name=model.name, version=MODEL_VERSION, state=state, reason=reason)
+            response.models.add(name=model.name, version=model.version, state=state, reason=reason)
         return response
 
     # ---- inference -------------------------------------------------------------------------
@@ -384,7 +385,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                             await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))
                         if empty_final and not sent_final:
                             message = service_pb2.ModelInferResponse(
-                                model_name=model.name, model_version=MODEL_VERSION, id=request.id
+                                model_name=model.name, model_version=model.version, id=request.id
                             )
                             message.parameters["triton_final_response"].bool_param = True
                             await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))

@@ -40,7 +40,6 @@ from paved.kserve.errors import KServeError, from_exception, invalid_argument, t
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
 from paved.kserve.metrics import HTTP, KServeMetrics, batch_rows
 from paved.kserve.repository import (
-    MODEL_VERSION,
     InferRequest,
     InferResponse,
     ModelRepository,
@@ -239,7 +238,7 @@ def _encode_infer(
     binary: dict[str, bool],
     binary_default: bool,
 ) -> Response:
-    doc: dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION}
+    doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     if request_id:
         doc["id"] = request_id
     outputs = []
@@ -292,7 +291,7 @@ def _generate_inputs(model: ServedModel, doc: Any) -> InferRequest:
 
 
 def _generate_json(model: ServedModel, response: InferResponse) -> dict:
-    doc: dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION}
+    doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     for name, array in response.outputs.items():
         data = to_json(array, model.output_spec(name).datatype)
         doc[name] = data[0] if len(data) == 1 else data
@@ -468,7 +467,7 @@ def create_http_app(
         ]
         return {
             "name": model.name,
-            "versions": [MODEL_VERSION],
+            "versions": repository.versions(model.name),
             "platform": model.platform or model.backend,
             "inputs": tensors[0],
             "outputs": tensors[1],
@@ -584,7 +583,7 @@ def create_http_app(
             state, reason = model.state()
             if only_ready and state != "READY":
                 continue
-            index.append({"name": model.name, "version": MODEL_VERSION, "state": state, "reason": reason})
+            index.append({"name": model.name, "version": model.version, "state": state, "reason": reason})
         return index
 
     app.add_middleware(AccessLogMiddleware)

@@ -1,17 +1,22 @@
-"""A standalone KServe v2 server: classic model directories, optionally with vLLM models.
+"""A standalone KServe v2 server: a Triton model repository and classic model directories,
+optionally with vLLM models.
 
-    tools/bazel run //services/kserve:serve -- [--model-dir DIR ...] [--llm-config FILE]
+    tools/bazel run //services/kserve:serve -- [--model-repository DIR] [--model-dir DIR ...]
+        [--llm-config FILE]
         [--host H] [--grpc-port 8001] [--http-port 8000] [--max-message-bytes N]
         [--stream-max-in-flight N] [--stream-queue-size N]
 
-Without --model-dir / --llm-config it serves the //models/xgb fixture. `--llm-config` takes
-the OpenAI frontend's config file (its [[models]] entries become in-process vLLM engines).
-The listeners bind first and answer ServerReady false until every model and engine is
-loaded; SIGINT / SIGTERM stop it gracefully. `GET /metrics` on the HTTP port answers its
-request metrics (paved.kserve.metrics) and process metrics. LLM and embedding requests are admitted by the
-frontend's `ModelRegistry` over the same engines, so each model's `max_queued_sequences`
-(default 1024, set per model in the config file) bounds them here as it does there. In the
-OpenAI frontend's process the same server runs beside the OpenAI API through
+`--model-repository` (Triton's flag) serves every model directory of DIR (config.pbtxt or
+config.json, numbered version folders; docs/kserve.md "Triton model repositories"): a model
+whose config or backend is refused is listed UNAVAILABLE with the reason and the rest serve.
+Without --model-repository / --model-dir / --llm-config it serves the //models/xgb fixture.
+`--llm-config` takes the OpenAI frontend's config file (its [[models]] entries become
+in-process vLLM engines). The listeners bind first and answer ServerReady false until every model
+and engine is loaded; SIGINT / SIGTERM stop it gracefully. `GET /metrics` on the HTTP port
+answers its request metrics (paved.kserve.metrics) and process metrics. LLM and embedding
+requests are admitted by the frontend's `ModelRegistry` over the same engines, so each model's
+`max_queued_sequences` (default 1024, set per model in the config file) bounds them here as it
+does there. In the OpenAI frontend's process the same server runs beside the OpenAI API through
 `paved.kserve.server.serve_kserve` instead.
 """
 
@@ -36,6 +41,9 @@ logger = logging.getLogger("paved.kserve")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-repository", metavar="DIR", help="Triton model repository: every subdirectory is a model"
     )
     p.add_argument("--model-dir", action="append", default=[], metavar="DIR", help="XGBoost model directory")
     p.add_argument("--llm-config", metavar="FILE", help="the OpenAI frontend's TOML/JSON model config")
@@ -84,6 +92,8 @@ def _engines(models: list) -> list:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    if args.model_repository is not None and not os.path.isdir(args.model_repository):
+        raise ValueError(f"--model-repository {args.model_repository}: not a directory")
     if args.max_message_bytes < 1024:
         raise ValueError(f"--max-message-bytes must be at least 1024, got {args.max_message_bytes}")
     for flag in ("stream_max_in_flight", "stream_queue_size"):
@@ -103,6 +113,7 @@ async def start_server(args: argparse.Namespace, engines: list, limits: dict[str
         http_port=None if args.http_port < 0 else args.http_port,
         host=args.host,
         model_dirs=args.model_dir,
+        model_repository=args.model_repository,
         max_message_bytes=args.max_message_bytes,
         admission=registry_admission(registry),
         draining=lambda: registry.draining,
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not args.model_dir and not args.llm_config:
+    if not args.model_dir and not args.llm_config and not args.model_repository:
         from paved.runfiles import runfile
 
         args.model_dir = [os.path.dirname(runfile("models/xgb/config.json"))]

@@ -6,7 +6,8 @@ numpy after `check_input`, so datatype / shape / missing-input errors are the sa
 request came over gRPC or HTTP. The kinds of models (paved.kserve.llm, paved.kserve.xgboost_model)
 build on this module; the repository that holds them (paved.kserve.repository) imports them.
 
-Every model has exactly one version, "1" (there is no repository polling or version policy).
+Every model is one version of a named model (`version`, "1" unless its repository directory
+holds others); the repository (paved.kserve.repository) resolves a request's version.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 from paved.kserve.errors import invalid_argument
 from paved.kserve.tensors import TensorSpec, config_type
 
+# The version of a model that has only one (an engine's LLM, a lone model directory).
 MODEL_VERSION = "1"
 ModelState = Literal["READY", "LOADING", "UNAVAILABLE"]
 
@@ -83,6 +85,9 @@ class ServedModel(abc.ABC):
     """One model on the KServe interface."""
 
     name: str
+    # The version folder this model was loaded from ("1", "2", ...); "" only for the stand-in
+    # of a model whose config could not be read (paved.kserve.repository.UnavailableModel).
+    version: str = MODEL_VERSION
     platform: str = ""
     backend: str = ""
     max_batch_size: int = 0

@@ -1,15 +1,26 @@
 """The model repository behind both transports: the models a KServe server serves.
 
 Two kinds exist (a `ServedModel` is defined in paved.kserve.model): engine-backed LLMs
-(paved.kserve.llm, one per `ModelCard` of the engines given to the server) and classic models
-loaded from a directory (paved.kserve.xgboost_model).
+(paved.kserve.llm, one per `ModelCard` of the engines given to the server, version "1") and
+classic models: lone model directories and the models of a Triton model repository directory
+(`load_repository_dir`), each version its own `ServedModel` built by its backend
+(paved.kserve.backends).
+
+Version resolution (as Triton): a request for version "" gets the highest version that is
+READY, else the highest one held (so its state explains why it cannot serve). A model whose
+config could not be read or built is held as an `UnavailableModel` with the reason, listed in
+the repository index, while the rest of the repository serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import cast
+
+from tritonclient.grpc import model_config_pb2
 
 from paved.engine.protocol import Engine
 from paved.engine.streams import Closing
@@ -30,8 +41,46 @@ from paved.kserve.model import custom_parameters as custom_parameters
 logger = logging.getLogger(__name__)
 
 
+def version_key(version: str) -> int:
+    """Numeric order of version names ("" sorts first)."""
+    return int(version) if version.isdigit() else -1
+
+
+class UnavailableModel(ServedModel):
+    """Stands in for a model (or one version of it) that cannot be served: its state is
+    UNAVAILABLE with `reason`, and every request for it is refused with that reason."""
+
+    def __init__(
+        self, name: str, version: str, reason: str, config: model_config_pb2.ModelConfig | None = None
+    ):
+        self.name = name
+        self.version = version
+        self.reason = reason
+        self._config = config
+        if config is not None:
+            self.platform, self.backend, self.max_batch_size = (
+                config.platform,
+                config.backend,
+                config.max_batch_size,
+            )
+
+    def state(self) -> tuple[ModelState, str]:
+        return "UNAVAILABLE", self.reason
+
+    def config(self) -> model_config_pb2.ModelConfig:
+        config = model_config_pb2.ModelConfig(name=self.name)
+        if self._config is not None:
+            config.CopyFrom(self._config)
+        return config
+
+    async def infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        raise unavailable(f"model '{self.name}' is not available: {self.reason}")
+
+
 class ModelRepository:
-    """Classic models owned by the server plus the models of the engines it fronts."""
+    """Classic models owned by the server (every version of each) plus the models of the
+    engines it fronts. It is the `RepositoryView` its classic models are given (get_ready,
+    infer), so a model may call another at request time."""
 
     def __init__(
         self,
@@ -46,23 +95,89 @@ class ModelRepository:
         # balancers stop routing here while in-flight requests finish.
         self._draining = draining or (lambda: False)
         self.engines = list(engines)
-        self.classic = {m.name: m for m in classic}
-        if len(self.classic) != len(classic):
-            raise ValueError("two classic models share a name")
+        # name -> version -> model
+        self.classic: dict[str, dict[str, ServedModel]] = {}
+        for model in classic:
+            self.add(model)
         self._llm: dict[str, LlmModel] = {}
         self._loads: list[asyncio.Task] = []
 
+    def add(self, model: ServedModel) -> None:
+        """Hold `model` (before `start_loading`); ValueError when its name and version are held."""
+        versions = self.classic.setdefault(model.name, {})
+        if model.version in versions:
+            raise ValueError(
+                f"two classic models share the name {model.name!r} and version {model.version!r}"
+            )
+        versions[model.version] = model
+
+    def load_repository_dir(self, directory: str) -> None:
+        """Hold every model of the Triton model repository `directory` (its subdirectories;
+        hidden ones skipped): each selected version built by its backend, or an
+        `UnavailableModel` with the reason when the config, the backend or the build refuses.
+        OSError / ValueError when `directory` itself cannot be listed or a name is taken."""
+        from paved.kserve import backends
+        from paved.kserve.model_config import read_model_config, versions_to_load
+
+        if not os.path.isdir(directory):
+            raise ValueError(f"model repository {directory} is not a directory")
+        for entry in sorted(os.listdir(directory)):
+            path = os.path.join(directory, entry)
+            if entry.startswith(".") or not os.path.isdir(path):
+                continue
+            if entry in self.classic:
+                raise ValueError(f"model {entry!r} of {directory} is already served")
+            config = None
+            try:
+                config = read_model_config(path)
+                backend = backends.backend_of(config)
+                create = backends.factory(backend)
+                versions = versions_to_load(path, config)
+            except backends.ModelConfigError as e:
+                logger.error("model %s of %s cannot be loaded: %s", entry, directory, e)
+                self.add(UnavailableModel(entry, "", str(e), config))
+                continue
+            for version in versions:
+                source = backends.ModelSource(
+                    name=entry,
+                    version=version,
+                    directory=path,
+                    version_dir=os.path.join(path, version),
+                    config=_copy(config),
+                    # ModelRepository.infer is a coroutine function returning the stream; the
+                    # Protocol declares it plain (see backends.RepositoryView).
+                    repository=cast("backends.RepositoryView", self),
+                )
+                try:
+                    model = create(source)
+                    if model.name != entry or model.version != version:
+                        raise backends.ModelConfigError(
+                            f"backend {backend!r} built model {model.name!r} version {model.version!r} "
+                            f"for {entry!r} version {version!r}"
+                        )
+                except Exception as e:  # noqa: BLE001 - a refusal or a backend's bug: the reason is listed
+                    logger.error(
+                        "model %s version %s of %s cannot be loaded: %s", entry, version, directory, e
+                    )
+                    model = UnavailableModel(entry, version, str(e) or type(e).__name__, config)
+                self.add(model)
+
     # ---- lifecycle -------------------------------------------------------------------------
+    def _all(self) -> list[ServedModel]:
+        return [m for versions in self.classic.values() for m in versions.values()]
+
     def start_loading(self) -> None:
         """Load classic models in the background; ServerReady stays false until all are loaded."""
-        for model in self.classic.values():
-            self._loads.append(asyncio.create_task(self._load(model), name=f"kserve-load-{model.name}"))
+        for model in self._all():
+            self._loads.append(
+                asyncio.create_task(self._load(model), name=f"kserve-load-{model.name}-{model.version}")
+            )
 
     async def _load(self, model: ServedModel) -> None:
         try:
             await model.load()
         except Exception:  # the model reports UNAVAILABLE with the reason; the server lives on
-            logger.exception("loading model %s failed", model.name)
+            logger.exception("loading model %s version %s failed", model.name, model.version)
 
     async def wait_loaded(self) -> None:
         await asyncio.gather(*self._loads)
@@ -71,19 +186,33 @@ class ModelRepository:
         for task in self._loads:
             task.cancel()
         await asyncio.gather(*self._loads, return_exceptions=True)
-        for model in self.classic.values():
+        for model in self._all():
             await model.close()
 
     def ready(self) -> bool:
-        """Server readiness: not draining, every classic model loaded and every engine ready."""
+        """Server readiness (Triton's strict readiness): not draining, every classic model
+        version loaded and every engine ready. A model listed UNAVAILABLE keeps it false."""
         if self._draining():
             return False
-        return all(m.ready() for m in self.classic.values()) and all(e.ready() for e in self.engines)
+        return all(m.ready() for m in self._all()) and all(e.ready() for e in self.engines)
 
     # ---- lookup ----------------------------------------------------------------------------
     def models(self) -> list[ServedModel]:
+        """Every model version held (classic ones in the order added, versions ascending), then the LLMs."""
         self._refresh_llm()
-        return [*self.classic.values(), *self._llm.values()]
+        classic = [
+            versions[v] for versions in self.classic.values() for v in sorted(versions, key=version_key)
+        ]
+        return [*classic, *self._llm.values()]
+
+    def versions(self, name: str) -> list[str]:
+        """The versions held of model `name` (ascending; a stand-in without a version is not
+        one); NOT_FOUND / UNAVAILABLE as `get`."""
+        versions = self.classic.get(name)
+        if versions is None:
+            self.get(name)
+            return [MODEL_VERSION]
+        return sorted((v for v in versions if v), key=version_key)
 
     def _refresh_llm(self) -> None:
         # Engines may learn their cards only once started, so the table follows them.
@@ -110,18 +239,30 @@ class ModelRepository:
         return name in self._llm
 
     def get(self, name: str, version: str = "") -> ServedModel:
-        model = self.classic.get(name)
-        if model is None:
-            self._refresh_llm()
-            model = self._llm.get(name)
-        if model is None:
+        """The model version a request names: "" is the highest READY version (else the
+        highest held); NOT_FOUND for an unknown name or version."""
+        versions = self.classic.get(name)
+        if versions is not None:
+            if version:
+                model = versions.get(version)
+                if model is None and "" in versions:
+                    return versions[""]  # the config failed: every version answers its reason
+            else:
+                ranked = sorted(versions.values(), key=lambda m: (m.ready(), version_key(m.version)))
+                model = ranked[-1]
+            if model is None:
+                raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
+            return model
+        self._refresh_llm()
+        llm = self._llm.get(name)
+        if llm is None:
             if not all(e.ready() for e in self.engines):
                 # An engine still booting (or down) may be the one serving it: retry later.
                 raise unavailable(f"model '{name}' is not available: engines are still loading")
             raise not_found(f"Request for unknown model: '{name}' is not found")
         if version not in ("", MODEL_VERSION):
             raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
-        return model
+        return llm
 
     def get_ready(self, name: str, version: str = "") -> ServedModel:
         model = self.get(name, version)
@@ -140,6 +281,13 @@ class ModelRepository:
         if request.outputs is None:
             return responses
         return _select(responses, request.outputs)
+
+
+def _copy(config: model_config_pb2.ModelConfig) -> model_config_pb2.ModelConfig:
+    # Each version gets its own config: a backend may fill in fields (auto-complete).
+    out = model_config_pb2.ModelConfig()
+    out.CopyFrom(config)
+    return out
 
 
 def _select(responses: AsyncIterator[InferResponse], names: list[str]) -> AsyncIterator[InferResponse]:

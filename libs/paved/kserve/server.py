@@ -2,7 +2,8 @@
 
 The OpenAI frontend starts them beside its own port, over the same engines:
 
-    kserve = await serve_kserve(engines, grpc_port=8001, http_port=8002, model_dirs=["models/iris"])
+    kserve = await serve_kserve(engines, grpc_port=8001, http_port=8002, model_dirs=["models/iris"],
+                                model_repository="models/repo")
     ...
     await kserve.stop()
 
@@ -89,10 +90,15 @@ class KServeServer:
         stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
         stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
         metrics_registry: CollectorRegistry | None = None,
+        model_repository: str | None = None,
     ):
+        """`model_repository`: a Triton model repository directory whose models are served
+        beside `classic_models` (a model it cannot build is listed UNAVAILABLE with the reason)."""
         if grpc_port is None and http_port is None:
             raise ValueError("KServe needs a gRPC port, an HTTP port, or both")
         self.repository = ModelRepository(engines, classic_models, admission, draining)
+        if model_repository is not None:
+            self.repository.load_repository_dir(model_repository)
         self.host = host
         self._grpc_port_wanted = grpc_port
         self._http_port_wanted = http_port
@@ -189,9 +195,11 @@ async def serve_kserve(
     draining: Callable[[], bool] | None = None,
     stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
     stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
+    model_repository: str | None = None,
 ) -> KServeServer:
     """Start KServe v2 over `engines` (their models, by ModelCard id) plus XGBoost model
-    directories; returns the running server (call `stop()` on shutdown).
+    directories and the models of a Triton model repository directory; returns the running
+    server (call `stop()` on shutdown).
 
     `admission`, if given, admits each LLM request first (`registry_admission(registry)` of
     a paved.frontend.registry.ModelRegistry: the OpenAI frontend passes its own, so both APIs
@@ -209,6 +217,7 @@ async def serve_kserve(
         draining=draining,
         stream_max_in_flight=stream_max_in_flight,
         stream_queue_size=stream_queue_size,
+        model_repository=model_repository,
     )
     await server.start()
     return server

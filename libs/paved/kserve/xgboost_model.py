@@ -1,7 +1,12 @@
 """A classic model on the KServe interface: XGBoost on CPU, dynamically batched.
 
-A model directory holds
-  config.json  Triton's ModelConfig in its protobuf-JSON form (what `ModelConfig` returns), e.g.
+Two layouts hold one (configs in protobuf text `config.pbtxt` or protobuf JSON `config.json`,
+read by paved.kserve.model_config):
+  * a model of a Triton model repository: `<name>/config.pbtxt` and `<name>/<version>/model.ubj`
+    (the repository loader calls `create(source)` once per version);
+  * a lone model directory (`--model-dir`): its config and `model.ubj` side by side (or, with
+    no model file beside the config, the latest version folder's), named by the config.
+A config, e.g. (config.json form; the pbtxt form has the same fields):
                  {"name": "iris", "backend": "xgboost", "max_batch_size": 64,
                   "input":  [{"name": "input__0",  "data_type": "TYPE_FP32", "dims": [4]}],
                   "output": [{"name": "output__0", "data_type": "TYPE_FP32", "dims": [3]}],
@@ -9,11 +14,11 @@ A model directory holds
                                        "preferred_batch_size": [32, 64]},
                   "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
                   "parameters": {"predict_type": {"string_value": "value"}}}
-  model.ubj    the booster (any format xgboost.Booster loads; `default_model_filename` names
-               another file).
-One FP32 input of shape [batch, features] and one FP32 output [batch, *dims] with the booster's
-scores: predict_type "value" (transformed, e.g. class probabilities) or "margin" (raw).
-Without `dynamic_batching` each request is its own predict call (Triton's default scheduler).
+`model.ubj` is the booster (any format xgboost.Booster loads; `default_model_filename` names
+another file). One FP32 input of shape [batch, features] and one FP32 output [batch, *dims]
+with the booster's scores: predict_type "value" (transformed, e.g. class probabilities) or
+"margin" (raw). Without `dynamic_batching` each request is its own predict call (Triton's
+default scheduler); `instance_group` counts are summed into that many predict workers.
 Parsing is strict (unknown config fields and unsupported features fail the load with the
 reason in RepositoryIndex), so a config never means something here it would not mean in Triton.
 """
@@ -26,62 +31,46 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
+from paved.kserve.backends import ModelConfigError as ModelConfigError
+from paved.kserve.backends import ModelSource
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import invalid_argument, unavailable
+from paved.kserve.model_config import (
+    check_config,
+    check_parameters,
+    instance_count,
+    read_model_config,
+    specs_from_config,
+    versions_to_load,
+)
 from paved.kserve.repository import InferRequest, InferResponse, ModelState, ServedModel
-from paved.kserve.tensors import TensorSpec, config_datatype
 
-CONFIG_FILE = "config.json"
 DEFAULT_MODEL_FILE = "model.ubj"
 _PREDICT_TYPES = ("value", "margin")
 _PARAMETERS = {"predict_type", "nthread"}
+# The ModelConfig fields this backend implements beyond the loader's own (model_config.COMMON_FIELDS).
+SUPPORTED_FIELDS = frozenset({"dynamic_batching", "instance_group", "parameters", "default_model_filename"})
 
 
-class ModelConfigError(ValueError):
-    """The model directory cannot be served as configured."""
-
-
-def read_config(directory: str) -> model_config_pb2.ModelConfig:
-    path = os.path.join(directory, CONFIG_FILE)
-    try:
-        with open(path) as f:
-            raw = f.read()
-    except OSError as e:
-        raise ModelConfigError(f"cannot read {path}: {e}") from e
-    config = model_config_pb2.ModelConfig()
-    try:
-        json_format.Parse(raw, config)
-    except json_format.ParseError as e:
-        raise ModelConfigError(f"{path}: {e}") from e
-    if not config.name:
-        config.name = os.path.basename(os.path.normpath(directory))
-    return config
+def create(source: ModelSource) -> XGBoostModel:
+    """The backend entry point (paved.kserve.backends): one version of a repository's model."""
+    return XGBoostModel(source.version_dir, source.config, version=source.version)
 
 
 class XGBoostModel(ServedModel):
     backend = "xgboost"
 
-    def __init__(self, directory: str, config: model_config_pb2.ModelConfig):
+    def __init__(self, directory: str, config: model_config_pb2.ModelConfig, *, version: str = "1"):
+        """`directory` holds the booster file; `config` is the parsed config, name set."""
         self.directory = directory
         self._config = config
         self.name = config.name
+        self.version = version
         self.max_batch_size = config.max_batch_size
         self._validate_config(config)
-        (inp,) = config.input
-        (out,) = config.output
-        self.inputs = (
-            TensorSpec(
-                inp.name, config_datatype(model_config_pb2.DataType.Name(inp.data_type)), tuple(inp.dims)
-            ),
-        )
-        self.outputs = (
-            TensorSpec(
-                out.name, config_datatype(model_config_pb2.DataType.Name(out.data_type)), tuple(out.dims)
-            ),
-        )
+        self.inputs, self.outputs = specs_from_config(config)
         params = {k: v.string_value for k, v in config.parameters.items()}
         self.predict_type = params.get("predict_type", "value")
         self.nthread = int(params.get("nthread", "0"))
@@ -93,7 +82,14 @@ class XGBoostModel(ServedModel):
 
     @classmethod
     def from_directory(cls, directory: str) -> XGBoostModel:
-        return cls(directory, read_config(directory))
+        """A lone model directory: its config names the model; the booster lies beside the
+        config, or when it does not, in the latest version folder `version_policy` selects."""
+        config = read_model_config(directory, in_repository=False)
+        filename = config.default_model_filename or DEFAULT_MODEL_FILE
+        if os.path.isfile(os.path.join(directory, filename)):
+            return cls(directory, config)
+        version = versions_to_load(directory, config)[-1]
+        return cls(os.path.join(directory, version), config, version=version)
 
     def _validate_config(self, c: model_config_pb2.ModelConfig) -> None:
         where = f"model '{c.name}'"
@@ -101,8 +97,7 @@ class XGBoostModel(ServedModel):
             raise ModelConfigError(f"{where}: backend must be 'xgboost', got {c.backend!r}")
         if c.platform:
             raise ModelConfigError(f"{where}: 'platform' is not used by the xgboost backend")
-        if c.max_batch_size < 0:
-            raise ModelConfigError(f"{where}: max_batch_size must be >= 0")
+        check_config(c, SUPPORTED_FIELDS, backend="xgboost")
         if len(c.input) != 1 or len(c.output) != 1:
             raise ModelConfigError(f"{where}: needs exactly one input and one output")
         (inp,), (out,) = c.input, c.output
@@ -119,28 +114,7 @@ class XGBoostModel(ServedModel):
             )
         if inp.optional:
             raise ModelConfigError(f"{where}: the input cannot be optional")
-        if c.HasField("dynamic_batching"):
-            if c.max_batch_size == 0:
-                raise ModelConfigError(f"{where}: dynamic_batching needs max_batch_size > 0")
-            db = c.dynamic_batching
-            if db.priority_levels or db.priority_queue_policy or db.preserve_ordering:
-                raise ModelConfigError(f"{where}: priority levels and preserve_ordering are not supported")
-            policy = db.default_queue_policy
-            if policy.default_timeout_microseconds or policy.allow_timeout_override or policy.timeout_action:
-                raise ModelConfigError(f"{where}: queue timeouts are not supported (max_queue_size is)")
-            if any(not 1 <= p <= c.max_batch_size for p in db.preferred_batch_size):
-                raise ModelConfigError(
-                    f"{where}: preferred_batch_size entries must be in [1, max_batch_size]"
-                )
-        for group in c.instance_group:
-            if group.kind not in (
-                model_config_pb2.ModelInstanceGroup.KIND_AUTO,
-                model_config_pb2.ModelInstanceGroup.KIND_CPU,
-            ):
-                raise ModelConfigError(f"{where}: only KIND_CPU instances are supported")
-        unknown = sorted(set(c.parameters) - _PARAMETERS)
-        if unknown:
-            raise ModelConfigError(f"{where}: unknown parameter(s) {unknown}; known: {sorted(_PARAMETERS)}")
+        check_parameters(c, _PARAMETERS, backend="xgboost")
         predict_type = (
             c.parameters["predict_type"].string_value if "predict_type" in c.parameters else "value"
         )
@@ -148,12 +122,6 @@ class XGBoostModel(ServedModel):
             raise ModelConfigError(f"{where}: predict_type must be one of {_PREDICT_TYPES}")
         if "nthread" in c.parameters and not c.parameters["nthread"].string_value.isdigit():
             raise ModelConfigError(f"{where}: nthread must be a non-negative integer")
-        for name in ("sequence_batching", "ensemble_scheduling", "response_cache"):
-            if c.HasField(name):
-                raise ModelConfigError(f"{where}: {name} is not supported")
-        for name in ("model_warmup", "batch_input", "batch_output"):
-            if len(getattr(c, name)):
-                raise ModelConfigError(f"{where}: {name} is not supported")
 
     def config(self) -> model_config_pb2.ModelConfig:
         """The configuration as loaded (batching, instances and parameters included)."""
@@ -172,7 +140,7 @@ class XGBoostModel(ServedModel):
             self._state, self._reason = "UNAVAILABLE", f"load failed: {e}"
             raise
         c = self._config
-        instances = sum(g.count or 1 for g in c.instance_group) or 1
+        instances = instance_count(c)
         if c.HasField("dynamic_batching"):
             db = c.dynamic_batching
             self.batcher = DynamicBatcher(
