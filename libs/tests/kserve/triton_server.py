@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -128,9 +129,6 @@ def _server_env(layout: _Layout) -> dict[str, str]:
     if os.environ.get("LD_LIBRARY_PATH"):
         libs.append(os.environ["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
-    # The stub imports each model.py from the repository: never write __pycache__ beside it
-    # (a source tree, or read-only runfiles).
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
@@ -186,7 +184,7 @@ def triton_server(
     extra_args: Iterable[str] = (),
     start_timeout_s: float = 180.0,
 ) -> Iterator[TritonUrls]:
-    """Runs tritonserver on `repository` on free loopback ports and yields its TritonUrls once
+    """Runs tritonserver on (a copy of) `repository` on free loopback ports and yields its TritonUrls once
     it is ready (every model loaded: a model that fails to load makes the start fail).
 
     `models`: load only these (explicit model control; the index still lists the others, as
@@ -196,6 +194,11 @@ def triton_server(
     layout = _layout(find_triton_home())
     tmp.mkdir(parents=True, exist_ok=True)
     log_path = tmp / "tritonserver.log"
+    # Served from a copy: the stub's embedded Python ignores PYTHONDONTWRITEBYTECODE and would
+    # write __pycache__ beside every model.py of the source tree.
+    served = tmp / "repository"
+    shutil.rmtree(served, ignore_errors=True)
+    shutil.copytree(repository, served, ignore=shutil.ignore_patterns("__pycache__"))
     model_args: list[str] = []
     if models is not None:
         model_args = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
@@ -210,7 +213,7 @@ def triton_server(
             urls = TritonUrls(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
             command = [
                 str(layout.server),
-                f"--model-repository={repository.absolute()}",
+                f"--model-repository={served.absolute()}",
                 f"--backend-directory={layout.backends}",
                 "--http-address=127.0.0.1",
                 f"--http-port={http}",
