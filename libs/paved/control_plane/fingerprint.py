@@ -17,8 +17,11 @@ the comparison: a client cannot observe how many GPUs serve it, so changing it n
 rollout.
 
 A "kserve" package has no tokenizer (its tokenizer and chat template fields are None); its
-"kserve" field is engine_args.kserve when declared, else the manifest sha256 of its Triton
-config.json, which states the tensors (any change to it counts as a change).
+"kserve" field is engine_args.kserve when declared, else what states its tensors: the manifest
+sha256 of its Triton config.json ({"config_json_sha256"}) for a model directory with one, else
+({"configs_sha256"}) the sha256 over the (path, manifest sha256) list of every Triton config
+(config.pbtxt / config.json) of the model directory or model repository (any change to one
+counts as a change).
 
 Chat template: a `chat_template.*` tokenizer file -> its manifest sha256; else the
 `chat_template` value of tokenizer_config.json when that file can be read (a directory, a
@@ -41,6 +44,7 @@ from typing import IO, Any
 from paved.control_plane.errors import BadRequest
 from paved.launcher.materialize import is_tarball
 from paved.launcher.package import (
+    KSERVE_CONFIGS,
     MODEL_JSON,
     ModelPackage,
     PackageError,
@@ -89,12 +93,20 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
     declared = kserve if isinstance(kserve, dict | list) and kserve else None
     if package.mode == "kserve" or package.tokenizer is None:
         config = next((f.sha256 for f in package.weights.files if f.path == "config.json"), None)
+        shape: dict[str, Any] = {"config_json_sha256": config}
+        if config is None:
+            configs = sorted(
+                (f.path, f.sha256)
+                for f in package.weights.files
+                if f.path.count("/") <= 1 and posixpath.basename(f.path) in KSERVE_CONFIGS
+            )
+            shape = {"configs_sha256": _sha(_canonical(configs))}
         return {
             "kind": "kserve",
             "tokenizer_sha256": None,
             "chat_template_sha256": None,
             "max_model_len": None,
-            "kserve": declared or {"config_json_sha256": config},
+            "kserve": declared or shape,
             "resources": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpus": 0},
         }
     kind = engine_args.get("kind", "generate")

@@ -8,9 +8,12 @@
 Layout of the result: model.json, weights/<files>, tokenizer/<files>, plugins/<wheels>.
 Tokenizer files (tokenizer*.json, special_tokens_map.json, vocab/merges, *.model, chat
 templates) go under tokenizer/, everything else under weights/. With `--mode kserve` the folder
-is a classic (Triton-layout) model directory, e.g. //models/xgb: all of it goes under weights/,
-there is no tokenizer, and its config.json's `name` must be the model id (the name KServe
-clients call). Tarballs are reproducible (sorted entries, mtime 0, uid/gid 0).
+is either a classic model directory, e.g. //models/xgb, whose config's (config.json or
+config.pbtxt) `name` must be the model id (the name KServe clients call), or a whole Triton
+model repository (`<model>/config.pbtxt`, `<model>/<version>/...`), whose models keep their
+directory names and one of which must be the model id (the model the control plane probes):
+all of it goes under weights/ and there is no tokenizer. Tarballs are reproducible (sorted
+entries, mtime 0, uid/gid 0).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -90,10 +94,14 @@ def build_package(
     """Write a package directory (or tarball if `out` ends in .tar/.tar.gz/.tgz). With `link`,
     a package directory hardlinks the source files where it can instead of copying them."""
     hf_dir = os.path.realpath(hf_dir)
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     if mode == "kserve":
-        _check_kserve_name(os.path.join(hf_dir, "config.json"), model_id)
+        if os.path.isfile(os.path.join(hf_dir, "config.json")):
+            _check_kserve_name(os.path.join(hf_dir, "config.json"), model_id)
+        elif os.path.isfile(os.path.join(hf_dir, "config.pbtxt")):
+            _check_kserve_name(os.path.join(hf_dir, "config.pbtxt"), model_id)
+        # else a model repository: its models' names are their folders (ModelPackage checks them)
+    elif not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     placed: list[tuple[str, str]] = []  # (package-relative path, source file)
     weights: list[dict[str, Any]] = []
     tokenizer: list[dict[str, Any]] = []
@@ -146,17 +154,44 @@ def build_package(
 
 
 def _check_kserve_name(config_path: str, model_id: str) -> None:
-    try:
-        with open(config_path, "rb") as f:
-            config = json.loads(f.read(1 << 20))
-    except ValueError:
-        raise ValueError(f"{config_path} is not JSON (a Triton model config)") from None
-    name = config.get("name") if isinstance(config, dict) else None
+    with open(config_path, "rb") as f:
+        raw = f.read(1 << 20)
+    if config_path.endswith(".pbtxt"):
+        name = _pbtxt_name(raw.decode(errors="replace"))
+    else:
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            raise ValueError(f"{config_path} is not JSON (a Triton model config)") from None
+        name = config.get("name") if isinstance(config, dict) else None
     if name != model_id:
         raise ValueError(
             f"{config_path} names the model {name!r}, not {model_id!r}: KServe clients call it by "
             "that name, so --model-id must be it"
         )
+
+
+_PBTXT_TOKEN = re.compile(
+    r'#[^\n]*|"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[{}\[\]<>]|[^\s{}\[\]<>:,;"\'#]+|[:,;]'
+)
+
+
+def _pbtxt_name(text: str) -> str | None:
+    """The top-level `name` of a protobuf-text Triton config (None when it sets none). A small
+    scan rather than the protobuf parser: the launcher does not load the KServe stubs, and
+    only the one field at depth 0 matters here (nested tensors have names too)."""
+    depth = 0
+    parts = [t for t in _PBTXT_TOKEN.findall(text) if not t.startswith("#")]
+    for i, part in enumerate(parts):
+        if part in ("{", "[", "<"):
+            depth += 1
+        elif part in ("}", "]", ">"):
+            depth -= 1
+        elif depth == 0 and part == "name" and i + 2 < len(parts) and parts[i + 1] == ":":
+            value = parts[i + 2]
+            if value[:1] in "\"'":
+                return value[1:-1]
+    return None
 
 
 def _write_tar(out: str, manifest: bytes, placed: list[tuple[str, str]]) -> None:

@@ -9,8 +9,8 @@ Phases (reported on the admin port's /status and in the log):
 3. Plugin wheels are installed (during 2) and their entry points checked in a child process.
 4. The child starts on private loopback ports: the paved frontend with the engine in-process
    (embedded mode) or vLLM's OpenAI server alone (standalone), paved.kserve over the classic
-   model directory (a kserve package: KServe v2 HTTP on the HTTP port, gRPC with --grpc-port),
-   or any `--child-cmd`.
+   model directory or Triton model repository (a kserve package: KServe v2 HTTP on the HTTP
+   port, gRPC with --grpc-port; ready once every model of it is), or any `--child-cmd`.
 5. Once the child's readiness endpoint answers 200, the public ports listen; before that they
    refuse connections. A child that can serve the public HTTP socket itself (the paved frontend
    in embedded mode, a `--child-cmd` with {http_fd}) inherits it and listens on it once ready:
@@ -267,7 +267,8 @@ def child_spec(
     if kserve_mode and not args.child_cmd:
         # KServe v2 HTTP on the public HTTP port, gRPC on the public gRPC port when asked.
         argv = [
-            sys.executable, "-m", "paved.kserve.main", "--model-dir", m.model_dir,
+            sys.executable, "-m", "paved.kserve.main",
+            "--model-repository" if m.package.kserve_layout() == "repository" else "--model-dir", m.model_dir,
             "--host", "127.0.0.1", "--http-port", str(ports["http"]),
             "--grpc-port", str(ports.get("grpc", -1)),
         ]  # fmt: skip

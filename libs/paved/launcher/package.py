@@ -19,9 +19,12 @@ trusts.
 
 Modes: "embedded" starts the paved frontend with the engine in-process; "standalone" starts
 the engine alone (vLLM's own OpenAI server), for a frontend that reaches it remotely; "kserve"
-serves a classic (Triton-layout XGBoost) model directory over KServe v2 gRPC and HTTP through
-paved.kserve: its weights are that directory (a Triton `config.json` whose `name` is the
-package's model_id, and the model file), and it has no tokenizer.
+serves classic models over KServe v2 gRPC and HTTP through paved.kserve, and has no tokenizer.
+Its weights are either one model directory (a Triton config, `config.json` or `config.pbtxt`,
+at the top, whose `name` is the package's model_id, and the model file; `--model-dir`) or a
+whole Triton model repository (`<model>/config.pbtxt` and `<model>/<version>/...` per model;
+`--model-repository`), in which case model_id must be one of its models: the one the control
+plane probes and routes by (`kserve_layout`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ MODEL_JSON = "model.json"
 SCHEMA_VERSION: Final = 1
 _SHA256 = r"^[0-9a-f]{64}$"
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# A Triton model config, in either form paved.kserve reads.
+KSERVE_CONFIGS = ("config.pbtxt", "config.json")
 
 
 class PackageError(ValueError):
@@ -140,7 +145,9 @@ class ModelPackage(BaseModel):
                 if parent in paths:
                     raise ValueError(f"{parent!r} is both a file and a directory")
                 parent = posixpath.dirname(parent)
-        if "config.json" not in paths:
+        if self.mode == "kserve":
+            self.kserve_layout()
+        elif "config.json" not in paths:
             raise ValueError("the model directory needs a config.json (list it under weights)")
         names = [w.filename for w in self.plugins]
         if len(set(names)) != len(names):
@@ -150,6 +157,28 @@ class ModelPackage(BaseModel):
         if override:
             raise ValueError(override)
         return self
+
+    def kserve_layout(self) -> Literal["model", "repository"]:
+        """What a kserve package's weights are: "model" (a Triton config at the top: one model
+        directory) or "repository" (no config at the top, `<model>/config.*` for each model,
+        model_id one of them); ValueError when neither."""
+        paths = {f.path for f in self.weights.files}
+        if any(name in paths for name in KSERVE_CONFIGS):
+            return "model"
+        models = sorted(
+            {p.split("/")[0] for p in paths if p.count("/") == 1 and p.split("/")[1] in KSERVE_CONFIGS}
+        )
+        if not models:
+            raise ValueError(
+                "a kserve package's weights are a model directory (config.json or config.pbtxt at the "
+                "top) or a Triton model repository (<model>/config.pbtxt per model); found neither"
+            )
+        if self.model_id not in models:
+            raise ValueError(
+                f"model_id {self.model_id!r} is not a model of the repository ({models}): the control "
+                "plane probes and routes the package by it"
+            )
+        return "repository"
 
     def _artifacts(self) -> list[tuple[str, Artifact]]:
         out = [("weights", self.weights)]
