@@ -55,8 +55,9 @@ class RepositoryView(Protocol):
         """The model, ready; raises the transport's NOT_FOUND / UNAVAILABLE error otherwise."""
         ...
 
-    def infer(self, model: ServedModel, request: InferRequest) -> AsyncIterator[InferResponse]:
-        """Run `request` on `model` with the repository's admission and output selection."""
+    async def infer(self, model: ServedModel, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Run `request` on `model` with the repository's admission and output selection
+        (awaited: admission errors raise here; the iterator yields the responses)."""
         ...
 
 
