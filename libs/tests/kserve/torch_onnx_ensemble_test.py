@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import LLM, FakeEngine, llm_inputs, serving, stream, tensor, wait_for
 from paved.kserve import ensemble, onnx_model, torch_model
-from paved.kserve.backends import ModelConfigError, ModelSource, backend_of
+from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.errors import KServeError
 from paved.kserve.model import InferRequest
 from paved.kserve.model_config import read_model_config
@@ -37,7 +41,6 @@ from paved.kserve.server import KServeServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTDATA = os.path.join(HERE, "testdata", "torch_onnx_ensemble")
-CREATE = {"pytorch": torch_model.create, "onnxruntime": onnx_model.create, "ensemble": ensemble.create}
 
 
 class Pair(torch.nn.Module):
@@ -106,14 +109,10 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(loop, repo):
+    """The test repository served as Triton serves one (`model_repository`: every model built
+    by its backend through paved.kserve.backends), beside a scripted LLM."""
     root, _ = repo
-    late = LateRepository()
-    models = []
-    for name in sorted(os.listdir(root)):
-        src = source(os.path.join(root, name), late)
-        models.append(CREATE[backend_of(src.config)](src))
-    kserve = KServeServer([FakeEngine()], models, host="127.0.0.1", grpc_port=0, http_port=0)
-    late.target = kserve.repository
+    kserve = KServeServer([FakeEngine()], host="127.0.0.1", grpc_port=0, http_port=0, model_repository=root)
     with serving(loop, kserve) as started:
         yield started
 
@@ -557,3 +556,111 @@ def test_request_parameters_are_refused(loop, server):
 
     error = loop.run(run())
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "takes no request parameters" in error.message
+
+
+# ---- other ways in -----------------------------------------------------------------------------
+def test_models_created_directly_in_an_in_process_repository(loop, repo, session):
+    """The backends' create() without the repository loader: ModelSources built by hand, the
+    ensemble's RepositoryView bound once the server's repository exists."""
+    root, refs = repo
+    late = LateRepository()
+    names = ("onnx_linear", "torch_head", "torch_linear")
+    models = [
+        create(source(os.path.join(root, name), late))
+        for name, create in zip(
+            names, (onnx_model.create, torch_model.create, torch_model.create), strict=True
+        )
+    ]
+    models.append(ensemble.create(source(os.path.join(root, "ens_scores"), late)))
+    kserve = KServeServer(classic_models=models, host="127.0.0.1", grpc_port=0, http_port=0)
+    late.target = kserve.repository
+    x = rows(2, seed=7)
+    with serving(loop, kserve) as started:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{started.grpc_port}")
+        try:
+            result = client.infer("ens_scores", [tensor(grpcclient, "features", x, "FP32")])
+        finally:
+            client.close()
+    (hidden,) = session.run(["output"], {"input": x})
+    assert np.array_equal(result.as_numpy("scores"), torch_ref(refs["torch_head"], hidden))
+
+
+def test_refused_models_are_listed_with_the_reason_while_the_rest_serve(loop, repo, tmp_path):
+    root, refs = repo
+    for name in ("torch_linear", "ens_scores", "onnx_linear", "torch_head"):
+        shutil.copytree(os.path.join(root, name), tmp_path / name)
+    # A graph error: the ensemble reads a tensor nothing writes.
+    broken = (
+        (tmp_path / "ens_scores" / "config.pbtxt")
+        .read_text()
+        .replace('key: "INPUT__0" value: "hidden"', 'key: "INPUT__0" value: "hiden"')
+    )
+    (tmp_path / "ens_broken").mkdir()
+    (tmp_path / "ens_broken" / "1").mkdir()
+    (tmp_path / "ens_broken" / "config.pbtxt").write_text(broken)
+    # Input names that are neither forward's arguments nor <name>__<index>: refused at load.
+    shutil.copytree(os.path.join(root, "torch_linear"), tmp_path / "torch_misnamed")
+    config = (tmp_path / "torch_misnamed" / "config.pbtxt").read_text().replace('"INPUT__0"', '"features"')
+    (tmp_path / "torch_misnamed" / "config.pbtxt").write_text(config)
+    kserve = KServeServer(host="127.0.0.1", grpc_port=0, http_port=0, model_repository=str(tmp_path))
+    with serving(loop, kserve, ready=False) as started:
+        loop.run(started.repository.wait_loaded())
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{started.http_port}")
+        try:
+            index = {
+                m["name"]: (m["state"], m.get("reason", "")) for m in client.get_model_repository_index()
+            }
+            x = rows(1, seed=8)
+            side = client.infer("ens_scores", [tensor(httpclient, "features", x, "FP32")]).as_numpy("side")
+        finally:
+            client.close()
+    state, reason = index["ens_broken"]
+    assert state == "UNAVAILABLE"
+    assert (
+        "input 'INPUT__0' reads tensor 'hiden', which is neither an ensemble input nor any step's output"
+        in reason
+    )
+    state, reason = index["torch_misnamed"]
+    assert state == "UNAVAILABLE" and "input names ['features'] neither match forward's arguments" in reason
+    assert index["ens_scores"] == ("READY", "") and index["torch_linear"] == ("READY", "")
+    assert np.array_equal(side, torch_ref(refs["torch_linear"], x))
+
+
+def test_the_main_serves_the_repository(repo, session, tmp_path):
+    """`python -m paved.kserve.main --model-repository DIR`, Triton's flag, as a process."""
+    root, refs = repo
+    for name in ("torch_linear", "ens_scores", "onnx_linear", "torch_head"):
+        shutil.copytree(os.path.join(root, name), tmp_path / name)
+    code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [
+        "--model-repository",
+        str(tmp_path),
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--log-level",
+        "error",
+    ]
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        match = re.search(r"gRPC (\d+) HTTP (\d+)", proc.stdout.readline())
+        assert match
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+        try:
+            assert wait_for(client.is_server_ready, timeout=60)
+            x = rows(4, seed=9)
+            result = client.infer("ens_scores", [tensor(grpcclient, "features", x, "FP32")])
+        finally:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (hidden,) = session.run(["output"], {"input": x})
+    assert np.array_equal(result.as_numpy("hidden"), hidden)
+    assert np.array_equal(result.as_numpy("scores"), torch_ref(refs["torch_head"], hidden))
+    assert np.array_equal(result.as_numpy("side"), torch_ref(refs["torch_linear"], x))
