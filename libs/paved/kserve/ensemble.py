@@ -205,9 +205,13 @@ class EnsembleModel(ServedModel):
                         return
                     step, model = fanout
                     rest = frozenset(waiting - {step.index})
-                    async for outputs in self._stream(step, model, request, env, depth):
-                        async for done in self._flow(request, {**env, **outputs}, rest, depth):
-                            yield done
+                    # Closed explicitly: a client that goes away must abort the step's request now.
+                    async with contextlib.aclosing(self._stream(step, model, request, env, depth)) as stream:
+                        async for outputs in stream:
+                            downstream = self._flow(request, {**env, **outputs}, rest, depth)
+                            async with contextlib.aclosing(downstream) as passes:
+                                async for done in passes:
+                                    yield done
                     return
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
@@ -272,7 +276,7 @@ class EnsembleModel(ServedModel):
 
     async def _stream(
         self, step: Step, model: ServedModel, request: InferRequest, env: dict, depth: int
-    ) -> AsyncIterator[dict[str, np.ndarray | None]]:
+    ) -> AsyncGenerator[dict[str, np.ndarray | None]]:
         step_request = self._step_request(step, model, request, env)
         token = _depth.set(depth)
         try:

@@ -108,11 +108,16 @@ def repo(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(loop, repo):
+def engine():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(loop, repo, engine):
     """The test repository served as Triton serves one (`model_repository`: every model built
     by its backend through paved.kserve.backends), beside a scripted LLM."""
     root, _ = repo
-    kserve = KServeServer([FakeEngine()], host="127.0.0.1", grpc_port=0, http_port=0, model_repository=root)
+    kserve = KServeServer([engine], host="127.0.0.1", grpc_port=0, http_port=0, model_repository=root)
     with serving(loop, kserve) as started:
         yield started
 
@@ -378,6 +383,14 @@ def test_ensemble_with_llm_step_streams_each_response(gc):
     assert len(got) == 4 and got == want
     finals = [r.get_response().parameters["triton_final_response"].bool_param for r, _ in through]
     assert finals == [False, False, False, True]
+
+
+def test_cancelling_an_ensemble_stream_aborts_its_llm_step(gc, engine):
+    aborted = len(engine.aborted)
+    # The scripted engine streams "hang" until its request is aborted.
+    out = stream(gc, [(_prompt(grpcclient, "hang", stream=True), {})], model="ens_llm", cancel_after=2)
+    assert len(out) == 2 and all(error is None for _, error in out)
+    assert wait_for(lambda: len(engine.aborted) > aborted)
 
 
 def test_ensemble_with_streaming_step_on_unary_infer_is_refused(gc):
