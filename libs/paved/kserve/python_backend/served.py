@@ -1,0 +1,613 @@
+"""A Triton Python-backend model (`<model>/<version>/model.py` defining TritonPythonModel) as
+a ServedModel.
+
+`create` checks the config; `load` starts one worker process per instance (instance_group
+count, 1 by default; paved.kserve.python_backend.worker), runs the class's
+auto_complete_config in the first one, then initialize(args) in each. Requests are scheduled
+by the DynamicBatcher like the other classic models: with `dynamic_batching` the requests of a
+batch reach one execute(requests) call together, each with its own tensors (Triton does not
+concatenate them for Python models); without it each request is its own execute call.
+
+Responses: a model that is not decoupled returns one InferenceResponse per request from
+execute (or sends exactly one through a response sender); a decoupled one
+(model_transaction_policy { decoupled: true }) sends any number through
+`request.get_response_sender()` and ends with TRITONSERVER_RESPONSE_COMPLETE_FINAL, and those
+become the request's InferResponses (ModelStreamInfer, generate_stream).
+
+Errors as Triton reports them: an exception from execute fails every request of the batch
+with INTERNAL "Failed to process the request(s) for model instance ..., message: <Type>:
+<text>"; an InferenceResponse's TritonError fails its request with the error's code (INVALID_ARG
+-> INVALID_ARGUMENT, ...). A worker that dies or goes silent for `paved_execute_timeout_s`
+(config parameter, seconds, default DEFAULT_EXECUTE_TIMEOUT_S) fails what it had in flight
+with UNAVAILABLE naming the reason and is restarted; a request whose execute() returned
+without its final response fails after the same time without one.
+
+BLS: a worker's `InferenceRequest(model_name=...).exec()` arrives here and runs on any model
+of the same repository (source.repository), validated as a client's request would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
+
+from paved.engine.streams import Closing, aclose
+from paved.kserve.backends import ModelConfigError, ModelSource
+from paved.kserve.batcher import DynamicBatcher
+from paved.kserve.errors import KServeError, from_exception, invalid_argument, unavailable
+from paved.kserve.http_server import _int64_numbers
+from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, custom_parameters
+from paved.kserve.python_backend.worker import Worker
+from paved.kserve.tensors import TensorSpec, config_datatype, datatype_of
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_FILE = "model.py"
+TIMEOUT_PARAMETER = "paved_execute_timeout_s"
+DEFAULT_EXECUTE_TIMEOUT_S = 300.0
+INITIALIZE_TIMEOUT_S = 600.0
+# Triton's TRITONSERVER_Error codes (pb_utils.TritonError.*) <-> gRPC status codes.
+_TRITON_TO_GRPC = {
+    0: grpc.StatusCode.UNKNOWN,
+    1: grpc.StatusCode.INTERNAL,
+    2: grpc.StatusCode.NOT_FOUND,
+    3: grpc.StatusCode.INVALID_ARGUMENT,
+    4: grpc.StatusCode.UNAVAILABLE,
+    5: grpc.StatusCode.UNIMPLEMENTED,
+    6: grpc.StatusCode.ALREADY_EXISTS,
+    7: grpc.StatusCode.CANCELLED,
+}
+_GRPC_TO_TRITON = {v: k for k, v in _TRITON_TO_GRPC.items()}
+_FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Parameters of Triton's Python backend that ask for what this server does not do.
+_UNSUPPORTED_PARAMETERS = {
+    "EXECUTION_ENV_PATH": "custom execution environments (conda-pack) are not supported",
+}
+
+
+def create(source: ModelSource) -> PythonModel:
+    return PythonModel(source)
+
+
+def _specs(config: model_config_pb2.ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    where = f"model '{config.name}'"
+    out: list[list[TensorSpec]] = [[], []]
+    for kind, tensors, specs in (("input", config.input, out[0]), ("output", config.output, out[1])):
+        seen = set()
+        for t in tensors:
+            if not t.name:
+                raise ModelConfigError(f"{where}: an {kind} has no name")
+            if t.name in seen:
+                raise ModelConfigError(f"{where}: {kind} '{t.name}' is declared twice")
+            seen.add(t.name)
+            type_name = model_config_pb2.DataType.Name(t.data_type)
+            if type_name in ("TYPE_INVALID", "TYPE_BF16"):
+                raise ModelConfigError(f"{where}: {kind} '{t.name}': data_type {type_name} is not supported")
+            if any(d < -1 or d == 0 for d in t.dims) and not t.HasField("reshape"):
+                raise ModelConfigError(f"{where}: {kind} '{t.name}': dims must be positive or -1")
+            if kind == "input" and (t.allow_ragged_batch or t.is_shape_tensor or t.is_non_linear_format_io):
+                raise ModelConfigError(
+                    f"{where}: input '{t.name}': ragged batches, shape tensors and non-linear formats "
+                    "are not supported"
+                )
+            if t.HasField("reshape"):
+                known = [d for d in t.dims if d != -1]
+                shape = [d for d in t.reshape.shape if d != -1]
+                if (-1 in t.dims) != (-1 in t.reshape.shape) or (
+                    -1 not in t.dims and math.prod(known) != math.prod(shape)
+                ):
+                    raise ModelConfigError(
+                        f"{where}: {kind} '{t.name}': reshape {list(t.reshape.shape)} does not fit dims "
+                        f"{list(t.dims)}"
+                    )
+            optional = bool(getattr(t, "optional", False))
+            specs.append(TensorSpec(t.name, config_datatype(type_name), tuple(t.dims), optional))
+    return tuple(out[0]), tuple(out[1])
+
+
+def _validate(c: model_config_pb2.ModelConfig) -> None:
+    where = f"model '{c.name}'"
+    if c.backend != "python" or c.platform:
+        raise ModelConfigError(f'{where}: the python backend serves backend: "python" (no platform)')
+    if c.max_batch_size < 0:
+        raise ModelConfigError(f"{where}: max_batch_size must be >= 0")
+    if c.HasField("dynamic_batching"):
+        if c.max_batch_size == 0:
+            raise ModelConfigError(f"{where}: dynamic_batching needs max_batch_size > 0")
+        db = c.dynamic_batching
+        if db.priority_levels or db.priority_queue_policy or db.preserve_ordering:
+            raise ModelConfigError(f"{where}: priority levels and preserve_ordering are not supported")
+        policy = db.default_queue_policy
+        if policy.default_timeout_microseconds or policy.allow_timeout_override or policy.timeout_action:
+            raise ModelConfigError(f"{where}: queue timeouts are not supported (max_queue_size is)")
+        if any(not 1 <= p <= c.max_batch_size for p in db.preferred_batch_size):
+            raise ModelConfigError(f"{where}: preferred_batch_size entries must be in [1, max_batch_size]")
+    for group in c.instance_group:
+        if group.kind not in (
+            model_config_pb2.ModelInstanceGroup.KIND_AUTO,
+            model_config_pb2.ModelInstanceGroup.KIND_CPU,
+        ):
+            raise ModelConfigError(f"{where}: instance_group kind must be KIND_CPU (this server has no GPUs)")
+        if group.count < 0:
+            raise ModelConfigError(f"{where}: instance_group count must be >= 0")
+    for name in ("sequence_batching", "ensemble_scheduling"):
+        if c.HasField(name):
+            raise ModelConfigError(f"{where}: {name} is not supported")
+    if c.HasField("response_cache") and c.response_cache.enable:
+        raise ModelConfigError(f"{where}: response_cache is not supported")
+    for name in ("model_warmup", "batch_input", "batch_output"):
+        if len(getattr(c, name)):
+            raise ModelConfigError(f"{where}: {name} is not supported")
+    for key, why in _UNSUPPORTED_PARAMETERS.items():
+        if key in c.parameters:
+            raise ModelConfigError(f"{where}: parameter {key}: {why}")
+    _execute_timeout(c)
+    _specs(c)
+
+
+def _execute_timeout(c: model_config_pb2.ModelConfig) -> float:
+    if TIMEOUT_PARAMETER not in c.parameters:
+        return DEFAULT_EXECUTE_TIMEOUT_S
+    raw = c.parameters[TIMEOUT_PARAMETER].string_value
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0 or value > 86400:
+        raise ModelConfigError(
+            f"model '{c.name}': parameter {TIMEOUT_PARAMETER} must be seconds in (0, 86400], got {raw!r}"
+        )
+    return value
+
+
+def config_json(config: model_config_pb2.ModelConfig) -> str:
+    """The config as Triton gives it to a Python model: proto field names, defaults included,
+    int64s as numbers."""
+    doc = json_format.MessageToDict(
+        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return json.dumps(_int64_numbers(doc, config.DESCRIPTOR))
+
+
+_EXECUTED = object()  # queued once execute() returned for the request's batch
+
+
+@dataclass(eq=False)
+class _Request:
+    key: int
+    request: InferRequest
+    wire: dict
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    worker: Worker | None = None
+    finished: bool = False
+
+    def put(self, item: Any) -> None:
+        if not self.finished:
+            self.queue.put_nowait(item)
+
+
+class PythonModel(ServedModel):
+    backend = "python"
+
+    def __init__(self, source: ModelSource):
+        config = model_config_pb2.ModelConfig()
+        config.CopyFrom(source.config)
+        self.name = config.name
+        self.version = source.version
+        self.source = source
+        filename = config.default_model_filename or DEFAULT_MODEL_FILE
+        self.model_file = os.path.join(source.version_dir, filename)
+        _validate(config)
+        if not os.path.isfile(self.model_file):
+            raise ModelConfigError(f"model '{self.name}': {self.model_file} does not exist")
+        self._set_config(config)
+        self._state: ModelState = "LOADING"
+        self._reason = "not loaded yet"
+        self._workers: list[Worker] = []
+        self._idle: asyncio.Queue[Worker] = asyncio.Queue()
+        self._batcher: DynamicBatcher | None = None
+        self._requests: dict[int, _Request] = {}
+        self._keys = itertools.count(1)
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _set_config(self, config: model_config_pb2.ModelConfig) -> None:
+        self._config = config
+        self.max_batch_size = config.max_batch_size
+        self.inputs, self.outputs = _specs(config)
+        self.decoupled = config.model_transaction_policy.decoupled
+        self.execute_timeout_s = _execute_timeout(config)
+        self._reshape = {
+            t.name: tuple(t.reshape.shape) for t in (*config.input, *config.output) if t.HasField("reshape")
+        }
+
+    def config(self) -> model_config_pb2.ModelConfig:
+        """The configuration as loaded (after auto_complete_config)."""
+        config = model_config_pb2.ModelConfig()
+        config.CopyFrom(self._config)
+        return config
+
+    def state(self) -> tuple[ModelState, str]:
+        return self._state, self._reason
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def _worker(self, index: int, group: str, kind: str) -> Worker:
+        name = f"{group}_{index}"
+        args = {
+            "model_config": "",  # filled once the config is complete
+            "model_instance_kind": kind,
+            "model_instance_name": name,
+            "model_instance_device_id": "0",
+            "model_repository": self.source.directory,
+            "model_version": self.version,
+            "model_name": self.name,
+            "_model_file": self.model_file,
+        }
+        return Worker(
+            model=self.name,
+            name=name,
+            cwd=self.source.version_dir,
+            args=args,
+            execute_timeout_s=self.execute_timeout_s,
+            initialize_timeout_s=INITIALIZE_TIMEOUT_S,
+            on_message=self._on_message,
+            on_bls=self._bls,
+            on_death=self._on_death,
+        )
+
+    def _instance_names(self, config: model_config_pb2.ModelConfig) -> list[tuple[int, str]]:
+        # Triton's naming: group "<model>_<group index>" unless named, instances "<group>_<i>".
+        out = []
+        groups = list(config.instance_group) or [model_config_pb2.ModelInstanceGroup(count=1)]
+        for g, group in enumerate(groups):
+            name = group.name or f"{self.name}_{g}"
+            out += [(i, name) for i in range(group.count or 1)]
+        return out
+
+    async def load(self) -> None:
+        try:
+            await self._load()
+        except Exception as e:
+            self._state, self._reason = "UNAVAILABLE", f"load failed: {e}"
+            await self._stop_workers()
+            raise
+        self._state, self._reason = "READY", ""
+
+    async def _load(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        names = self._instance_names(self._config)
+        first = self._worker(names[0][0], names[0][1], "CPU")
+        self._workers.append(first)
+        await first.start()
+        completed = await first.auto_complete(self.model_file, config_json(self._config))
+        config = model_config_pb2.ModelConfig()
+        try:
+            json_format.Parse(completed, config)
+        except json_format.ParseError as e:
+            raise ModelConfigError(
+                f"model '{self.name}': auto_complete_config gave an invalid config: {e}"
+            ) from e
+        config.name = self.name
+        _validate(config)
+        self._set_config(config)
+        first.execute_timeout_s = self.execute_timeout_s
+        names = self._instance_names(config)
+        self._workers += [self._worker(i, group, "CPU") for i, group in names[1:]]
+        await asyncio.gather(*(w.start() for w in self._workers[1:]))
+        text = config_json(config)
+        for w in self._workers:
+            w.args["model_config"] = text
+        await asyncio.gather(*(w.initialize() for w in self._workers))
+        for w in self._workers:
+            self._idle.put_nowait(w)
+        c = config
+        if c.HasField("dynamic_batching"):
+            db = c.dynamic_batching
+            self._batcher = DynamicBatcher(
+                self._run_batch,
+                name=self.name,
+                max_batch_size=c.max_batch_size,
+                max_queue_delay_s=db.max_queue_delay_microseconds / 1e6,
+                preferred_batch_sizes=list(db.preferred_batch_size),
+                max_queue_size=db.default_queue_policy.max_queue_size,
+                instances=len(self._workers),
+            )
+        else:
+            self._batcher = DynamicBatcher(
+                self._run_batch,
+                name=self.name,
+                max_batch_size=max(c.max_batch_size, 1),
+                instances=len(self._workers),
+                coalesce=False,
+            )
+
+    async def close(self) -> None:
+        self._closing = True
+        self._state, self._reason = "UNAVAILABLE", "unloaded"
+        await self._stop_workers()
+        if self._batcher is not None:
+            await self._batcher.close()
+        error = unavailable(f"model '{self.name}' is shutting down")
+        for request in list(self._requests.values()):
+            request.put(error)
+
+    async def _stop_workers(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+
+    # ---- from the workers ---------------------------------------------------------------------
+    def _on_message(self, worker: Worker, message: tuple) -> None:
+        if message[0] != "send":
+            logger.warning("model %s instance %s sent unknown %r", self.name, worker.name, message[0])
+            return
+        _, key, outputs, error, flags = message
+        request = self._requests.get(key)
+        if request is None:
+            return  # finished or abandoned: the model may still send, nobody listens
+        final = bool(flags & _FINAL)
+        try:
+            item: Any = self._response(request, outputs, error, final)
+        except KServeError as e:
+            item = e
+        request.put(item)
+
+    def _on_death(self, worker: Worker, error: KServeError) -> None:
+        # Requests whose execute() returned but which still stream from this worker.
+        for request in list(self._requests.values()):
+            if request.worker is worker:
+                request.put(error)
+
+    def _response(
+        self, request: _Request, outputs: list | None, error: tuple[str, int] | None, final: bool
+    ) -> InferResponse:
+        if error is not None:
+            message, code = error
+            raise KServeError(_TRITON_TO_GRPC.get(code, grpc.StatusCode.UNKNOWN), str(message))
+        arrays = {}
+        for name, array in outputs or []:
+            try:
+                spec = self.output_spec(name)
+            except KeyError:
+                raise KServeError(
+                    grpc.StatusCode.INTERNAL,
+                    f"model '{self.name}' returned output '{name}', which its configuration does not declare",
+                ) from None
+            array = np.asarray(array)
+            try:
+                datatype = datatype_of(array)
+            except TypeError as e:
+                raise KServeError(
+                    grpc.StatusCode.INTERNAL, f"model '{self.name}' output '{name}': {e}"
+                ) from None
+            if datatype != spec.datatype:
+                raise KServeError(
+                    grpc.StatusCode.INTERNAL,
+                    f"model '{self.name}' returned output '{name}' as {datatype}, but its configuration "
+                    f"declares {spec.datatype}",
+                )
+            if name in self._reshape:
+                # The model produced the reshape shape; the client is told `dims`.
+                lead = array.shape[:1] if self.max_batch_size > 0 else ()
+                with contextlib.suppress(ValueError):
+                    array = array.reshape(*lead, *spec.dims)
+            arrays[name] = array
+        return InferResponse(arrays, final=final)
+
+    # ---- inference ----------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        if self._batcher is None or self._state != "READY":
+            raise unavailable(f"model '{self.name}' is not loaded")
+        rows = self._rows(request)
+        key = next(self._keys)
+        inputs = []
+        for name, array in request.inputs.items():
+            if name in self._reshape:
+                lead = array.shape[:1] if self.max_batch_size > 0 else ()
+                array = array.reshape(*lead, *self._reshape[name])
+            inputs.append((name, array))
+        pending = _Request(
+            key,
+            request,
+            {
+                "key": key,
+                "id": request.id,
+                "inputs": inputs,
+                # Triton: no requested outputs means all of them.
+                "outputs": list(request.outputs or [])
+                if request.outputs is not None
+                else [s.name for s in self.outputs],
+                "parameters": json.dumps(request.parameters),
+                "model": self.name,
+            },
+        )
+        self._requests[key] = pending
+        marker = np.empty(rows, dtype=object)
+        marker[0] = pending
+        submit = asyncio.create_task(self._submit(pending, marker), name=f"pb-{self.name}-{key}")
+
+        def finish() -> None:
+            if not pending.finished:
+                pending.finished = True
+                if pending.worker is not None:
+                    pending.worker.cancel(key)
+            self._requests.pop(key, None)
+            submit.cancel()
+
+        responses = Closing(self._responses(pending), finish)
+        if self.decoupled:
+            return responses
+        try:
+            first = await responses.__anext__()
+        except StopAsyncIteration:
+            raise KServeError(grpc.StatusCode.INTERNAL, f"model '{self.name}' sent no response") from None
+        finally:
+            await aclose(responses)
+        return _one(first)
+
+    def _rows(self, request: InferRequest) -> int:
+        if self.max_batch_size == 0 or not request.inputs:
+            return 1
+        sizes = {name: int(a.shape[0]) for name, a in request.inputs.items()}
+        if len(set(sizes.values())) > 1:
+            raise invalid_argument(
+                f"model '{self.name}': the inputs' batch sizes differ ({sizes}); they must be equal"
+            )
+        return next(iter(sizes.values()))
+
+    async def _submit(self, pending: _Request, marker: np.ndarray) -> None:
+        try:
+            if self._batcher is None:
+                raise unavailable(f"model '{self.name}' is not loaded")
+            await self._batcher.submit(marker)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the request's error, for its reader
+            pending.put(from_exception(e))
+            return
+        pending.put(_EXECUTED)
+
+    async def _responses(self, pending: _Request) -> AsyncIterator[InferResponse]:
+        executed = False
+        while True:
+            try:
+                async with asyncio.timeout(self.execute_timeout_s if executed else None):
+                    item = await pending.queue.get()
+            except TimeoutError:
+                raise unavailable(
+                    f"model '{self.name}': no response for {self.execute_timeout_s:g} s after execute() "
+                    f"returned ({TIMEOUT_PARAMETER})"
+                ) from None
+            if item is _EXECUTED:
+                executed = True
+                continue
+            if isinstance(item, KServeError):
+                raise item
+            if item.final:
+                pending.finished = True
+            yield item
+            if item.final:
+                return
+
+    def _run_batch(self, marker: np.ndarray) -> np.ndarray:
+        """The DynamicBatcher's run (on its thread): one execute() on a free instance."""
+        batch = [p for p in marker if p is not None]
+        if self._loop is None:
+            raise unavailable(f"model '{self.name}' is not loaded")
+        asyncio.run_coroutine_threadsafe(self._execute(batch), self._loop).result()
+        return marker
+
+    async def _execute(self, batch: list[_Request]) -> None:
+        worker = await self._idle.get()
+        try:
+            for pending in batch:
+                pending.worker = worker
+            responses, error = await worker.execute([p.wire for p in batch])
+        finally:
+            self._idle.put_nowait(worker)
+        if error is not None:
+            failure = KServeError(
+                grpc.StatusCode.INTERNAL,
+                f"Failed to process the request(s) for model instance '{worker.name}', message: {error}",
+            )
+            for pending in batch:
+                pending.put(failure)
+            return
+        if responses is None:
+            return
+        for pending, (outputs, response_error) in zip(batch, responses, strict=True):
+            try:
+                item: Any = self._response(pending, outputs, response_error, True)
+            except KServeError as e:
+                item = e
+            pending.put(item)
+
+    # ---- BLS ----------------------------------------------------------------------------------
+    async def _bls(self, body: dict, reply: Callable[[tuple], Awaitable[None]]) -> None:
+        """Run a worker's BLS request on the repository and reply (outputs, error, final) until
+        a final reply; every failure becomes an error reply."""
+        final_sent = False
+        try:
+            timeout_s = body["timeout_us"] / 1e6 if body["timeout_us"] > 0 else None
+            async with asyncio.timeout(timeout_s):
+                model, request = self._bls_request(body)
+                # ModelRepository.infer is a coroutine (RepositoryView's annotation says otherwise).
+                started: Any = self.source.repository.infer(model, request)
+                responses = await started
+                try:
+                    if body["decoupled"]:
+                        async for response in responses:
+                            final_sent = response.final
+                            await reply((list(response.outputs.items()), None, response.final))
+                            if response.final:
+                                break
+                        if not final_sent:
+                            final_sent = True
+                            await reply(([], None, True))
+                    else:
+                        results = [r async for r in responses]
+                        if len(results) != 1:
+                            raise invalid_argument(
+                                f"model '{model.name}' sent {len(results)} responses to a BLS request; "
+                                "use exec(decoupled=True)"
+                            )
+                        final_sent = True
+                        await reply((list(results[0].outputs.items()), None, True))
+                finally:
+                    await aclose(responses)
+        except TimeoutError:
+            if not final_sent:
+                expired = ("Request timeout expired", _GRPC_TO_TRITON[grpc.StatusCode.UNAVAILABLE])
+                await reply(([], expired, True))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the model gets the error in its response
+            if not final_sent:
+                error = from_exception(e)
+                await reply(([], (error.message, _GRPC_TO_TRITON.get(error.code, 0)), True))
+
+    def _bls_request(self, body: dict) -> tuple[ServedModel, InferRequest]:
+        version = body["model_version"]
+        version = "" if version in (-1, None, "") else str(version)
+        model = self.source.repository.get_ready(body["model_name"], version)
+        names = [name for name, _ in body["inputs"]]
+        model.check_required(names)
+        inputs = {}
+        for name, value in body["inputs"]:
+            array = np.asarray(value)
+            try:
+                datatype = datatype_of(array)
+            except TypeError as e:
+                raise invalid_argument(f"BLS input '{name}': {e}") from None
+            model.check_input(name, datatype, array.shape)
+            inputs[name] = array
+        try:
+            parameters = json.loads(body["parameters"] or "{}")
+        except json.JSONDecodeError as e:
+            raise invalid_argument(f"BLS request parameters are not JSON: {e}") from None
+        if not isinstance(parameters, dict):
+            raise invalid_argument("BLS request parameters must be a JSON object")
+        request = InferRequest(
+            model_name=model.name,
+            id=str(body["request_id"]),
+            inputs=inputs,
+            parameters=custom_parameters(parameters),
+            outputs=list(body["outputs"]) or None,
+            decoupled=bool(body["decoupled"]),
+        )
+        return model, request
+
+
+async def _one(response: InferResponse) -> AsyncIterator[InferResponse]:
+    yield response

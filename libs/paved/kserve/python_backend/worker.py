@@ -1,0 +1,361 @@
+"""The server's side of one Python-model instance: its worker process and their channel.
+
+A `Worker` starts `python -m paved.kserve.python_backend.stub` with one end of a socketpair,
+reads every frame the worker sends on one task (responses, BLS requests, log lines, replies),
+and logs the worker's stdout and stderr line by line, prefixed with the instance's name.
+
+Invariants the model (paved.kserve.python_backend.served) relies on:
+- `execute` returns the worker's (responses, error) for a batch, or raises a KServeError
+  (UNAVAILABLE, naming the reason) when the worker dies or hangs while executing it. A worker
+  hangs when it sends nothing for `execute_timeout_s` while executing and no BLS call of its
+  own is in flight; it is then killed.
+- When a worker dies (crash, kill, a failed frame), everything it had in flight fails once with
+  the reason, `on_death` tells the model (which fails the requests still streaming from it),
+  and a new process is started and initialized; `execute` waits for that restart, and if the
+  restart failed, fails at once and tries again on the next call.
+- `stop` asks the model to finalize (bounded wait), then kills; no process outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from paved.kserve.errors import KServeError, unavailable
+from paved.kserve.python_backend import frames
+
+logger = logging.getLogger(__name__)
+
+STUB_MODULE = "paved.kserve.python_backend.stub"
+# How long finalize() may take at shutdown before the process is killed.
+FINALIZE_TIMEOUT_S = 5.0
+# pb_utils.LogLevel -> logging level.
+_LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        model: str,
+        name: str,
+        cwd: str,
+        args: dict[str, str],
+        execute_timeout_s: float,
+        initialize_timeout_s: float,
+        on_message: Callable[[Worker, tuple], None],
+        on_bls: Callable[[dict, Callable[[tuple], Awaitable[None]]], Awaitable[None]],
+        on_death: Callable[[Worker, KServeError], None],
+    ):
+        self.model = model
+        self.name = name  # the instance's name, as initialize(args) sees it
+        self.cwd = cwd
+        self.args = args
+        self.execute_timeout_s = execute_timeout_s
+        self.initialize_timeout_s = initialize_timeout_s
+        self._on_message = on_message
+        self._on_bls = on_bls
+        self._on_death = on_death
+        self.process: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._bls_tasks: set[asyncio.Task] = set()
+        self._replies: dict[str, asyncio.Future] = {}
+        self._executions: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._alive = False
+        self._kill_reason = ""
+        self._died = asyncio.Event()
+        self._restart: asyncio.Task | None = None
+        self._broken = ""  # why the last restart failed ("" when running or restartable)
+        self._stopping = False
+        self.last_activity = time.monotonic()
+        self.restarts = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the process (not yet initialized)."""
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        # The worker imports paved and whatever the model imports from this interpreter's path.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                STUB_MODULE,
+                str(child.fileno()),
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=self.cwd,
+                env=env,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._alive = True
+        self._kill_reason = ""
+        self._died = asyncio.Event()
+        self.last_activity = time.monotonic()
+        for stream, level in ((self.process.stdout, logging.INFO), (self.process.stderr, logging.WARNING)):
+            if stream is not None:
+                self._spawn(self._log_lines(stream, level))
+        self._spawn(self._read())
+
+    async def auto_complete(self, model_file: str, config_json: str) -> str:
+        config, error = await self._call(
+            ("auto_complete", model_file, config_json), "auto_completed", self.initialize_timeout_s
+        )
+        if error is not None:
+            raise RuntimeError(f"auto_complete_config failed: {error}")
+        return config
+
+    async def initialize(self) -> None:
+        (error,) = await self._call(("initialize", dict(self.args)), "initialized", self.initialize_timeout_s)
+        if error is not None:
+            raise RuntimeError(f"initialize failed: {error}")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._restart is not None:
+            self._restart.cancel()
+            await asyncio.gather(self._restart, return_exceptions=True)
+        if self._alive:
+            with contextlib.suppress(KServeError):  # killed (or dead) instead
+                await self._call(("finalize",), "finalized", FINALIZE_TIMEOUT_S)
+        await self._kill("was stopped")
+        for task in list(self._tasks | self._bls_tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._bls_tasks, return_exceptions=True)
+
+    async def _kill(self, reason: str) -> None:
+        if self.process is None:
+            return
+        if self._alive and not self._kill_reason:
+            self._kill_reason = reason
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+        if self._alive:
+            await self._died.wait()
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def execute(self, requests: list[dict]) -> tuple[list | None, str | None]:
+        """Run one batch: the worker's responses (None: the model answers through response
+        senders) and its error (None, or the text of what execute() raised)."""
+        await self._ensure_running()
+        exec_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._executions[exec_id] = future
+        try:
+            await self.send(("execute", exec_id, requests))
+            self.last_activity = time.monotonic()
+            return await self._watch(future, "execute()")
+        finally:
+            self._executions.pop(exec_id, None)
+
+    async def send(self, message: tuple) -> None:
+        if not self._alive or self._writer is None:
+            raise unavailable(f"model '{self.model}' instance '{self.name}' is not running")
+        self._writer.writelines(frames.encode(message))
+        try:
+            await self._writer.drain()
+        except ConnectionError as e:
+            raise unavailable(f"model '{self.model}' instance '{self.name}': the worker is gone ({e})") from e
+
+    def cancel(self, key: int) -> None:
+        """Tell the model that request `key` was cancelled (its is_cancelled() turns true)."""
+        if self._alive:
+            self._spawn(self._send_quietly(("cancel", key)))
+
+    async def _send_quietly(self, message: tuple) -> None:
+        with contextlib.suppress(KServeError):  # the worker is gone: nothing left to tell
+            await self.send(message)
+
+    async def _watch(self, future: asyncio.Future, what: str) -> Any:
+        """`future`'s result; the worker is killed if it goes silent for the timeout while no
+        BLS call of its own is in flight (a BLS call may legitimately take long)."""
+        timeout = self.execute_timeout_s
+        while True:
+            idle = time.monotonic() - self.last_activity
+            remaining = timeout - idle if not self._bls_tasks else timeout
+            if remaining <= 0:
+                await self._kill(
+                    f"did not finish {what} within {timeout:g} s (paved_execute_timeout_s) and was killed"
+                )
+                return await future  # failed by the death
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), remaining)
+            except TimeoutError:
+                continue
+
+    async def _call(self, message: tuple, reply: str, limit_s: float) -> tuple:
+        future = asyncio.get_running_loop().create_future()
+        self._replies[reply] = future
+        try:
+            await self.send(message)
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), limit_s)
+            except TimeoutError:
+                await self._kill(f"did not answer {message[0]} within {limit_s:g} s and was killed")
+                return await future
+        finally:
+            self._replies.pop(reply, None)
+
+    async def _ensure_running(self) -> None:
+        if self._restart is not None and not self._restart.done():
+            await asyncio.shield(self._restart)
+        if self._alive:
+            return
+        if self._stopping:
+            raise unavailable(f"model '{self.model}' is shutting down")
+        reason = self._broken or "is not running"
+        # Try again for the next request, so a transient failure does not last.
+        self._broken = ""
+        self._restart = asyncio.create_task(self._restart_process(), name=f"pb-restart-{self.name}")
+        raise unavailable(f"model '{self.model}' instance '{self.name}' {reason}; restarting it")
+
+    async def _restart_process(self) -> None:
+        self.restarts += 1
+        logger.warning("model %s: restarting instance %s", self.model, self.name)
+        try:
+            await self.start()
+            await self.initialize()
+            logger.info("model %s: instance %s restarted", self.model, self.name)
+        except Exception as e:  # noqa: BLE001 - recorded, retried on the next request
+            self._broken = f"could not be restarted: {e}"
+            logger.error("model %s: instance %s %s", self.model, self.name, self._broken)
+            if self._alive:
+                await self._kill(self._broken)
+
+    # ---- the channel -------------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _receive(self) -> tuple:
+        if self._reader is None:
+            raise ConnectionError("not started")
+        meta_len, count = frames.HEADER.unpack(await self._reader.readexactly(frames.HEADER.size))
+        lengths = [
+            frames.LENGTH.unpack(await self._reader.readexactly(frames.LENGTH.size))[0] for _ in range(count)
+        ]
+        if meta_len + sum(lengths) > frames.MAX_FRAME_BYTES:
+            raise ValueError(f"a frame of {meta_len + sum(lengths)} bytes")
+        meta = await self._reader.readexactly(meta_len)
+        return frames.decode(meta, [await self._reader.readexactly(n) for n in lengths])
+
+    async def _read(self) -> None:
+        broken = ""
+        try:
+            while True:
+                message = await self._receive()
+                self.last_activity = time.monotonic()
+                self._dispatch(message)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a frame we cannot read: the worker is unusable
+            broken = f"sent a frame that could not be read ({type(e).__name__}: {e})"
+            logger.exception("model %s instance %s: bad frame", self.model, self.name)
+        await self._handle_death(broken)
+
+    def _dispatch(self, message: tuple) -> None:
+        op = message[0]
+        if op == "executed":
+            future = self._executions.get(message[1])
+            if future is not None and not future.done():
+                future.set_result((message[2], message[3]))
+        elif op == "bls":
+            _, call_id, body = message
+            task = asyncio.create_task(self._bls(call_id, body))
+            self._bls_tasks.add(task)
+            task.add_done_callback(self._bls_tasks.discard)
+        elif op == "log":
+            logger.log(_LOG_LEVELS.get(message[1], logging.INFO), "[%s] %s", self.name, message[2])
+        elif op in ("auto_completed", "initialized", "finalized"):
+            future = self._replies.get(op)
+            if future is not None and not future.done():
+                future.set_result(message[1:])
+        else:
+            self._on_message(self, message)
+
+    async def _bls(self, call_id: int, body: dict) -> None:
+        async def reply(response: tuple) -> None:
+            await self.send(("bls_response", call_id, *response))
+
+        try:
+            await self._on_bls(body, reply)
+        except KServeError:
+            pass  # the worker died meanwhile: nobody waits for the answer
+        finally:
+            # The model waited on the server meanwhile: its silence was not a hang.
+            self.last_activity = time.monotonic()
+
+    async def _log_lines(self, stream: asyncio.StreamReader, level: int) -> None:
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line over the reader's limit: log what there is
+                line = await stream.read(65536)
+            if not line:
+                return
+            logger.log(level, "[%s] %s", self.name, line.decode(errors="replace").rstrip())
+
+    async def _handle_death(self, broken: str) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        code = None
+        if self.process is not None:
+            if self.process.returncode is None:
+                try:
+                    await asyncio.wait_for(self.process.wait(), 5)
+                except TimeoutError:
+                    self.process.kill()
+                    await self.process.wait()
+            code = self.process.returncode
+        if self._kill_reason:
+            reason = self._kill_reason
+        elif broken:
+            reason = broken
+        elif code is not None and code < 0:
+            reason = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            reason = f"exited with code {code}"
+        if self._writer is not None:
+            self._writer.close()
+        error = unavailable(
+            f"model '{self.model}' instance '{self.name}': the worker process {reason}"
+            + ("" if self._stopping else "; it is being restarted")
+        )
+        if not self._stopping:
+            logger.error("%s", error.message)
+        for future in [*self._executions.values(), *self._replies.values()]:
+            if not future.done():
+                future.set_exception(error)
+        for task in list(self._bls_tasks):
+            task.cancel()
+        self._on_death(self, error)
+        self._died.set()
+        if not self._stopping and (self._restart is None or self._restart.done()):
+            self._restart = asyncio.create_task(self._restart_process(), name=f"pb-restart-{self.name}")

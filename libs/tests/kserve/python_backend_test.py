@@ -1,0 +1,318 @@
+"""Triton's Python backend on paved's KServe server (paved.kserve.python_backend), through
+tritonclient over gRPC and HTTP against a server on loopback.
+
+The models (testdata/python_backend/<model>/config.pbtxt + 1/model.py, unchanged Triton model
+directories) cover: a batched add/sub model with two instances, a decoupled streaming model, a
+BLS model calling both (exec, async_exec, exec(decoupled=True), an unknown model), a model whose
+config comes from auto_complete_config, a Python model wrapping the server's LLM through a
+streaming BLS call, and a faulty model that raises, answers errors, crashes (os._exit,
+SIGSEGV) and hangs: each fails its request with a clear status, and the model serves again
+after its worker is restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+from tritonclient.utils import InferenceServerException
+
+from libs.tests.kserve.kserve_fakes import LLM, FakeEngine, serving, tensor
+from paved.kserve.backends import ModelConfigError, ModelSource
+from paved.kserve.python_backend import create
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.join(HERE, "testdata", "python_backend")
+GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
+MODELS = ("add_sub", "repeat", "bls", "faulty", "auto", "llm_wrap")
+
+
+class LateRepository:
+    """A RepositoryView bound to the server's repository once the server exists (the models
+    are built before it)."""
+
+    repository = None
+
+    def get_ready(self, name, version=""):
+        return self.repository.get_ready(name, version)
+
+    def infer(self, model, request):
+        return self.repository.infer(model, request)
+
+
+def source(name: str, view=None, config: model_config_pb2.ModelConfig | None = None) -> ModelSource:
+    directory = os.path.join(REPO, name)
+    if config is None:
+        config = model_config_pb2.ModelConfig()
+        with open(os.path.join(directory, "config.pbtxt")) as f:
+            text_format.Parse(f.read(), config)
+    return ModelSource(
+        name=name,
+        version="1",
+        directory=directory,
+        version_dir=os.path.join(directory, "1"),
+        config=config,
+        repository=view or LateRepository(),
+    )
+
+
+@pytest.fixture(scope="module")
+def server(loop):
+    from paved.kserve.server import KServeServer
+
+    view = LateRepository()
+    models = [create(source(name, view)) for name in MODELS]
+    kserve = KServeServer([FakeEngine()], models, host="127.0.0.1", grpc_port=0, http_port=0)
+    view.repository = kserve.repository
+    with serving(loop, kserve) as started:
+        yield started
+
+
+def model(server, name):
+    return server.repository.get(name)
+
+
+def pair(module, a, b):
+    return [tensor(module, "INPUT0", a, "FP32"), tensor(module, "INPUT1", b, "FP32")]
+
+
+def stream_all(gc, model_name, inputs, *, parameters=None, timeout=30):
+    """Every response of one ModelStreamInfer request (until its final flag or an error)."""
+    results: queue.Queue = queue.Queue()
+    gc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        gc.async_stream_infer(model_name, inputs, parameters=parameters, enable_empty_final_response=True)
+        out = []
+        while True:
+            result, error = results.get(timeout=timeout)
+            out.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        gc.stop_stream()
+
+
+# ---- batched model ---------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_add_sub_answers_over_both_transports(server, gc, hc, module):
+    client = gc if module is grpcclient else hc
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.ones((2, 4), dtype=np.float32)
+    result = client.infer("add_sub", pair(module, a, b))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    assert result.as_numpy("REQUESTS").shape == (2, 1)
+
+
+def test_add_sub_config_and_metadata_are_the_pbtxt(server, gc):
+    config = gc.get_model_config("add_sub").config
+    assert config.backend == "python"
+    assert config.max_batch_size == 8
+    assert config.instance_group[0].count == 2
+    assert [t.name for t in config.output] == ["OUTPUT0", "OUTPUT1", "REQUESTS"]
+    meta = gc.get_model_metadata("add_sub")
+    assert meta.platform == "python"
+    assert [list(t.shape) for t in meta.inputs] == [[-1, 4], [-1, 4]]
+
+
+def test_dynamic_batching_passes_concurrent_requests_to_one_execute(server, gc):
+    # 200 ms queue delay and 6 requests sent at once: they meet in fewer execute() calls than
+    # requests, each answered with its own rows.
+    done: queue.Queue = queue.Queue()
+    inputs = []
+    for i in range(6):
+        a = np.full((1, 4), i, dtype=np.float32)
+        inputs.append(a)
+        gc.async_infer(
+            "add_sub",
+            pair(grpcclient, a, a),
+            callback=lambda result, error, i=i: done.put((i, result, error)),
+        )
+    results = {}
+    for _ in range(6):
+        i, result, error = done.get(timeout=30)
+        assert error is None, error
+        results[i] = result
+    for i, result in results.items():
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), inputs[i] * 2)
+    shared = [int(r.as_numpy("REQUESTS")[0, 0]) for r in results.values()]
+    assert max(shared) > 1
+
+
+def test_batch_over_max_batch_size_is_refused(server, gc):
+    a = np.zeros((9, 4), dtype=np.float32)
+    with pytest.raises(InferenceServerException) as e:
+        gc.infer("add_sub", pair(grpcclient, a, a))
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+# ---- decoupled -------------------------------------------------------------------------------
+@pytest.mark.parametrize("from_thread", [False, True])
+def test_decoupled_streams_n_responses_then_final(server, gc, from_thread):
+    values = np.array([5, 6, 7], dtype=np.int32)
+    responses = stream_all(
+        gc,
+        "repeat",
+        [tensor(grpcclient, "IN", values, "INT32")],
+        parameters={"from_thread": True} if from_thread else None,
+    )
+    assert all(error is None for _, error in responses)
+    data = [r for r, _ in responses if r.get_response().outputs]
+    assert [int(r.as_numpy("OUT")[0]) for r in data] == [5, 6, 7]
+    assert [int(r.as_numpy("IDX")[0]) for r in data] == [0, 1, 2]
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r, _ in responses]
+    assert finals == [False, False, False, True]
+
+
+def test_decoupled_over_http_generate_stream(server, hc):
+    import json
+    import urllib.request
+
+    body = json.dumps({"IN": [1, 2]}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v2/models/repeat/generate_stream",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        events = [
+            json.loads(line[len(b"data: ") :])
+            for line in response.read().splitlines()
+            if line.startswith(b"data: ")
+        ]
+    assert [e["OUT"] for e in events if "OUT" in e] == [1, 2]
+
+
+# ---- BLS -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_bls_calls_other_models_of_the_server(server, gc, hc, module):
+    client = gc if module is grpcclient else hc
+    a = np.array([1, 2, 3, 4], dtype=np.float32)
+    b = np.array([10, 20, 30, 40], dtype=np.float32)
+    result = client.infer("bls", pair(module, a, b))
+    np.testing.assert_array_equal(result.as_numpy("SUM"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("DIFF"), a - b)
+    np.testing.assert_array_equal(result.as_numpy("STREAMED"), [1, 2, 3, 4])
+    error = result.as_numpy("ERROR")[0]
+    assert b"no_such_model" in (error if isinstance(error, bytes) else error.encode())
+
+
+def test_python_model_wraps_the_llm_through_streaming_bls(server, gc):
+    prompt = np.array([b"hello there"], dtype=np.object_)
+    responses = stream_all(gc, "llm_wrap", [tensor(grpcclient, "PROMPT", prompt, "BYTES")])
+    assert all(error is None for _, error in responses)
+    pieces = [r.as_numpy("TEXT")[0] for r, _ in responses if r.get_response().outputs]
+    assert pieces == [b"[w0 ]", b"[w1 ]", b"[w2 ]"]
+    engine = server.repository.engines[0]
+    assert engine.requests[-1].prompt.text == "HELLO THERE"
+    assert engine.requests[-1].model == LLM
+
+
+# ---- auto-complete ---------------------------------------------------------------------------
+def test_auto_complete_config_declares_the_tensors(server, gc, hc):
+    config = gc.get_model_config("auto").config
+    assert config.max_batch_size == 4
+    assert config.HasField("dynamic_batching")
+    assert [t.name for t in config.input] == ["X"]
+    x = np.array([[1.5, -2.0]], dtype=np.float64)
+    result = hc.infer("auto", [tensor(httpclient, "X", x, "FP64")])
+    np.testing.assert_array_equal(result.as_numpy("Y"), 2 * x)
+
+
+# ---- failures --------------------------------------------------------------------------------
+def op(module, value):
+    return [tensor(module, "OP", np.array([value], dtype=np.int32), "INT32")]
+
+
+def faulty_pid(client, module):
+    return int(client.infer("faulty", op(module, 0)).as_numpy("PID")[0])
+
+
+def test_exception_in_execute_fails_the_request_as_triton_does(server, gc, hc):
+    with pytest.raises(InferenceServerException) as e:
+        gc.infer("faulty", op(grpcclient, 4))
+    assert e.value.status() == "StatusCode.INTERNAL"
+    assert "Failed to process the request(s) for model instance 'faulty_0_0'" in e.value.message()
+    assert "ValueError: boom from faulty" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        hc.infer("faulty", op(httpclient, 4))
+    assert e.value.status() == "500"
+    assert "boom from faulty" in e.value.message()
+
+
+def test_triton_error_codes_map_to_statuses(server, gc, hc):
+    with pytest.raises(InferenceServerException) as e:
+        gc.infer("faulty", op(grpcclient, 5))
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert e.value.message() == "op 5 is refused"
+    with pytest.raises(InferenceServerException) as e:
+        hc.infer("faulty", op(httpclient, 5))
+    assert e.value.status() == "400"
+
+
+def test_undeclared_output_is_an_internal_error(server, gc):
+    with pytest.raises(InferenceServerException) as e:
+        gc.infer("faulty", op(grpcclient, 6))
+    assert e.value.status() == "StatusCode.INTERNAL"
+    assert "UNDECLARED" in e.value.message()
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(1, "exited with code 3"), (3, "killed by signal SIGSEGV"), (2, "did not finish execute() within 2 s")],
+    ids=["os_exit", "segfault", "hang"],
+)
+def test_crash_or_hang_fails_the_request_and_the_model_serves_again(server, gc, value, reason):
+    before = faulty_pid(gc, grpcclient)
+    with pytest.raises(InferenceServerException) as e:
+        gc.infer("faulty", op(grpcclient, value), client_timeout=60)
+    assert e.value.status() == "StatusCode.UNAVAILABLE"
+    assert "faulty_0_0" in e.value.message()
+    assert reason in e.value.message()
+    # The restart may still be under way: a request then waits for it.
+    after = faulty_pid(gc, grpcclient)
+    assert after != before
+    assert server.repository.ready()
+
+
+def test_python_model_output_goes_to_the_server_log(server, gc, caplog):
+    caplog.set_level(logging.INFO, logger="paved.kserve.python_backend.worker")
+    before = faulty_pid(gc, grpcclient)
+    with pytest.raises(InferenceServerException):
+        gc.infer("faulty", op(grpcclient, 4))
+    lines = [r.getMessage() for r in caplog.records]
+    # The traceback the worker printed to stderr, prefixed with the instance's name.
+    assert any(line.startswith("[faulty_0_0] ") and "boom from faulty" in line for line in lines), lines
+    assert faulty_pid(gc, grpcclient) == before
+
+
+# ---- config checks ---------------------------------------------------------------------------
+def _set_parameter(config, key, value):
+    config.parameters[key].string_value = value
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda c: c.sequence_batching.SetInParent(), "sequence_batching"),
+        (lambda c: c.instance_group.add(count=1, kind=GPU), "KIND_CPU"),
+        (lambda c: _set_parameter(c, "paved_execute_timeout_s", "0"), "paved_execute_timeout_s"),
+        (lambda c: _set_parameter(c, "EXECUTION_ENV_PATH", "env.tar.gz"), "EXECUTION_ENV_PATH"),
+        (lambda c: setattr(c, "default_model_filename", "missing.py"), "missing.py"),
+        (lambda c: c.dynamic_batching.preferred_batch_size.append(9), "preferred_batch_size"),
+    ],
+)
+def test_config_the_backend_cannot_serve_fails_create(change, field):
+    config = model_config_pb2.ModelConfig()
+    with open(os.path.join(REPO, "add_sub", "config.pbtxt")) as f:
+        text_format.Parse(f.read(), config)
+    change(config)
+    with pytest.raises(ModelConfigError, match=field):
+        create(source("add_sub", config=config))
