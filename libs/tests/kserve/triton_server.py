@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["TritonUrls", "find_triton_home", "triton_server"]
+__all__ = ["TritonUrls", "find_triton_home", "paved_kserve_server", "triton_server"]
 
 HOME_ENV = "PAVED_TRITON_HOME"
 VENV_NAME = ".venv-triton"
@@ -254,3 +256,88 @@ def triton_server(
     finally:
         if proc is not None:
             _stop(proc)
+
+
+def _forward_lines(proc: subprocess.Popen[bytes], lines: queue.Queue[str]) -> None:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        lines.put(raw.decode(errors="replace"))
+    lines.put("")
+
+
+@contextlib.contextmanager
+def paved_kserve_server(
+    repository: Path,
+    tmp: Path,
+    *,
+    extra_args: Iterable[str] = (),
+    start_timeout_s: float = 60.0,
+) -> Iterator[TritonUrls]:
+    """Runs paved's KServe server (`paved.kserve.main --model-repository`) on `repository` in a
+    subprocess of this interpreter, on free loopback ports, and yields its TritonUrls once it
+    listens (its models may still be loading: wait for the ones you need). Its output goes to
+    `tmp/paved-kserve.log` (tail printed when the block raises); the process is stopped (SIGTERM,
+    then SIGKILL) when the block exits."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    log_path = tmp / "paved-kserve.log"
+    code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
+    command = [
+        sys.executable,
+        "-c",
+        code,
+        "--model-repository",
+        str(repository.absolute()),
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        *extra_args,
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
+        )
+    try:
+        # The main prints its bound ports on one line once both listeners are up; a reader thread
+        # keeps draining stdout after it, so a full pipe never blocks the server.
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_forward_lines, args=(proc, lines), daemon=True).start()
+        ports: tuple[str, str] | None = None
+        deadline = time.monotonic() + start_timeout_s
+        while ports is None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if not line:
+                break  # stdout closed: the process exited
+            parts = line.split()
+            if line.startswith("paved kserve: gRPC") and len(parts) >= 6:
+                ports = (parts[3], parts[5])
+        if ports is None:
+            raise RuntimeError(f"paved kserve did not start (log {log_path}):\n{log_tail(log_path)}")
+        grpc_port, http_port = ports
+        try:
+            yield TritonUrls(
+                f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/metrics"
+            )
+        except BaseException:
+            print(f"--- paved kserve log ({log_path}), tail:\n{log_tail(log_path)}", file=sys.stderr)
+            raise
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
