@@ -28,10 +28,21 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import xgboost
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import LLM, FakeEngine, llm_inputs, serving, stream, tensor, wait_for
+from libs.tests.kserve.kserve_fakes import (
+    LLM,
+    XGB,
+    FakeEngine,
+    llm_inputs,
+    serving,
+    stream,
+    tensor,
+    wait_for,
+    xgb_model_dir,
+)
 from paved.kserve import ensemble, onnx_model, torch_model
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.errors import KServeError
@@ -85,6 +96,10 @@ def repo(tmp_path_factory):
     """The test repository with its weights; returns (directory, reference modules)."""
     root = str(tmp_path_factory.mktemp("repo"))
     shutil.copytree(TESTDATA, root, dirs_exist_ok=True)
+    # The XGBoost step of ens_xgb: the //models/xgb fixture as a repository model.
+    os.makedirs(os.path.join(root, XGB, "1"))
+    shutil.copy(os.path.join(xgb_model_dir(), "config.json"), os.path.join(root, XGB))
+    shutil.copy(os.path.join(xgb_model_dir(), "model.ubj"), os.path.join(root, XGB, "1"))
     for name in os.listdir(root):
         os.makedirs(os.path.join(root, name, "1"), exist_ok=True)
     refs = {
@@ -343,6 +358,17 @@ def test_ensemble_equals_its_steps_by_hand(gc, hc, session, repo):
         outputs=[httpclient.InferRequestedOutput("scores", binary_data=False)],
     )
     assert np.array_equal(result.as_numpy("scores"), scores) and result.as_numpy("side") is None
+
+
+def test_ensemble_of_xgboost_then_torch_equals_its_steps_by_hand(gc, hc, repo):
+    _, refs = repo
+    x = rows(5, 32, seed=10)
+    probs = xgboost.Booster(model_file=os.path.join(xgb_model_dir(), "model.ubj")).inplace_predict(x)
+    scores = torch_ref(refs["torch_head"], probs.astype(np.float32))
+    for module, client in ((grpcclient, gc), (httpclient, hc)):
+        result = client.infer("ens_xgb", [tensor(module, "features", x, "FP32")])
+        assert np.array_equal(result.as_numpy("probs"), probs), module
+        assert np.array_equal(result.as_numpy("scores"), scores), module
 
 
 def test_ensemble_step_error_names_the_step(gc, hc):
