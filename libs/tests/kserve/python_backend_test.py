@@ -24,7 +24,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import LLM, FakeEngine, serving, tensor
+from libs.tests.kserve.kserve_fakes import LLM, FakeEngine, serving, stream, tensor, wait_for
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.python_backend import create
 
@@ -169,6 +169,19 @@ def test_decoupled_streams_n_responses_then_final(server, gc, from_thread):
     assert [int(r.as_numpy("IDX")[0]) for r in data] == [0, 1, 2]
     finals = [r.get_response().parameters["triton_final_response"].bool_param for r, _ in responses]
     assert finals == [False, False, False, True]
+
+
+def test_cancelled_stream_is_seen_by_the_model(server, gc, caplog):
+    caplog.set_level(logging.INFO, logger="paved.kserve.python_backend.worker")
+    values = np.arange(1_000_000, dtype=np.int32)  # far more responses than it will send
+    request = ([tensor(grpcclient, "IN", values, "INT32")], {"request_id": "to-cancel"})
+    responses = stream(gc, [request], model="repeat", cancel_after=2)
+    assert len(responses) == 2
+
+    def seen():
+        return any("request 'to-cancel' cancelled after" in r.getMessage() for r in caplog.records)
+
+    assert wait_for(seen, timeout=30)
 
 
 def test_decoupled_over_http_generate_stream(server, hc):
@@ -316,3 +329,60 @@ def test_config_the_backend_cannot_serve_fails_create(change, field):
     change(config)
     with pytest.raises(ModelConfigError, match=field):
         create(source("add_sub", config=config))
+
+
+# ---- pb_utils in-process -----------------------------------------------------------------------
+def test_pb_utils_tensor_dlpack_round_trip_shares_memory():
+    from paved.kserve.python_backend import triton_python_backend_utils as pb_utils
+
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = pb_utils.Tensor("T", array)
+    assert t.triton_dtype() == 11  # TYPE_FP32
+    back = pb_utils.Tensor.from_dlpack("U", t.to_dlpack())
+    assert back.name() == "U" and back.shape() == [2, 3]
+    array[0, 0] = 42
+    assert back.as_numpy()[0, 0] == 42  # no copy
+    via_protocol = pb_utils.Tensor.from_dlpack("V", t)
+    np.testing.assert_array_equal(via_protocol.as_numpy(), array)
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.Tensor("S", np.array(["text"]))  # Triton asks for np.object_
+    strings = pb_utils.Tensor("B", np.array([b"a", b"bc"]))
+    assert strings.as_numpy().dtype == np.object_
+    with pytest.raises(pb_utils.TritonModelException):
+        strings.to_dlpack()
+
+
+def test_pb_utils_bytes_serialization_and_config_helpers():
+    from paved.kserve.python_backend import triton_python_backend_utils as pb_utils
+
+    values = np.array([b"x", b"", b"yz"], dtype=np.object_)
+    encoded = pb_utils.serialize_byte_tensor(values)
+    assert encoded.tobytes() == b"\x01\x00\x00\x00x\x00\x00\x00\x00\x02\x00\x00\x00yz"
+    assert list(pb_utils.deserialize_bytes_tensor(encoded)) == [b"x", b"", b"yz"]
+    assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
+    assert pb_utils.numpy_to_triton_type(np.int64) == 9
+    config = {"input": [{"name": "A", "data_type": "TYPE_FP32"}], "output": []}
+    assert pb_utils.get_input_config_by_name(config, "A")["data_type"] == "TYPE_FP32"
+    assert pb_utils.get_output_config_by_name(config, "A") is None
+
+
+def test_pb_utils_model_config_keeps_what_the_file_says():
+    from paved.kserve.python_backend import triton_python_backend_utils as pb_utils
+
+    config = pb_utils.ModelConfig(
+        '{"name": "m", "max_batch_size": 8, "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [2]}]}'
+    )
+    with pytest.raises(ValueError, match="max_batch_size 8"):
+        config.set_max_batch_size(4)
+    with pytest.raises(ValueError, match="TYPE_FP32"):
+        config.add_input({"name": "X", "data_type": "TYPE_INT32", "dims": [2]})
+    with pytest.raises(ValueError, match="dims"):
+        config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [3]})
+    with pytest.raises(ValueError, match="missing 'dims'"):
+        config.add_output({"name": "Y", "data_type": "TYPE_FP32"})
+    config.add_output({"name": "Y", "data_type": "TYPE_FP32", "dims": [1]})
+    config.set_model_transaction_policy({"decoupled": True})
+    assert config.as_dict()["output"] == [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}]
+    assert pb_utils.using_decoupled_model_transaction_policy(config.as_dict())
+    with pytest.raises(pb_utils.TritonModelException, match="inside a model's worker"):
+        pb_utils.InferenceRequest(model_name="m").exec()

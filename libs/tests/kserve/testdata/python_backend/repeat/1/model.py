@@ -19,6 +19,8 @@ class TritonPythonModel:
         values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
         for i, value in enumerate(values):
             if sender.is_cancelled():
+                rid = request.request_id()
+                pb_utils.Logger.log_info(f"repeat: request '{rid}' cancelled after {i} responses")
                 break
             sender.send(
                 pb_utils.InferenceResponse(
