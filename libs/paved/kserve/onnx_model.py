@@ -29,11 +29,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.errors import invalid_argument
 from paved.kserve.model import ServedModel
+from paved.kserve.model_config import specs_from_config
 from paved.kserve.tensor_model import TensorModel, int_parameter
+from paved.kserve.tensors import config_type
 
 PARAMETERS = frozenset(
     {
@@ -80,7 +83,7 @@ class OnnxModel(TensorModel):
     default_file = "model.onnx"
 
     def __init__(self, source: ModelSource):
-        super().__init__(source, parameters=PARAMETERS)
+        super().__init__(source, parameters=PARAMETERS, auto_complete=True)
         config = source.config
         self.intra_op_threads = int_parameter(config, "intra_op_thread_count")
         self.inter_op_threads = int_parameter(config, "inter_op_thread_count")
@@ -113,8 +116,40 @@ class OnnxModel(TensorModel):
             session = ort.InferenceSession(self.model_file, options, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own Fail / InvalidGraph / ... types
             raise ModelConfigError(f"{self.model_file} cannot be loaded by onnxruntime: {e}") from None
+        if self.auto_complete:
+            self._complete_config(session)
         self._check_against(session)
+        self._output_names = [s.name for s in self.outputs]
+        self._bytes_inputs = {s.name for s in self.inputs if s.datatype == "BYTES"}
         self._session = session
+
+    def _complete_config(self, session: Any) -> None:
+        """Inputs and outputs from the model (Triton's auto-complete): every model input and
+        output, variable dimensions as -1, the batch dimension dropped when max_batch_size > 0."""
+        config = model_config_pb2.ModelConfig()
+        config.CopyFrom(self._config)
+        for tensors, target in ((session.get_inputs(), config.input), (session.get_outputs(), config.output)):
+            for tensor in tensors:
+                datatype = _ORT_TYPES.get(tensor.type)
+                if datatype is None:
+                    raise ModelConfigError(
+                        f"'{tensor.name}' of the model is {tensor.type}, which this server cannot serve"
+                    )
+                shape = [d if isinstance(d, int) and d >= 0 else -1 for d in tensor.shape]
+                if self.max_batch_size > 0:
+                    if not shape or shape[0] != -1:
+                        raise ModelConfigError(
+                            f"'{tensor.name}' has shape {list(tensor.shape)} in the model: with "
+                            "max_batch_size > 0 its first dimension must be variable (the batch)"
+                        )
+                    shape = shape[1:]
+                target.add(
+                    name=tensor.name,
+                    data_type=model_config_pb2.DataType.Value(config_type(datatype)),
+                    dims=shape,
+                )
+        self.inputs, self.outputs = specs_from_config(config)
+        self._config = config
 
     def _check_against(self, session: Any) -> None:
         model_inputs = {t.name: t for t in session.get_inputs()}

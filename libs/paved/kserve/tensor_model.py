@@ -100,11 +100,14 @@ class TensorModel(ServedModel):
 
     default_file: str = ""
 
-    def __init__(self, source: ModelSource, *, parameters: Collection[str] = ()):
+    def __init__(self, source: ModelSource, *, parameters: Collection[str] = (), auto_complete: bool = False):
+        """`auto_complete`: a config without inputs and outputs is accepted (the subclass fills
+        them in from the model at load, as Triton's auto-complete does)."""
         config = source.config
         check_config(config, SUPPORTED_FIELDS, backend=self.backend)
         check_parameters(config, parameters, backend=self.backend)
-        if not config.input or not config.output:
+        self.auto_complete = auto_complete and not config.input and not config.output
+        if not self.auto_complete and (not config.input or not config.output):
             raise ModelConfigError(
                 f"model '{config.name}': the {self.backend} backend needs inputs and outputs"
             )

@@ -703,3 +703,29 @@ def test_the_main_serves_the_repository(repo, session, tmp_path):
     assert np.array_equal(result.as_numpy("hidden"), hidden)
     assert np.array_equal(result.as_numpy("scores"), torch_ref(refs["torch_head"], hidden))
     assert np.array_equal(result.as_numpy("side"), torch_ref(refs["torch_linear"], x))
+
+
+def test_onnx_config_without_tensors_is_completed_from_the_model(tmp_path, repo, session):
+    root, _ = repo
+    (tmp_path / "1").mkdir()
+    shutil.copy(os.path.join(root, "onnx_linear", "1", "model.onnx"), tmp_path / "1" / "model.onnx")
+    config = model_config_pb2.ModelConfig(name="auto", platform="onnxruntime_onnx", max_batch_size=8)
+    model = onnx_model.create(
+        ModelSource("auto", "1", str(tmp_path), str(tmp_path / "1"), config, LateRepository())
+    )
+    x = rows(3, seed=11)
+
+    async def run():
+        await model.load()
+        try:
+            responses = await model.infer(InferRequest("auto", inputs={"input": x}))
+            return [r async for r in responses]
+        finally:
+            await model.close()
+
+    (response,) = asyncio.run(run())
+    assert [(s.name, s.datatype, s.dims) for s in model.inputs] == [("input", "FP32", (4,))]
+    assert [(s.name, s.datatype, s.dims) for s in model.outputs] == [("output", "FP32", (3,))]
+    assert [t.name for t in model.config().input] == ["input"]
+    (expected,) = session.run(["output"], {"input": x})
+    assert np.array_equal(response.outputs["output"], expected)
