@@ -301,8 +301,9 @@ def test_python_model_output_goes_to_the_server_log(server, gc, caplog):
     with pytest.raises(InferenceServerException):
         gc.infer("faulty", op(grpcclient, 4))
     lines = [r.getMessage() for r in caplog.records]
-    # The traceback the worker printed to stderr, prefixed with the instance's name.
-    assert any(line.startswith("[faulty_0_0] ") and "boom from faulty" in line for line in lines), lines
+    # The traceback the worker printed to stderr, prefixed with model and instance.
+    tagged = [line for line in lines if line.startswith("[faulty/faulty_0_0] ")]
+    assert any("boom from faulty" in line for line in tagged), lines
     assert faulty_pid(gc, grpcclient) == before
 
 

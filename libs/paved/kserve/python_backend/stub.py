@@ -183,6 +183,8 @@ class Stub:
     def _import(self, model_file: str) -> None:
         if self.module is not None:
             return
+        # A model repository may be read-only or shared: leave no __pycache__ in it.
+        sys.dont_write_bytecode = True
         sys.path.insert(0, os.path.dirname(model_file))
         spec = importlib.util.spec_from_file_location("model", model_file)
         if spec is None or spec.loader is None:

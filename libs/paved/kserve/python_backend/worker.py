@@ -2,7 +2,7 @@
 
 A `Worker` starts `python -m paved.kserve.python_backend.stub` with one end of a socketpair,
 reads every frame the worker sends on one task (responses, BLS requests, log lines, replies),
-and logs the worker's stdout and stderr line by line, prefixed with the instance's name.
+and logs the worker's stdout and stderr line by line, prefixed with `[model/instance]`.
 
 Invariants the model (paved.kserve.python_backend.served) relies on:
 - `execute` returns the worker's (responses, error) for a batch, or raises a KServeError
@@ -58,6 +58,7 @@ class Worker:
     ):
         self.model = model
         self.name = name  # the instance's name, as initialize(args) sees it
+        self.tag = f"[{model}/{name}]"  # what the worker's log lines start with
         self.cwd = cwd
         self.args = args
         self.execute_timeout_s = execute_timeout_s
@@ -291,7 +292,7 @@ class Worker:
             self._bls_tasks.add(task)
             task.add_done_callback(self._bls_tasks.discard)
         elif op == "log":
-            logger.log(_LOG_LEVELS.get(message[1], logging.INFO), "[%s] %s", self.name, message[2])
+            logger.log(_LOG_LEVELS.get(message[1], logging.INFO), "%s %s", self.tag, message[2])
         elif op in ("auto_completed", "initialized", "finalized"):
             future = self._replies.get(op)
             if future is not None and not future.done():
@@ -319,7 +320,7 @@ class Worker:
                 line = await stream.read(65536)
             if not line:
                 return
-            logger.log(level, "[%s] %s", self.name, line.decode(errors="replace").rstrip())
+            logger.log(level, "%s %s", self.tag, line.decode(errors="replace").rstrip())
 
     async def _handle_death(self, broken: str) -> None:
         if not self._alive:
