@@ -98,7 +98,7 @@ class OnnxModel(TensorModel):
 
     # ---- loading ---------------------------------------------------------------------------
     def _load_runtime(self) -> None:
-        import onnxruntime as ort  # type: ignore[import-untyped]
+        import onnxruntime as ort
 
         options = ort.SessionOptions()
         if self.intra_op_threads:
