@@ -1,0 +1,314 @@
+"""paved's KServe server against the real Triton Inference Server on one model repository.
+
+    tools/bazel run //bench:triton -- [--requests N] [--repeats R] [--quick] [--json]
+
+Triton: nvidia-pytriton's `tritonserver` 2.51 with its Python backend, from .venv-triton
+(libs/tests/kserve/triton_server.py). paved: `paved.kserve.main --model-repository`, a process.
+Both serve the same repository, written to a temp dir:
+
+  batched      a python-backend model (`model.py` with TritonPythonModel) doing row-wise numpy
+               pre-processing on 32 FP32 features; execute() stacks every request it is given
+               and runs once, as a batched Triton python model does. max_batch_size 64, dynamic
+               batching (500 us, preferred 32/64), one instance.
+  xgb_python   the same config, its model.py loading //models/xgb's booster with xgboost
+               (Triton's stub imports it from .venv-triton) and predicting the stacked rows:
+               XGBoost served the way a Triton deployment without FIL does.
+  xgb_native   the same booster on paved's native XGBoost backend (Triton's wheel has no FIL
+               backend: paved only).
+
+One row per request from a lean KServe v2 gRPC client (raw stubs, requests serialized up front,
+the same for both servers). Every answer is checked against the model evaluated in this process
+(bit-equal). Concurrency 1 gives latency percentiles; concurrency 32 throughput. Runs alternate
+between the servers (both stay up), the median of --repeats is reported, and the machine's
+load average is printed since on a shared machine it moves absolute numbers.
+
+Keys (python model `batched` unless named):
+  throughput_ratio_vs_triton_c32                 paved req/s / Triton req/s at c32 (goal >= 1.5)
+  p99_ratio_vs_triton_c1                         paved p99 / Triton p99 at c1 (goal <= 1.0)
+  throughput_ratio_vs_triton_c32_xgboost_python  xgb_python on both
+  throughput_ratio_vs_triton_c32_xgboost_native  paved's xgb_native / Triton's xgb_python
+With --json the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from libs.tests.kserve.triton_server import paved_kserve_server, triton_server
+
+FEATURES = 32
+BATCHING = """max_batch_size: 64
+dynamic_batching {{ max_queue_delay_microseconds: 500 preferred_batch_size: [ 32, 64 ] }}
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ {features} ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ {outputs} ] }} ]
+"""
+# Row-wise arithmetic only (no reductions, no BLAS): the answer for a row is the same bits
+# whatever batch it travels in, on numpy 1 (Triton's stub) and numpy 2 (paved) alike.
+PREPROCESS = """
+MEAN = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+STD = np.linspace(0.5, 2.0, 32, dtype=np.float32)
+
+
+def preprocess(x):
+    z = np.clip((x - MEAN) / STD, np.float32(-3), np.float32(3))
+    return (z * np.float32(0.75) + x * x * np.float32(0.01)).astype(np.float32)
+"""
+MODEL_PY = """import numpy as np
+import triton_python_backend_utils as pb_utils
+{preamble}
+
+class TritonPythonModel:
+    def initialize(self, args):
+        {initialize}
+
+    def execute(self, requests):
+        rows = [pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy() for r in requests]
+        out = {compute}(np.concatenate(rows))
+        responses, start = [], 0
+        for row in rows:
+            part = out[start : start + len(row)]
+            start += len(row)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", part)]))
+        return responses
+"""
+
+
+def _xgb_dir(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    with contextlib.suppress(Exception):
+        from paved.runfiles import runfile
+
+        return Path(runfile("models/xgb/config.json")).parent
+    # A plain `python bench/triton.py` from the workspace after a build.
+    built = Path(__file__).resolve().parent.parent / "bazel-bin" / "models" / "xgb"
+    if (built / "model.ubj").is_file():
+        return built
+    raise SystemExit("triton bench: no //models/xgb booster: pass --xgb-dir (a folder with model.ubj)")
+
+
+def write_repository(root: Path, booster: Path, outputs: int) -> None:
+    def model(name: str, config: str, files: dict[str, str | Path]) -> None:
+        version = root / name / "1"
+        version.mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(f'name: "{name}"\n{config}')
+        for filename, content in files.items():
+            if isinstance(content, Path):
+                shutil.copy(content, version / filename)
+            else:
+                (version / filename).write_text(content)
+
+    model(
+        "batched",
+        'backend: "python"\n' + BATCHING.format(features=FEATURES, outputs=FEATURES),
+        {"model.py": MODEL_PY.format(preamble=PREPROCESS, initialize="pass", compute="preprocess")},
+    )
+    model(
+        "xgb_python",
+        'backend: "python"\n' + BATCHING.format(features=FEATURES, outputs=outputs),
+        {
+            "model.py": MODEL_PY.format(
+                preamble="import os\n\nimport xgboost\n",
+                initialize="path = os.path.join(args['model_repository'], args['model_version'], "
+                "'model.ubj')\n"
+                "        self.booster = xgboost.Booster(model_file=path)\n"
+                "        self.booster.set_param({'nthread': 1})",
+                compute="self.booster.inplace_predict",
+            ),
+            "model.ubj": booster,
+        },
+    )
+    model(
+        "xgb_native",
+        'backend: "xgboost"\n'
+        + BATCHING.format(features=FEATURES, outputs=outputs)
+        + 'parameters { key: "nthread" value: { string_value: "1" } }\n'
+        + 'parameters { key: "predict_type" value: { string_value: "value" } }\n',
+        {"model.ubj": booster},
+    )
+
+
+async def drive(url: str, model: str, x: np.ndarray, expected: np.ndarray, concurrency: int, total: int):
+    """`total` one-row requests from `concurrency` workers; returns (seconds, latencies)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    requests = []
+    for i in range(len(x)):
+        request = service_pb2.ModelInferRequest(model_name=model)
+        request.inputs.add(name="INPUT", datatype="FP32", shape=[1, FEATURES])
+        request.raw_input_contents.append(x[i : i + 1].tobytes())
+        requests.append(request)
+    latencies: list[float] = []
+    next_index = 0
+    async with grpc.aio.insecure_channel(url) as channel:
+        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+
+        async def worker() -> None:
+            nonlocal next_index
+            while next_index < total:
+                i = next_index % len(x)
+                next_index += 1
+                start = time.perf_counter()
+                response = await infer(requests[i], timeout=60)
+                latencies.append(time.perf_counter() - start)
+                got = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
+                if not np.array_equal(got, expected[i]):
+                    raise AssertionError(f"{model} at {url}: row {i} differs from the in-process answer")
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - start, latencies
+
+
+def _expected(x: np.ndarray, booster_file: Path) -> dict[str, np.ndarray]:
+    import xgboost
+
+    namespace: dict = {"np": np}
+    exec(PREPROCESS, namespace)  # noqa: S102 (the bench's own model code, the same text both servers run)
+    booster = xgboost.Booster(model_file=str(booster_file))
+    booster.set_param({"nthread": 1})
+    scores = np.stack([booster.inplace_predict(x[i : i + 1])[0] for i in range(len(x))]).astype(np.float32)
+    return {"batched": namespace["preprocess"](x), "xgb_python": scores, "xgb_native": scores}
+
+
+async def _wait_ready(url: str, models: list[str], timeout_s: float) -> None:
+    import tritonclient.grpc.aio as grpcaio
+
+    client = grpcaio.InferenceServerClient(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        for model in models:
+            while not await client.is_model_ready(model):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{model} at {url} is not ready after {timeout_s:.0f} s")
+                await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+
+
+def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.Namespace) -> dict:
+    """{(server, model): {p50_us_c1, p99_us_c1, rps_c32, p99_ms_c32}} with runs interleaved."""
+    pairs = [("paved", "batched"), ("triton", "batched"), ("paved", "xgb_python"), ("triton", "xgb_python")]
+    pairs.append(("paved", "xgb_native"))
+    c = args.concurrency
+
+    async def run() -> dict:
+        for server, model in pairs:  # warm-up: first requests, stubs' imports, batcher threads
+            await drive(urls[server], model, x, expected[model], c, 200)
+        samples: dict = {p: {"c1": [], "rps": [], "p99c": []} for p in pairs}
+        for _ in range(args.repeats):
+            for pair in pairs:
+                server, model = pair
+                _, latencies = await drive(urls[server], model, x, expected[model], 1, args.requests_c1)
+                samples[pair]["c1"].extend(latencies)
+                seconds, latencies = await drive(urls[server], model, x, expected[model], c, args.requests)
+                samples[pair]["rps"].append(args.requests / seconds)
+                samples[pair]["p99c"].append(float(np.percentile(latencies, 99)))
+        out = {}
+        for pair, s in samples.items():
+            out[pair] = {
+                "p50_us_c1": round(statistics.median(s["c1"]) * 1e6, 1),
+                "p99_us_c1": round(float(np.percentile(s["c1"], 99)) * 1e6, 1),
+                f"rps_c{c}": round(statistics.median(s["rps"]), 1),
+                f"p99_ms_c{c}": round(statistics.median(s["p99c"]) * 1e3, 2),
+            }
+        return out
+
+    return asyncio.run(run())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--xgb-dir", help="folder with the booster model.ubj (default: //models/xgb)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
+    parser.add_argument("--requests-c1", type=int, default=300, help="requests per concurrency-1 run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per server and model (median)")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    for flag in ("concurrency", "requests", "requests_c1", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.quick:
+        args.requests, args.requests_c1, args.repeats = 400, 100, 1
+    booster = _xgb_dir(args.xgb_dir) / "model.ubj"
+    if not booster.is_file():
+        raise SystemExit(f"triton bench: {booster} not found")
+    x = np.random.default_rng(11).standard_normal((512, FEATURES)).astype(np.float32)
+    expected = _expected(x, booster)
+    outputs = expected["xgb_python"].shape[1]
+    c = args.concurrency
+    load_before = os.getloadavg()[0]
+    tmp = Path(tempfile.mkdtemp(prefix="paved-bench-triton-"))
+    try:
+        repository = tmp / "repository"
+        write_repository(repository, booster, outputs)
+        with (
+            triton_server(repository, tmp / "triton", models=["batched", "xgb_python"]) as triton,
+            paved_kserve_server(repository, tmp / "paved", extra_args=["--log-level", "warning"]) as paved,
+        ):
+            urls = {"triton": triton.grpc, "paved": paved.grpc}
+            asyncio.run(_wait_ready(paved.grpc, ["batched", "xgb_python", "xgb_native"], 120))
+            results = measure(urls, x, expected, args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 2)
+
+    pb, tb = results[("paved", "batched")], results[("triton", "batched")]
+    px, tx = results[("paved", "xgb_python")], results[("triton", "xgb_python")]
+    nx = results[("paved", "xgb_native")]
+    summary = {
+        f"throughput_ratio_vs_triton_c{c}": ratio(pb[f"rps_c{c}"], tb[f"rps_c{c}"]),
+        "p99_ratio_vs_triton_c1": ratio(pb["p99_us_c1"], tb["p99_us_c1"]),
+        f"throughput_ratio_vs_triton_c{c}_xgboost_python": ratio(px[f"rps_c{c}"], tx[f"rps_c{c}"]),
+        f"throughput_ratio_vs_triton_c{c}_xgboost_native": ratio(nx[f"rps_c{c}"], tx[f"rps_c{c}"]),
+        "p99_ratio_vs_triton_c1_xgboost_python": ratio(px["p99_us_c1"], tx["p99_us_c1"]),
+        "results": {f"{server}/{model}": r for (server, model), r in results.items()},
+        "triton_version": "2.51.0 (nvidia-pytriton 0.7.0)",
+        "concurrency": c,
+        "requests": args.requests,
+        "requests_c1": args.requests_c1,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    for (server, model), r in results.items():
+        print(
+            f"{server:6} {model:10}  c1 p50 {r['p50_us_c1']:8.0f} us  p99 {r['p99_us_c1']:8.0f} us   "
+            f"c{c} {r[f'rps_c{c}']:8.0f} req/s  p99 {r[f'p99_ms_c{c}']:7.2f} ms"
+        )
+    print(
+        f"paved vs Triton, python model: throughput x{summary[f'throughput_ratio_vs_triton_c{c}']} at c{c} "
+        f"(goal >= 1.5), p99 x{summary['p99_ratio_vs_triton_c1']} at c1 (goal <= 1.0); XGBoost: python on "
+        f"both x{summary[f'throughput_ratio_vs_triton_c{c}_xgboost_python']}, paved native vs Triton python "
+        f"x{summary[f'throughput_ratio_vs_triton_c{c}_xgboost_native']} at c{c}"
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, 1-minute load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
