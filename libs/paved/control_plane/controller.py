@@ -481,11 +481,15 @@ class Controller:
         # Models that scale to zero keep their alias while they have no replica: marked, so a
         # gateway holds their requests and wakes them (`waking`: replicas were asked for).
         wakeable: dict[str, bool] = {}
+        # The versions a wake brings up (its active deployments that sleep at zero): pins to
+        # them are held at zero like the bare alias, any other version stays unknown (404).
+        sleeping: dict[str, list[str]] = {}
         for d in deployments:
             if d.state == "active" and wants_scale_to_zero(d.spec.autoscale, d.spec.min_replicas):
                 desired = await self.store.get_desired(d.id)
                 asked = any(effective_desired(d, desired, region) for region in d.spec.regions)
                 wakeable[d.spec.model_id] = wakeable.get(d.spec.model_id, False) or asked
+                sleeping.setdefault(d.spec.model_id, []).append(d.spec.version)
         # While a rollout splits a model's traffic between versions the split must be the
         # traffic share: least-outstanding would send nothing to a light version while the
         # heavy one is idle (it scores outstanding/weight), hiding it from the analysis.
@@ -507,6 +511,7 @@ class Controller:
                 m["scaled_to_zero"] = True
                 if waking:
                     m["waking"] = True
+                m["versions"] = sorted(set(sleeping[model_id]))
         # Any other model whose every replica is gone keeps an entry only if it has backends
         # (the gateway answers an unknown model 404, and a routed one without health 503).
         table = {"models": [m for m in models.values() if m["backends"] or m.get("scaled_to_zero")]}

@@ -358,7 +358,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
         extra_routes = list(
             kserve_http_routes(
-                gateway.router, gateway.authenticator, gateway.limiter, lambda: gateway.proxy.session
+                gateway.router,
+                gateway.authenticator,
+                gateway.limiter,
+                lambda: gateway.proxy.session,
+                # One queue, one wake loop and one held count per model, over every protocol.
+                held=gateway.proxy.held,
             )
         )
     app = create_app(
@@ -373,7 +378,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
         from paved.gateway.forwarding.kserve_grpc import KServeForwarder
 
-        forwarder = KServeForwarder(gateway.router, gateway.authenticator, gateway.limiter)
+        forwarder = KServeForwarder(
+            gateway.router, gateway.authenticator, gateway.limiter, held=gateway.proxy.held
+        )
         grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         grpc_server.add_generic_rpc_handlers((forwarder.handler(),))
         grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.kserve_grpc_port}")

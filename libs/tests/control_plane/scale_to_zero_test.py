@@ -22,6 +22,8 @@ from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import AutoscalePolicy, DeploymentSpec, Replica
 from paved.gateway.access.auth import AdminAuth
+from paved.gateway.errors import GatewayError
+from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesError, parse_routes
 
 KEY = "admin-key-for-tests-0123456789"
@@ -146,11 +148,29 @@ def test_the_routes_parser_keeps_a_model_at_zero_and_nothing_else_without_backen
         ({"alias": "m", "waking": True, "backends": [backend]}, "models[0].waking"),
         ({"alias": "m", "scaled_to_zero": "yes"}, "models[0].scaled_to_zero"),
         ({"alias": "m", "scaled_to_zero": True, "current": "v1"}, "models[0].current"),
+        ({"alias": "m", "versions": ["v1"], "backends": [backend]}, "models[0].versions"),
+        ({"alias": "m", "scaled_to_zero": True, "versions": "v1"}, "models[0].versions"),
+        ({"alias": "m", "scaled_to_zero": True, "versions": ["v1", "v1"]}, "models[0].versions"),
+        ({"alias": "m", "scaled_to_zero": True, "versions": ["v@1"]}, "models[0].versions[0]"),
+        ({"alias": "m", "scaled_to_zero": True, "versions": [1]}, "models[0].versions[0]"),
     ]
     for model, where in bad:
         with pytest.raises(RoutesError) as caught:
             parse_routes({"models": [model]})
         assert str(caught.value).startswith(where + ":"), caught.value
+
+    # At zero, the versions it will serve: pins to them are known, any other is not.
+    pinned = parse_routes({"models": [{"alias": "m", "scaled_to_zero": True, "versions": ["v1", "v2"]}]})
+    assert pinned.models["m"].versions == ("v1", "v2") and pinned.models["m"].backends == ()
+    assert parse_routes(pinned.to_obj()) == pinned
+    router = Router(pinned)
+    assert router.route("m@v2").alias == "m"
+    with pytest.raises(GatewayError) as caught:
+        router.route("m@v9")
+    assert caught.value.status == 404
+    with pytest.raises(GatewayError) as caught:
+        Router(table).route("m@v1")  # a table at zero that lists no version: every pin unknown
+    assert caught.value.status == 404
 
 
 # ---- the controller --------------------------------------------------------------------------
@@ -209,6 +229,7 @@ def test_an_idle_deployment_goes_to_zero_stays_routed_and_concurrent_wakes_make_
                 "strategy": "least_outstanding",
                 "backends": [],
                 "scaled_to_zero": True,
+                "versions": ["v1"],  # what a wake brings up: tiny@v1 is held, not a 404
             }
             await controller.publish_routes()  # the gateway's parser accepts it
 

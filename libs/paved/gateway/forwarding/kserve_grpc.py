@@ -25,7 +25,17 @@ Invariants:
     raw values; the client gets `x-request-id` back in the initial metadata;
   * one JSON line per call on `paved.gateway.access` (the OpenAI side's logger and key
     names; `status` is the gRPC code name; a stream's line is written when the stream ends);
-    the gateway's own probes (ServerLive, ServerReady, ServerMetadata) log at DEBUG.
+    the gateway's own probes (ServerLive, ServerReady, ServerMetadata) log at DEBUG;
+  * a model scaled to zero (with `held`, the proxy's paved.gateway.forwarding.held): a
+    ModelInfer, or a ModelStreamInfer's first message, is held in the model's queue (after
+    auth, model check and limits, with the tenant's fairness and the `x-paved-priority`
+    class) until its first replica is routed, its wait bounded by the client's deadline and
+    `wake_max_wait_s` and ended by the client's cancel; a full queue or an expired wait is
+    UNAVAILABLE with a `retry-after` trailer. ModelMetadata / ModelConfig / ModelStatistics
+    (only a replica knows them) are UNAVAILABLE "scaled to zero and waking" + `retry-after`
+    and start the wake; ModelReady is false and wakes nothing (a readiness poll must not keep
+    an idle model up); RepositoryIndex lists it UNAVAILABLE. A pin (`model_version`) is known
+    at zero when the table lists that version for it.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ import paved
 from paved.gateway.access.auth import Authenticator
 from paved.gateway.access.limits import Limiter
 from paved.gateway.errors import GatewayError, ModelNotAllowedError, grpc_code_name
+from paved.gateway.flow.flow import PRIORITY_HEADER, Priority
+from paved.gateway.forwarding.held import HeldRequests
 from paved.gateway.routing.router import Pick, Router
 from paved.gateway.types import Principal
 from paved.http.kserve_names import grpc_status_name
@@ -410,15 +422,25 @@ def _usable_ids(router: Router) -> set[str]:
     }
 
 
-def kserve_models(router: Router, principal: Principal, attribute: str) -> list[tuple[str, bool]]:
-    """(alias, ready) of each routed model the caller may use; ready: some usable backend has
-    the KServe address `attribute` ("kserve_grpc" / "kserve_http")."""
+def kserve_models(router: Router, principal: Principal, attribute: str) -> list[tuple[str, bool, str]]:
+    """(alias, ready, reason) of each routed model the caller may use; ready: some usable
+    backend has the KServe address `attribute` ("kserve_grpc" / "kserve_http"); reason: why
+    not ("" when ready)."""
     usable = _usable_ids(router)
-    return [
-        (alias, any(getattr(b, attribute) and b.id in usable for b in route.backends))
-        for alias, route in router.table.models.items()
-        if principal.allows(alias)
-    ]
+    protocol = "KServe gRPC" if attribute == "kserve_grpc" else "KServe HTTP"
+    out = []
+    for alias, route in router.table.models.items():
+        if not principal.allows(alias):
+            continue
+        ready = any(getattr(b, attribute) and b.id in usable for b in route.backends)
+        if ready:
+            reason = ""
+        elif route.scaled_to_zero:
+            reason = "scaled to zero; a request wakes it"
+        else:
+            reason = f"no ready backend serves it over {protocol}"
+        out.append((alias, ready, reason))
+    return out
 
 
 def any_kserve_ready(router: Router, attribute: str) -> bool:
@@ -446,6 +468,7 @@ class KServeForwarder:
         max_channels: int = 256,
         stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
         stream_deadline_s: float = 600.0,
+        held: HeldRequests | None = None,
     ):
         if min(deadline_s, connect_timeout_s, stream_deadline_s) <= 0:
             raise ValueError("deadline_s, connect_timeout_s and stream_deadline_s must be > 0")
@@ -461,6 +484,9 @@ class KServeForwarder:
         self.stream_deadline_s = stream_deadline_s
         self.connect_timeout_s = connect_timeout_s
         self.stream_max_in_flight = stream_max_in_flight
+        # Requests for models at zero are held there (the proxy's, shared); None: answered
+        # as any model without a backend (503 no_healthy_backend).
+        self.held = held
         self._channels = _ChannelPool(
             max_channels,
             [
@@ -584,14 +610,10 @@ class KServeForwarder:
         except GatewayError as e:
             await self._abort(context, e)
         response = service_pb2.RepositoryIndexResponse()
-        for alias, ready in kserve_models(self.router, principal, "kserve_grpc"):
+        for alias, ready, reason in kserve_models(self.router, principal, "kserve_grpc"):
             if message.ready and not ready:
                 continue
-            response.models.add(
-                name=alias,
-                state="READY" if ready else "UNAVAILABLE",
-                reason="" if ready else "no ready backend serves it over KServe gRPC",
-            )
+            response.models.add(name=alias, state="READY" if ready else "UNAVAILABLE", reason=reason)
         return response.SerializeToString()
 
     async def _model_ready(self, request: bytes, context: grpc.aio.ServicerContext, call: CallLog) -> bytes:
@@ -632,10 +654,18 @@ class KServeForwarder:
                 )
             raise GatewayError(400, "the request names no model")
         model = self._check_model(principal, head)
+        at_zero = self.held is not None and self.held.at_zero(head.name)
+        if self.held is not None and at_zero and method != "ModelInfer":
+            if method == "ModelReady":
+                raise GatewayError(503, f"the model '{head.name}' is scaled to zero")
+            raise self.held.waking_error(head.name)
+        priority = self._priority(context) if method == "ModelInfer" else Priority.INTERACTIVE
         path = f"/{SERVICE}/{method}"
         reservation = await self.limiter.acquire(principal, head.max_tokens)
         used: int | None = None
         try:
+            if self.held is not None and at_zero:
+                await self._hold(head.name, principal, priority, context)
             exclude: list[str] = []
             for _ in range(_CONNECT_RETRIES + 1):
                 pick, channel = self._pick(model, principal, exclude)
@@ -685,11 +715,16 @@ class KServeForwarder:
             if not head.name:
                 raise GatewayError(400, "the request names no model")
             model = self._check_model(principal, head)
+            priority = self._priority(context)
             reservation = await self.limiter.acquire(principal, head.max_tokens)
         except GatewayError as e:
             await self._abort(context, e)
         used: int | None = None
         try:
+            if self.held is not None and self.held.at_zero(head.name):
+                # The stream's first message waits for the model's first replica; the later
+                # ones follow it on the stream opened then.
+                await self._hold(head.name, principal, priority, context)
             exclude: list[str] = []
             for _ in range(_CONNECT_RETRIES + 1):
                 pick, channel = self._pick(model, principal, exclude)
@@ -828,6 +863,26 @@ class KServeForwarder:
             if key.lower() == "authorization":
                 authorization = value if isinstance(value, str) else None
         return await self.authenticator.authenticate(authorization)
+
+    @staticmethod
+    def _priority(context: grpc.aio.ServicerContext) -> Priority:
+        """The call's class (metadata `x-paved-priority`, absent: interactive); 400 otherwise."""
+        value = None
+        for key, item in context.invocation_metadata() or ():
+            if key.lower() == PRIORITY_HEADER:
+                value = item if isinstance(item, str) else ""
+        return Priority.parse(value)
+
+    async def _hold(
+        self, alias: str, principal: Principal, priority: Priority, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Hold a call for a model at zero until it is routed (a client's cancel or deadline
+        cancels this task, which leaves the queue); QueueRefusedError (UNAVAILABLE +
+        retry-after) when the queue is full or the wait expires."""
+        if self.held is not None:
+            await self.held.until_woken(
+                alias, principal.tenant.name, priority, limit_s=context.time_remaining()
+            )
 
     def _check_model(self, principal: Principal, head: RequestHead) -> str:
         """The router's model key (`alias` or `alias@version`) after the tenant check."""

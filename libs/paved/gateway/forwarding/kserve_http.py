@@ -27,7 +27,15 @@ Invariants:
   * ids as on the gRPC side (paved.http.tracing): the validated `x-request-id` and the
     continued `traceparent` go upstream (never the client's raw values), every response carries
     `x-request-id`, and each call writes one JSON line on `paved.gateway.access` (protocol
-    "kserve-http", `status` the HTTP status; a stream's line once the stream has ended).
+    "kserve-http", `status` the HTTP status; a stream's line once the stream has ended);
+  * a model scaled to zero (with `held`, the proxy's paved.gateway.forwarding.held): /infer,
+    /generate and /generate_stream are held in the model's queue (after auth, model check and
+    limits, with the tenant's fairness and the `x-paved-priority` class) until its first
+    replica is routed, at most `wake_max_wait_s`; a client that disconnects leaves the queue
+    (499); a full queue or an expired wait is 503 + Retry-After with the KServe error body.
+    Metadata and /config (only a replica knows them) are 503 "scaled to zero and waking" +
+    Retry-After and start the wake; /ready is 400 (not ready) and wakes nothing. A version in
+    the path is known at zero when the table lists it for the model.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ import paved
 from paved.gateway.access.auth import Authenticator
 from paved.gateway.access.limits import Limiter, Reservation
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
+from paved.gateway.flow.flow import PRIORITY_HEADER, Priority
+from paved.gateway.forwarding.held import ClientGone, HeldRequests, release_slot, unless_gone
 from paved.gateway.forwarding.kserve_grpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EXTENSIONS,
@@ -258,8 +268,10 @@ def kserve_http_routes(
     stream_deadline_s: float = 600.0,
     connect_timeout_s: float = 5.0,
     max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    held: HeldRequests | None = None,
 ) -> list[Route]:
-    """The KServe v2 HTTP routes; `session_factory()` returns the app's shared session."""
+    """The KServe v2 HTTP routes; `session_factory()` returns the app's shared session; `held`
+    (the proxy's) holds requests for models at zero (None: they are answered 503 at once)."""
     if min(deadline_s, stream_deadline_s, connect_timeout_s) <= 0:
         raise ValueError("deadline_s, stream_deadline_s and connect_timeout_s must be > 0")
     if max_body_bytes < 1024:
@@ -295,8 +307,8 @@ def kserve_http_routes(
         return JSONResponse(
             [
                 {"name": alias, "state": "READY" if ok else "UNAVAILABLE"}
-                | ({} if ok else {"reason": "no ready backend serves it over KServe HTTP"})
-                for alias, ok in kserve_models(router, principal, "kserve_http")
+                | ({} if ok else {"reason": reason})
+                for alias, ok, reason in kserve_models(router, principal, "kserve_http")
                 if ok or not only_ready
             ]
         )
@@ -321,7 +333,15 @@ def kserve_http_routes(
         if not principal.allows(name):
             raise ModelNotAllowedError(name)
         model = f"{name}@{version}" if version else name
-        if not any(b.kserve_http for b in router.route(model).backends):
+        route = router.route(model)
+        at_zero = held is not None and route.scaled_to_zero
+        if held is not None and at_zero and suffix not in ("/infer", "/generate", "/generate_stream"):
+            if suffix == "/ready":
+                raise GatewayError(
+                    400, f"the model '{name}' is scaled to zero (not ready; a request wakes it)"
+                )
+            raise held.waking_error(name)
+        if not route.scaled_to_zero and not any(b.kserve_http for b in route.backends):
             # (Its replicas serve KServe gRPC or the OpenAI API: the pick below would run out of
             # candidates and call them all unhealthy.)
             raise GatewayError(
@@ -332,7 +352,9 @@ def kserve_http_routes(
             )
         body = await _read_body(request, max_body_bytes) if method == "POST" else b""
         tokens = 0
+        priority = Priority.INTERACTIVE
         if suffix in ("/infer", "/generate", "/generate_stream"):
+            priority = Priority.parse(request.headers.get(PRIORITY_HEADER))
             header_length = request.headers.get(_HEADER_LENGTH)
             if len(body) > _INLINE_PARSE_BYTES and header_length is None:
                 tokens = await asyncio.to_thread(body_max_tokens, suffix[1:], body, header_length)
@@ -349,6 +371,16 @@ def kserve_http_routes(
         reservation = await limiter.acquire(principal, tokens)
         settled = False
         try:
+            if held is not None and at_zero:
+                try:
+                    await held.until_woken(
+                        name,
+                        principal.tenant.name,
+                        priority,
+                        guard=lambda waiting: unless_gone(request.receive, waiting, release_slot),
+                    )
+                except ClientGone:
+                    raise GatewayError(499, "the client closed the request") from None
             exclude: list[str] = []
             for _ in range(_CONNECT_RETRIES + 1):
                 pick = None

@@ -11,14 +11,15 @@ Order of a request (each stage timed into the access log and `paved_gateway_stag
   queue_timeout).
 
 Scale to zero: a model whose route is `scaled_to_zero` (no backends; the control plane scaled
-it to zero while idle) keeps its alias. Its queue's window is pinned to 0 while the table says
-so (`_on_table`), so its requests are held in the same queue, with the same fairness, bound,
-Retry-After refusals and disconnect handling, and the same limits already reserved; their
-deadline is `wake_max_wait_s` rather than the queue's wait. The first one held starts the
-wake loop (paved.gateway.routing.wake: the control plane's wake endpoint, once a second while
-requests are held); `paved_gateway_held_requests{model}` counts them. The table that routes
-the model's first ready replica unpins the window, which releases the held requests in their
-fair order.
+it to zero while idle) keeps its alias. `self.held` (paved.gateway.forwarding.held, shared with
+the KServe forwarders) pins its queue's window to 0 while the table says so, so its requests are
+held in the same queue, with the same fairness, bound, Retry-After refusals and disconnect
+handling, and the same limits already reserved; their deadline is `wake_max_wait_s` rather than
+the queue's wait. The first one held starts the wake loop (paved.gateway.routing.wake: the
+control plane's wake endpoint, once a second while requests are held);
+`paved_gateway_held_requests{model}` counts them. The table that routes the model's first ready
+replica unpins the window, which releases the held requests in their fair order. A pin
+`alias@version` is held the same way when the table at zero lists that version.
 
 Invariants:
 - Every admitted request calls `Limiter.finish` exactly once: with the upstream's reported
@@ -42,12 +43,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -59,7 +59,8 @@ from starlette.types import Receive
 
 from paved.gateway.caching.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
-from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, QueueRefusedError, Slot
+from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, Slot
+from paved.gateway.forwarding.held import ClientGone, HeldRequests, release_slot, unless_gone
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.tokens import TokenCounter
 from paved.http.errors import error_body
@@ -72,7 +73,6 @@ if TYPE_CHECKING:
     from paved.gateway.access.limits import Limiter, Reservation
     from paved.gateway.orchestration.orchestrate import Hit, Orchestrator, Plan
     from paved.gateway.routing.router import Pick, Router
-    from paved.gateway.routing.routes import RoutesTable
     from paved.gateway.routing.wake import WakeCaller
     from paved.gateway.types import Principal
 
@@ -133,12 +133,10 @@ class OpenAIProxy:
         # whoever builds the gateway, None for a plain forwarding gateway.
         self.orchestrator: Orchestrator | None = None
         # Scale to zero: the control plane's wake endpoint (None: a routes file, nobody to wake;
-        # requests are still held until their deadline), the aliases whose queue window this
-        # proxy pinned to 0 because the table has them at zero, and the requests held per alias.
+        # requests are still held until their deadline), and the requests held for models at
+        # zero, over every protocol (the KServe forwarders are handed `held`).
         self.waker = waker
-        self._at_zero: set[str] = set()
-        self._held: dict[str, int] = {}
-        router.add_listener(self._on_table)
+        self.held = HeldRequests(router, flow, waker, metrics, config.wake_max_wait_s)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -163,8 +161,8 @@ class OpenAIProxy:
             if not principal.allows(alias):
                 continue
             data.append({"id": alias, "object": "model", "created": 0, "owned_by": "paved"})
-            route = self.router.route(alias)
-            for version in sorted({b.version for b in route.backends}):
+            # At zero: the versions it serves once woken (a pin to one is held, not a 404).
+            for version in sorted(self.router.route(alias).versions):
                 data.append(
                     {"id": f"{alias}@{version}", "object": "model", "created": 0, "owned_by": "paved"}
                 )
@@ -291,57 +289,14 @@ class OpenAIProxy:
                 await self._settle(reservation, None)
             raise
 
-    # ---- scale to zero ----------------------------------------------------------------------
-    def _on_table(self, table: RoutesTable) -> None:
-        """Pin the queue window of every model the table has at zero to 0 (its requests wait),
-        and unpin the ones that left zero (their held requests go, in fair order)."""
-        flow = self.flow
-        if flow is None or not flow.enabled:
-            return
-        at_zero = {alias for alias, route in table.models.items() if route.scaled_to_zero}
-        for alias in sorted(at_zero - self._at_zero):
-            flow.set_window(alias, 0)
-        for alias in sorted(self._at_zero - at_zero):
-            flow.set_window(alias, None)
-        self._at_zero = at_zero
-
-    def _wake(self, alias: str) -> None:
-        if self.waker is not None:
-            self.waker.wake(alias, lambda: self._held.get(alias, 0) > 0)
-
-    async def _held_wait(self, call: _Call, waiting: Awaitable[Slot], wait_s: float) -> Slot:
-        """Wait for a slot as a request held for a model at zero (counted while it waits)."""
-        alias = call.alias
-        self._held[alias] = self._held.get(alias, 0) + 1
-        self.metrics.held.labels(alias).inc()
-        try:
-            return await self._wait_turn(call, waiting)
-        except QueueRefusedError as e:
-            if e.code != "queue_timeout":
-                raise
-            raise QueueRefusedError(
-                f"the model '{alias}' is scaled to zero and no replica of it was ready within "
-                f"{wait_s:g} s (it is starting); retry after the Retry-After delay",
-                e.code or "queue_timeout",
-                int(e.headers.get("Retry-After", "1")),
-            ) from None
-        finally:
-            left = self._held[alias] - 1
-            if left:
-                self._held[alias] = left
-            else:
-                del self._held[alias]
-            self.metrics.held.labels(alias).dec()
-
     async def _dispatch(self, call: _Call, reservation: Reservation, affinity: bytes | None) -> Response:
         """Forward through the model's queue: straight through while its backends have room,
         else held (fairly across tenants) until they do or the request's deadline passes. A
         request for a model at zero is held the same way while the model wakes."""
         flow = self.flow
-        route = self.router.table.models.get(call.alias)
-        at_zero = route is not None and route.scaled_to_zero
+        at_zero = self.held.at_zero(call.alias)
         if at_zero:
-            self._wake(call.alias)
+            self.held.wake(call.alias)
         if flow is None or not flow.enabled:
             return await self._attempts(call, reservation, affinity, None)
         tenant = call.principal.tenant.name
@@ -352,7 +307,9 @@ class OpenAIProxy:
             if slot is None:
                 waiting = flow.acquire(call.alias, tenant, call.priority, deadline)
                 if at_zero:
-                    slot = await self._held_wait(call, waiting, wait_s)
+                    slot = await self.held.wait(
+                        call.alias, waiting, wait_s, lambda w: self._wait_turn(call, w)
+                    )
                 else:
                     slot = await self._wait_turn(call, waiting)
             while True:
@@ -360,7 +317,7 @@ class OpenAIProxy:
                     return await self._attempts(call, reservation, affinity, slot)
                 except _NoRoom as e:
                     await self._wait_turn(call, slot.requeue(hold=e.held))
-        except _Disconnected:
+        except ClientGone:
             if slot is not None:
                 slot.release()
             self.metrics.disconnects.labels(call.alias).inc()
@@ -377,7 +334,7 @@ class OpenAIProxy:
     async def _wait_turn(self, call: _Call, waiting: Awaitable[_T]) -> _T:
         """Wait in the queue unless the client leaves first (then the waiter leaves too)."""
         # A slot granted in the same instant as the client left is given back.
-        return await _unless_gone(call.request.receive, waiting, _release_slot)
+        return await unless_gone(call.request.receive, waiting, release_slot)
 
     async def _attempts(
         self, call: _Call, reservation: Reservation, affinity: bytes | None, slot: Slot | None
@@ -432,7 +389,7 @@ class OpenAIProxy:
             sent = time.perf_counter()
             try:
                 upstream = await self._send(call.request, backend.url + call.path, payload, headers)
-            except _Disconnected:
+            except ClientGone:
                 self.router.end(backend.id, ok=True)
                 in_flight.dec()
                 self.metrics.disconnects.labels(call.alias).inc()
@@ -501,7 +458,7 @@ class OpenAIProxy:
             total=None, connect=self.config.connect_timeout_s, sock_read=self.config.upstream_timeout_s
         )
         send = self.session.post(url, data=payload, headers=headers, timeout=timeout)
-        return await _unless_gone(request.receive, send, lambda resp: resp.close())
+        return await unless_gone(request.receive, send, lambda resp: resp.close())
 
     async def _whole(
         self,
@@ -518,8 +475,8 @@ class OpenAIProxy:
         try:
             read = _read_whole(upstream, self.config.upstream_timeout_s)
             try:
-                data = await _unless_gone(call.request.receive, read, _discard)
-            except _Disconnected:
+                data = await unless_gone(call.request.receive, read, _discard)
+            except ClientGone:
                 upstream.close()
                 self.metrics.disconnects.labels(alias).inc()
                 log["status"] = 499
@@ -707,10 +664,6 @@ class OpenAIProxy:
             access_log.info(json.dumps(log, separators=(",", ":")))
 
 
-class _Disconnected(Exception):
-    pass
-
-
 class _NoRoom(Exception):
     """Every backend tried in a round had no room (503 or a connect timeout), or, `held`, every
     candidate's gauges read full before any was tried."""
@@ -767,42 +720,8 @@ class _GuardedStream(StreamingResponse):
                 await self._cleanup()
 
 
-async def _unless_gone(receive: Receive, work: Awaitable[_T], discard: Callable[[_T], object]) -> _T:
-    """`work`'s result, unless the client disconnects first: `work` is then cancelled, a result
-    it produced in that same instant goes to `discard` (nothing is leaked), and _Disconnected is
-    raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        gone.cancel()
-        raise
-    if task in done:
-        gone.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        discard(await task)
-    raise _Disconnected
-
-
 def _discard(_: object) -> None:
     """A body read in the instant its client left: nothing holds a resource."""
-
-
-def _release_slot(got: object) -> None:
-    if isinstance(got, Slot):
-        got.release()
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Return when the client disconnects (the body was already read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _read_whole(upstream: aiohttp.ClientResponse, timeout_s: float) -> bytes:

@@ -16,6 +16,9 @@ Invariants of a `RoutesTable` built by `parse_routes` (the router relies on them
 - a model has backends unless it is `scaled_to_zero` (its deployment scaled to zero replicas
   while idle: the alias stays known, requests for it are held while it wakes), and a model
   scaled to zero has none; `waking` (replicas were asked for) only marks a model at zero;
+- `versions` (file key) only lists, for a model at zero, the versions it serves once woken
+  (distinct, each a valid version): `ModelRoute.versions` is the backends' versions, or these
+  at zero, so a pin `alias@version` is known (held) at zero exactly when it is listed;
 - `revision` is a hash of the normalised content: equal tables have equal revisions whatever
   the file's format, key order or whitespace.
 """
@@ -73,6 +76,7 @@ _MODEL_KEYS = frozenset(
         "cache",
         "scaled_to_zero",
         "waking",
+        "versions",
     }
 )
 _CACHE_KEYS = frozenset({"exact", "semantic", "ttl_s", "threshold", "embedding_model"})
@@ -173,6 +177,9 @@ class ModelRoute:
     # `waking` once it has asked for replicas.
     scaled_to_zero: bool = False
     waking: bool = False
+    # At zero: the versions its woken replicas will serve (file key `versions`), so pins to
+    # them are held like the bare alias rather than answered 404.
+    zero_versions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         backends = tuple(
@@ -182,10 +189,14 @@ class ModelRoute:
         object.__setattr__(self, "backends", backends)
         if self.split is not None:
             object.__setattr__(self, "split", MappingProxyType(dict(self.split)))
+        object.__setattr__(self, "zero_versions", tuple(self.zero_versions))
 
     @property
     def versions(self) -> tuple[str, ...]:
-        """The versions the backends serve, in first-seen order."""
+        """The versions the backends serve, in first-seen order; at zero (no backends), the
+        versions it will serve once woken (`zero_versions`)."""
+        if not self.backends:
+            return self.zero_versions
         return tuple(dict.fromkeys(b.version for b in self.backends))
 
 
@@ -250,6 +261,8 @@ def _route_to_obj(r: ModelRoute) -> dict[str, Any]:
         obj["scaled_to_zero"] = True
     if r.waking:
         obj["waking"] = True
+    if r.zero_versions:
+        obj["versions"] = list(r.zero_versions)
     return obj
 
 
@@ -456,7 +469,8 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
             raise _fail(f"{path}.backends[{i}].id", f"duplicate backend id {b.id!r}")
         seen.add(b.id)
         backends.append(b)
-    versions = dict.fromkeys(b.version for b in backends)
+    zero_versions = _zero_versions(obj.get("versions"), f"{path}.versions", at_zero)
+    versions = dict.fromkeys(b.version for b in backends) if backends else dict.fromkeys(zero_versions)
 
     current = _string(obj, "current", path)
     if current is not None and current not in versions:
@@ -500,7 +514,24 @@ def _model(obj: Any, path: str, budget: list[int]) -> ModelRoute:
     return ModelRoute(
         alias, tuple(backends), strategy, split, current, tokenizer, apt, kind, bounded_load, slack,
         template, max_model_len, summarizer, cache, summarizer_temperature, at_zero, waking,
+        zero_versions,
     )  # fmt: skip
+
+
+def _zero_versions(value: Any, path: str, at_zero: bool) -> tuple[str, ...]:
+    """The versions a model at zero will serve (absent: none known; pins to it are 404)."""
+    if value is None:
+        return ()
+    if not at_zero:
+        raise _fail(path, "lists versions only for a model that is scaled_to_zero (else its backends do)")
+    if not isinstance(value, list) or len(value) > MAX_BACKENDS:
+        raise _fail(path, f"must be a list of at most {MAX_BACKENDS} versions")
+    for i, version in enumerate(value):
+        if not isinstance(version, str) or not _VERSION.fullmatch(version):
+            raise _fail(f"{path}[{i}]", f"{version!r} must be a version matching {_VERSION.pattern}")
+    if len(set(value)) != len(value):
+        raise _fail(path, "lists a version twice")
+    return tuple(value)
 
 
 def _cache_policy(obj: Any, path: str) -> CachePolicy:
