@@ -252,8 +252,10 @@ def test_exception_in_execute_fails_the_request_as_triton_does(server, gc, hc):
     with pytest.raises(InferenceServerException) as e:
         gc.infer("faulty", op(grpcclient, 4))
     assert e.value.status() == "StatusCode.INTERNAL"
-    assert "Failed to process the request(s) for model instance 'faulty_0_0'" in e.value.message()
-    assert "ValueError: boom from faulty" in e.value.message()
+    message = e.value.message()
+    assert message.startswith("Failed to process the request(s) for model 'faulty_0', message: ")
+    assert "ValueError: boom from faulty\n\nAt:\n" in message
+    assert "faulty/1/model.py(" in message  # the model's frame, as Triton reports it
     with pytest.raises(InferenceServerException) as e:
         hc.infer("faulty", op(httpclient, 4))
     assert e.value.status() == "500"
@@ -270,11 +272,20 @@ def test_triton_error_codes_map_to_statuses(server, gc, hc):
     assert e.value.status() == "400"
 
 
-def test_undeclared_output_is_an_internal_error(server, gc):
+def test_outputs_not_requested_are_dropped_as_triton_does(server, gc):
+    # The model answers UNDECLARED instead of PID: not requested (not even declared), not sent.
+    result = gc.infer("faulty", op(grpcclient, 6))
+    assert result.as_numpy("PID") is None
+    assert result.get_response().outputs == []
+
+
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_decoupled_model_refuses_unary_infer(server, gc, hc, module):
+    client = gc if module is grpcclient else hc
     with pytest.raises(InferenceServerException) as e:
-        gc.infer("faulty", op(grpcclient, 6))
-    assert e.value.status() == "StatusCode.INTERNAL"
-    assert "UNDECLARED" in e.value.message()
+        client.infer("repeat", [tensor(module, "IN", np.array([1], dtype=np.int32), "INT32")])
+    assert e.value.status() in ("StatusCode.UNIMPLEMENTED", "501")
+    assert "doesn't support models with decoupled transaction policy" in e.value.message()
 
 
 @pytest.mark.parametrize(
@@ -286,8 +297,8 @@ def test_crash_or_hang_fails_the_request_and_the_model_serves_again(server, gc, 
     before = faulty_pid(gc, grpcclient)
     with pytest.raises(InferenceServerException) as e:
         gc.infer("faulty", op(grpcclient, value), client_timeout=60)
-    assert e.value.status() == "StatusCode.UNAVAILABLE"
-    assert "faulty_0_0" in e.value.message()
+    assert e.value.status() == "StatusCode.INTERNAL"
+    assert e.value.message().startswith("Stub process 'faulty_0' is not healthy: ")
     assert reason in e.value.message()
     # The restart may still be under way: a request then waits for it.
     after = faulty_pid(gc, grpcclient)
@@ -302,7 +313,7 @@ def test_python_model_output_goes_to_the_server_log(server, gc, caplog):
         gc.infer("faulty", op(grpcclient, 4))
     lines = [r.getMessage() for r in caplog.records]
     # The traceback the worker printed to stderr, prefixed with model and instance.
-    tagged = [line for line in lines if line.startswith("[faulty/faulty_0_0] ")]
+    tagged = [line for line in lines if line.startswith("[faulty/faulty_0] ")]
     assert any("boom from faulty" in line for line in tagged), lines
     assert faulty_pid(gc, grpcclient) == before
 
@@ -386,4 +397,4 @@ def test_pb_utils_model_config_keeps_what_the_file_says():
     assert config.as_dict()["output"] == [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}]
     assert pb_utils.using_decoupled_model_transaction_policy(config.as_dict())
     with pytest.raises(pb_utils.TritonModelException, match="inside a model's worker"):
-        pb_utils.InferenceRequest(model_name="m").exec()
+        pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[]).exec()

@@ -15,12 +15,14 @@ execute (or sends exactly one through a response sender); a decoupled one
 become the request's InferResponses (ModelStreamInfer, generate_stream).
 
 Errors as Triton reports them: an exception from execute fails every request of the batch
-with INTERNAL "Failed to process the request(s) for model instance ..., message: <Type>:
-<text>"; an InferenceResponse's TritonError fails its request with the error's code (INVALID_ARG
--> INVALID_ARGUMENT, ...). A worker that dies or goes silent for `paved_execute_timeout_s`
-(config parameter, seconds, default DEFAULT_EXECUTE_TIMEOUT_S) fails what it had in flight
-with UNAVAILABLE naming the reason and is restarted; a request whose execute() returned
-without its final response fails after the same time without one.
+with INTERNAL "Failed to process the request(s) for model '<instance>', message: <Type>:
+<text>" and the model's frames ("At: ..."); an InferenceResponse's TritonError fails its
+request with the error's code (INVALID_ARG -> INVALID_ARGUMENT, ...). A worker that dies or
+goes silent for `paved_execute_timeout_s` (config parameter, seconds, default
+DEFAULT_EXECUTE_TIMEOUT_S) fails what it had in flight with INTERNAL "Stub process '<instance>'
+is not healthy: <reason>" (Triton's words) and, unlike Triton, is restarted; a request whose
+execute() returned without its final response fails after the same time without one. A
+decoupled model refuses unary requests with UNIMPLEMENTED, as Triton does.
 
 BLS: a worker's `InferenceRequest(model_name=...).exec()` arrives here and runs on any model
 of the same repository (source.repository), validated as a client's request would be.
@@ -47,7 +49,7 @@ from tritonclient.grpc import model_config_pb2
 from paved.engine.streams import Closing, aclose
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.batcher import DynamicBatcher
-from paved.kserve.errors import KServeError, from_exception, invalid_argument, unavailable
+from paved.kserve.errors import KServeError, from_exception, invalid_argument, unavailable, unsupported
 from paved.kserve.http_server import _int64_numbers
 from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, custom_parameters
 from paved.kserve.python_backend.worker import Worker
@@ -244,8 +246,7 @@ class PythonModel(ServedModel):
         return self._state, self._reason
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def _worker(self, index: int, group: str, kind: str) -> Worker:
-        name = f"{group}_{index}"
+    def _worker(self, name: str, kind: str) -> Worker:
         args = {
             "model_config": "",  # filled once the config is complete
             "model_instance_kind": kind,
@@ -268,13 +269,15 @@ class PythonModel(ServedModel):
             on_death=self._on_death,
         )
 
-    def _instance_names(self, config: model_config_pb2.ModelConfig) -> list[tuple[int, str]]:
-        # Triton's naming: group "<model>_<group index>" unless named, instances "<group>_<i>".
-        out = []
+    def _instance_names(self, config: model_config_pb2.ModelConfig) -> list[str]:
+        # Triton's naming: group "<model>_<group index>" unless named; an instance is its
+        # group's name when the group has one, "<group>_<i>" otherwise.
+        out: list[str] = []
         groups = list(config.instance_group) or [model_config_pb2.ModelInstanceGroup(count=1)]
         for g, group in enumerate(groups):
             name = group.name or f"{self.name}_{g}"
-            out += [(i, name) for i in range(group.count or 1)]
+            count = group.count or 1
+            out += [name] if count == 1 else [f"{name}_{i}" for i in range(count)]
         return out
 
     async def load(self) -> None:
@@ -289,7 +292,7 @@ class PythonModel(ServedModel):
     async def _load(self) -> None:
         self._loop = asyncio.get_running_loop()
         names = self._instance_names(self._config)
-        first = self._worker(names[0][0], names[0][1], "CPU")
+        first = self._worker(names[0], "CPU")
         self._workers.append(first)
         await first.start()
         completed = await first.auto_complete(self.model_file, config_json(self._config))
@@ -305,7 +308,7 @@ class PythonModel(ServedModel):
         self._set_config(config)
         first.execute_timeout_s = self.execute_timeout_s
         names = self._instance_names(config)
-        self._workers += [self._worker(i, group, "CPU") for i, group in names[1:]]
+        self._workers += [self._worker(name, "CPU") for name in names[1:]]
         await asyncio.gather(*(w.start() for w in self._workers[1:]))
         text = config_json(config)
         for w in self._workers:
@@ -376,7 +379,10 @@ class PythonModel(ServedModel):
             message, code = error
             raise KServeError(_TRITON_TO_GRPC.get(code, grpc.StatusCode.UNKNOWN), str(message))
         arrays = {}
+        wanted = request.wire["outputs"]
         for name, array in outputs or []:
+            if name not in wanted:
+                continue  # as Triton: only requested outputs are sent (undeclared ones never are)
             try:
                 spec = self.output_spec(name)
             except KeyError:
@@ -409,6 +415,12 @@ class PythonModel(ServedModel):
     async def infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         if self._batcher is None or self._state != "READY":
             raise unavailable(f"model '{self.name}' is not loaded")
+        if self.decoupled and not request.decoupled:
+            # Triton's words for ModelInfer (its HTTP infer says "HTTP end point" instead).
+            raise unsupported(
+                f"ModelInfer RPC doesn't support models with decoupled transaction policy ('{self.name}' is "
+                "decoupled: use ModelStreamInfer, generate_stream, or exec(decoupled=True) in BLS)"
+            )
         rows = self._rows(request)
         key = next(self._keys)
         inputs = []
@@ -519,7 +531,7 @@ class PythonModel(ServedModel):
         if error is not None:
             failure = KServeError(
                 grpc.StatusCode.INTERNAL,
-                f"Failed to process the request(s) for model instance '{worker.name}', message: {error}",
+                f"Failed to process the request(s) for model '{worker.name}', message: {error}",
             )
             for pending in batch:
                 pending.put(failure)

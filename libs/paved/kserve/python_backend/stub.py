@@ -261,7 +261,7 @@ class Stub:
             return responses, None
         except BaseException as e:  # noqa: BLE001 - the batch fails, the instance serves on
             traceback.print_exc()
-            return None, f"{type(e).__name__}: {e}"
+            return None, _error_text(e)
 
     def _finalize(self) -> None:
         finalize = getattr(self.model, "finalize", None)
@@ -273,6 +273,14 @@ class Stub:
                 self.loop.run_until_complete(result)
         except BaseException:  # noqa: BLE001 - the instance ends either way
             traceback.print_exc()
+
+
+def _error_text(e: BaseException) -> str:
+    """Triton's form of a model's exception: "<Type>: <message>", then the model's frames,
+    innermost first ("At:\n  <file>(<line>): <function>")."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
+    return f"{type(e).__name__}: {e}" + (f"\n\nAt:\n{where}" if where else "")
 
 
 def main() -> None:

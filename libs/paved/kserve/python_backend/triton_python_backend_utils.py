@@ -336,9 +336,11 @@ class InferenceRequest:
         self,
         request_id: str = "",
         correlation_id: int | str = 0,
-        inputs: list[Tensor] | None = None,
-        requested_output_names: list[str] | None = None,
-        model_name: str = "",
+        *,
+        # Required, as in Triton's constructor (a model written here must load there too).
+        inputs: list[Tensor],
+        requested_output_names: list[str],
+        model_name: str,
         model_version: int = -1,
         flags: int = 0,
         timeout: int = 0,
@@ -348,8 +350,8 @@ class InferenceRequest:
     ):
         self._request_id = request_id
         self._correlation_id = correlation_id
-        self._inputs = list(inputs or [])
-        self._requested_output_names = list(requested_output_names or [])
+        self._inputs = list(inputs)
+        self._requested_output_names = list(requested_output_names)
         self._model_name = model_name
         self._model_version = model_version
         self._flags = flags

@@ -6,7 +6,8 @@ and logs the worker's stdout and stderr line by line, prefixed with `[model/inst
 
 Invariants the model (paved.kserve.python_backend.served) relies on:
 - `execute` returns the worker's (responses, error) for a batch, or raises a KServeError
-  (UNAVAILABLE, naming the reason) when the worker dies or hangs while executing it. A worker
+  (INTERNAL "Stub process ... is not healthy: <reason>") when the worker dies or hangs while
+  executing it, or UNAVAILABLE when the worker could not be restarted. A worker
   hangs when it sends nothing for `execute_timeout_s` while executing and no BLS call of its
   own is in flight; it is then killed.
 - When a worker dies (crash, kill, a failed frame), everything it had in flight fails once with
@@ -29,6 +30,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import grpc
 
 from paved.kserve.errors import KServeError, unavailable
 from paved.kserve.python_backend import frames
@@ -345,9 +348,11 @@ class Worker:
             reason = f"exited with code {code}"
         if self._writer is not None:
             self._writer.close()
-        error = unavailable(
-            f"model '{self.model}' instance '{self.name}': the worker process {reason}"
-            + ("" if self._stopping else "; it is being restarted")
+        # Triton's words for a dead stub, then why and what happens next.
+        error = KServeError(
+            grpc.StatusCode.INTERNAL,
+            f"Stub process '{self.name}' is not healthy: the worker process of model '{self.model}' "
+            f"{reason}" + ("" if self._stopping else "; it is being restarted"),
         )
         if not self._stopping:
             logger.error("%s", error.message)

@@ -33,7 +33,9 @@ class TritonPythonModel:
                 out = pb_utils.get_output_tensor_by_name(response, "OUT")
                 if out is not None:
                     streamed.append(int(out.as_numpy()[0]))
-            missing = pb_utils.InferenceRequest(model_name="no_such_model", inputs=inputs).exec()
+            missing = pb_utils.InferenceRequest(
+                model_name="no_such_model", requested_output_names=["OUTPUT0"], inputs=inputs
+            ).exec()
             error = missing.error().message() if missing.has_error() else ""
             responses.append(
                 pb_utils.InferenceResponse(
