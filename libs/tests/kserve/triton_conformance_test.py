@@ -76,9 +76,6 @@ DIFFERENCES = {
 PAVED_GAPS = {
     "statistics": "ModelStatistics / GET /v2/models/{name}/stats are not implemented by paved's "
     "transports yet (gRPC UNIMPLEMENTED, HTTP 501): grpc_server.py / http_server.py",
-    "error: decoupled over unary infer": "paved refuses a decoupled model's unary Infer only after "
-    "running it, with INVALID_ARGUMENT / 400 ('sent 2 responses'); Triton refuses it up front with "
-    "UNIMPLEMENTED / 501: the transports' unary Infer should check model_transaction_policy",
 }
 
 
