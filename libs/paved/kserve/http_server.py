@@ -25,7 +25,6 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -39,6 +38,7 @@ from paved.http.tracing import AccessMiddleware, TraceContext
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
 from paved.kserve.metrics import HTTP, KServeMetrics, batch_rows
+from paved.kserve.model_config import config_to_dict
 from paved.kserve.repository import (
     InferRequest,
     InferResponse,
@@ -65,34 +65,7 @@ def _kserve_error(e: KServeError) -> JSONResponse:
 
 def _config_json(model: ServedModel) -> dict:
     """ModelConfig as Triton's HTTP /config returns it: proto field names, int64s as numbers."""
-    config = model.config()
-    out = json_format.MessageToDict(config, preserving_proto_field_name=True)
-    return _int64_numbers(out, config.DESCRIPTOR)
-
-
-def _int64_numbers(value: Any, descriptor) -> Any:
-    # protobuf's JSON mapping writes int64 as strings; Triton (and its clients) expect numbers.
-    from google.protobuf.descriptor import FieldDescriptor as F
-
-    wide = {F.CPPTYPE_INT64, F.CPPTYPE_UINT64}
-    for name, field_value in list(value.items()):
-        field = descriptor.fields_by_name.get(name)
-        if field is None:
-            continue
-        if field.cpp_type in wide:
-            value[name] = [int(v) for v in field_value] if isinstance(field_value, list) else int(field_value)
-        elif field.cpp_type == F.CPPTYPE_MESSAGE:
-            sub = field.message_type
-            if sub.GetOptions().map_entry:
-                value_field = sub.fields_by_name["value"]
-                if value_field.cpp_type == F.CPPTYPE_MESSAGE:
-                    for k, v in field_value.items():
-                        field_value[k] = _int64_numbers(v, value_field.message_type)
-            elif isinstance(field_value, list):
-                value[name] = [_int64_numbers(v, sub) for v in field_value]
-            else:
-                value[name] = _int64_numbers(field_value, sub)
-    return value
+    return config_to_dict(model.config())
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

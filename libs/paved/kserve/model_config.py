@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from google.protobuf import json_format, text_format
@@ -330,3 +331,37 @@ def instance_count(config: model_config_pb2.ModelConfig) -> int:
     """Execution workers the config asks for: the sum of its instance groups' counts (a group
     without a count is one instance, as in Triton), at least one."""
     return sum(g.count or 1 for g in config.instance_group) or 1
+
+
+def config_to_dict(config: model_config_pb2.ModelConfig, *, defaults: bool = False) -> dict[str, Any]:
+    """ModelConfig as Triton's HTTP /config returns it: proto field names, int64s as numbers;
+    with `defaults`, every field (as Triton gives it to a Python model's `initialize`)."""
+    out = json_format.MessageToDict(
+        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=defaults
+    )
+    return _int64_numbers(out, config.DESCRIPTOR)
+
+
+def _int64_numbers(value: Any, descriptor) -> Any:
+    # protobuf's JSON mapping writes int64 as strings; Triton (and its clients) expect numbers.
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = {F.CPPTYPE_INT64, F.CPPTYPE_UINT64}
+    for name, field_value in list(value.items()):
+        field = descriptor.fields_by_name.get(name)
+        if field is None:
+            continue
+        if field.cpp_type in wide:
+            value[name] = [int(v) for v in field_value] if isinstance(field_value, list) else int(field_value)
+        elif field.cpp_type == F.CPPTYPE_MESSAGE:
+            sub = field.message_type
+            if sub.GetOptions().map_entry:
+                value_field = sub.fields_by_name["value"]
+                if value_field.cpp_type == F.CPPTYPE_MESSAGE:
+                    for k, v in field_value.items():
+                        field_value[k] = _int64_numbers(v, value_field.message_type)
+            elif isinstance(field_value, list):
+                value[name] = [_int64_numbers(v, sub) for v in field_value]
+            else:
+                value[name] = _int64_numbers(field_value, sub)
+    return value

@@ -371,7 +371,9 @@ def test_the_main_serves_a_repository_and_refuses_a_missing_one(repo, tmp_path):
         assert match
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
         try:
-            assert wait_for(lambda: client.is_model_ready("scorer"), timeout=60)
+            assert wait_for(
+                lambda: client.is_model_ready("scorer", "1") and client.is_model_ready("scorer"), timeout=60
+            )
             assert _infer(grpcclient, client, "scorer", "1").as_numpy("output__0").shape == (3, 3)
         finally:
             client.close()

@@ -50,10 +50,10 @@ from paved.engine.streams import Closing, aclose
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, unavailable, unsupported
-from paved.kserve.http_server import _int64_numbers
 from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, custom_parameters
+from paved.kserve.model_config import config_to_dict, specs_from_config
 from paved.kserve.python_backend.worker import Worker
-from paved.kserve.tensors import TensorSpec, config_datatype, datatype_of
+from paved.kserve.tensors import TensorSpec, datatype_of
 
 logger = logging.getLogger(__name__)
 
@@ -85,39 +85,20 @@ def create(source: ModelSource) -> PythonModel:
 
 
 def _specs(config: model_config_pb2.ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The config's tensors (model_config.specs_from_config), minus what a Python model cannot
+    be given: BF16 (numpy has no such type), ragged batches, shape tensors, non-linear formats."""
+    inputs, outputs = specs_from_config(config)
     where = f"model '{config.name}'"
-    out: list[list[TensorSpec]] = [[], []]
-    for kind, tensors, specs in (("input", config.input, out[0]), ("output", config.output, out[1])):
-        seen = set()
+    for kind, tensors in (("input", config.input), ("output", config.output)):
         for t in tensors:
-            if not t.name:
-                raise ModelConfigError(f"{where}: an {kind} has no name")
-            if t.name in seen:
-                raise ModelConfigError(f"{where}: {kind} '{t.name}' is declared twice")
-            seen.add(t.name)
-            type_name = model_config_pb2.DataType.Name(t.data_type)
-            if type_name in ("TYPE_INVALID", "TYPE_BF16"):
-                raise ModelConfigError(f"{where}: {kind} '{t.name}': data_type {type_name} is not supported")
-            if any(d < -1 or d == 0 for d in t.dims) and not t.HasField("reshape"):
-                raise ModelConfigError(f"{where}: {kind} '{t.name}': dims must be positive or -1")
+            if t.data_type == model_config_pb2.TYPE_BF16:
+                raise ModelConfigError(f"{where}: {kind} '{t.name}': data_type TYPE_BF16 is not supported")
             if kind == "input" and (t.allow_ragged_batch or t.is_shape_tensor or t.is_non_linear_format_io):
                 raise ModelConfigError(
                     f"{where}: input '{t.name}': ragged batches, shape tensors and non-linear formats "
                     "are not supported"
                 )
-            if t.HasField("reshape"):
-                known = [d for d in t.dims if d != -1]
-                shape = [d for d in t.reshape.shape if d != -1]
-                if (-1 in t.dims) != (-1 in t.reshape.shape) or (
-                    -1 not in t.dims and math.prod(known) != math.prod(shape)
-                ):
-                    raise ModelConfigError(
-                        f"{where}: {kind} '{t.name}': reshape {list(t.reshape.shape)} does not fit dims "
-                        f"{list(t.dims)}"
-                    )
-            optional = bool(getattr(t, "optional", False))
-            specs.append(TensorSpec(t.name, config_datatype(type_name), tuple(t.dims), optional))
-    return tuple(out[0]), tuple(out[1])
+    return inputs, outputs
 
 
 def _validate(c: model_config_pb2.ModelConfig) -> None:
@@ -178,10 +159,7 @@ def _execute_timeout(c: model_config_pb2.ModelConfig) -> float:
 def config_json(config: model_config_pb2.ModelConfig) -> str:
     """The config as Triton gives it to a Python model: proto field names, defaults included,
     int64s as numbers."""
-    doc = json_format.MessageToDict(
-        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return json.dumps(_int64_numbers(doc, config.DESCRIPTOR))
+    return json.dumps(config_to_dict(config, defaults=True))
 
 
 _EXECUTED = object()  # queued once execute() returned for the request's batch
