@@ -18,6 +18,15 @@ Deployment, Service and PodDisruptionBudget (paved.control_plane.kube_objects). 
 separated by `---`, or one JSON `v1/List` (`--output json`); both go to `kubectl apply -f -`.
 Secrets are referenced by name, never printed. Bad input is exit 2 naming the flag, before
 anything is printed.
+
+  paved render prometheus [--control-plane URL] [--credentials-file PATH | --file-sd PATH]
+        [--rule-files PATH ...] [--scrape-interval 15s] [--job-name paved]
+
+Prints a prometheus.yml (paved.control_plane.prometheus.scrape_config): one job that discovers
+every ready replica's metrics endpoint, the gateways and the control plane from the control
+plane's GET /v1/prometheus/targets (http_sd, authorized with the admin key read from
+--credentials-file), or from the file the control plane writes with --prometheus-file-sd
+(--file-sd), and the rule files (default: this checkout's ops/prometheus/rules/*.yml).
 """
 
 from __future__ import annotations
@@ -26,12 +35,19 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from paved.cli.common import CliError, admin_key_option, base_url, bounded_int, connect
+
+# The kubernetes target's required flags (required by hand: `paved render prometheus` has none).
+_REQUIRED = ("--namespace", "--control-plane-image", "--gateway-image", "--launcher-image")
+# This checkout's rules (libs/paved/cli/render.py -> the repository root).
+_RULES_DIR = Path(__file__).resolve().parents[3] / "ops" / "prometheus" / "rules"
 
 # The checks are kube_platform's; they are imported where used so that `paved keys ...` does
 # not pay for the control plane's modules at start.
@@ -116,12 +132,21 @@ def _seconds(text: str) -> float:
 def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "render",
-        help="print the Kubernetes objects that run paved on a cluster (YAML or JSON)",
+        help="print the Kubernetes objects that run paved on a cluster (YAML or JSON), or a "
+        "Prometheus scrape config for the fleet (`paved render prometheus`)",
         description="The Kubernetes objects that run paved (control plane with its RBAC, gateway) "
-        "in a namespace, and each given deployment's replica objects; pipe to `kubectl apply -f -`.",
+        "in a namespace, and each given deployment's replica objects; pipe to `kubectl apply -f -`. "
+        "`paved render prometheus`: a prometheus.yml discovering the fleet from the control plane.",
+    )
+    p.add_argument(
+        "target",
+        nargs="?",
+        choices=("kubernetes", "prometheus"),
+        default="kubernetes",
+        help="kubernetes (default): the platform's objects; prometheus: a scrape config",
     )
     where = p.add_argument_group("cluster")
-    where.add_argument("--namespace", required=True, help="where the control plane and the gateway run")
+    where.add_argument("--namespace", help="where the control plane and the gateway run (required)")
     where.add_argument(
         "--replica-namespace", default="", help="where the model replicas run (default: --namespace)"
     )
@@ -156,7 +181,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         ("--gateway-image", "the gateway's image"),
         ("--launcher-image", "the launcher image every replica runs"),
     ):
-        images.add_argument(flag, required=True, type=_checked(_image, "IMAGE@sha256:DIGEST"), help=what)
+        images.add_argument(flag, type=_checked(_image, "IMAGE@sha256:DIGEST"), help=f"{what} (required)")
 
     sizes = p.add_argument_group("replicas")
     sizes.add_argument(
@@ -227,6 +252,39 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     admin_key_option(models, "with --from-control-plane; prefer the env var PAVED_ADMIN_KEY")
     p.add_argument("--output", choices=("yaml", "json"), default="yaml", help="yaml (default) or json")
+
+    prom = p.add_argument_group("prometheus (`paved render prometheus`)")
+    prom.add_argument(
+        "--control-plane",
+        type=base_url,
+        default=None,
+        metavar="URL",
+        help="the control plane Prometheus asks for targets (env PAVED_CONTROL_PLANE_URL, default "
+        "http://127.0.0.1:8090)",
+    )
+    prom.add_argument(
+        "--credentials-file",
+        default="/etc/prometheus/paved-admin-key",
+        metavar="PATH",
+        help="the file, readable by Prometheus, holding the control plane's admin key (default "
+        "/etc/prometheus/paved-admin-key)",
+    )
+    prom.add_argument(
+        "--file-sd",
+        default=None,
+        metavar="PATH",
+        help="discover from this file_sd JSON file (the control plane's --prometheus-file-sd) "
+        "instead of over HTTP",
+    )
+    prom.add_argument(
+        "--rule-files",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a rule file or glob (repeatable; default this checkout's ops/prometheus/rules/*.yml)",
+    )
+    prom.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval")
+    prom.add_argument("--job-name", default="paved", help="the scrape job's name (default paved)")
     p.set_defaults(run=_run, parser=p)
 
 
@@ -358,7 +416,52 @@ def _yaml(objects: list[dict[str, Any]]) -> str:
     )
 
 
+def _prometheus(args: argparse.Namespace) -> int:
+    from paved.control_plane.prometheus import scrape_config
+
+    if args.output != "yaml":
+        args.parser.error("argument --output: `paved render prometheus` prints YAML only")
+    for flag, value in (("--credentials-file", args.credentials_file), ("--file-sd", args.file_sd)):
+        if value is not None and (not value.strip() or not value.isprintable()):
+            args.parser.error(f"argument {flag}: a file path")
+    for rule in args.rule_files or ():
+        if not rule.strip() or not rule.isprintable():
+            args.parser.error("argument --rule-files: a file path or glob")
+    control_plane = None
+    if args.file_sd is None:
+        control_plane = args.control_plane
+        if control_plane is None:
+            try:
+                control_plane = base_url(os.environ.get("PAVED_CONTROL_PLANE_URL") or "http://127.0.0.1:8090")
+            except argparse.ArgumentTypeError as exc:
+                args.parser.error(f"PAVED_CONTROL_PLANE_URL: {exc}")
+    elif args.control_plane is not None:
+        args.parser.error("argument --file-sd: not with --control-plane (one way to discover)")
+    rules = args.rule_files
+    if rules is None:
+        rules = [str(_RULES_DIR / "*.yml")] if _RULES_DIR.is_dir() else []
+    try:
+        text = scrape_config(
+            control_plane_url=control_plane,
+            credentials_file=args.credentials_file if args.file_sd is None else None,
+            file_sd=args.file_sd,
+            rule_files=rules,
+            job_name=args.job_name,
+            scrape_interval=args.scrape_interval,
+            evaluation_interval=args.scrape_interval,
+        )
+    except ValueError as e:
+        args.parser.error(str(e))
+    sys.stdout.write(text)
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.target == "prometheus":
+        return _prometheus(args)
+    missing = [flag for flag in _REQUIRED if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        args.parser.error(f"the following arguments are required: {', '.join(missing)}")
     settings = _settings(args)
     from paved.control_plane.kube_platform import platform_objects
 

@@ -31,6 +31,7 @@ from paved.control_plane.kube_driver import KubeDriver, api_client
 from paved.control_plane.kube_objects import KubeSettings
 from paved.control_plane.leader import LeaderLock
 from paved.control_plane.local_driver import LocalDriver
+from paved.control_plane.prometheus import FileSdWriter, discover, metrics_endpoint, prometheus_router
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.gateway.access.auth import AdminAuth, load_admin_key
@@ -172,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a gateway's /metrics, read for rollout analysis and the dashboard (repeatable)",
     )
+    p.add_argument(
+        "--prometheus-file-sd",
+        metavar="PATH",
+        help="keep PATH a Prometheus file_sd JSON file listing the ready replicas' metrics endpoints, "
+        "the gateways and this control plane (the same as GET /v1/prometheus/targets); rewritten "
+        "atomically whenever the set changes",
+    )
     p.add_argument("--interval", type=float, default=1.0, help="seconds between reconcile passes")
     p.add_argument(
         "--health-timeout", type=float, default=900.0, help="seconds a replica may take to be ready"
@@ -235,7 +243,28 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
     )
     leader = LeaderLock(state)
     dashboard = dashboard_router(store, controller, admin.check, gateway_metrics=args.gateway_metrics)
-    app = create_app(store, controller, feed, admin.check, leader=leader, extra_routers=[dashboard])
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    own_metrics = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+    prometheus = prometheus_router(
+        store,
+        admin.check,
+        gateway_metrics=args.gateway_metrics,
+        control_plane_metrics=lambda: own_metrics,
+        is_leader=lambda: leader.is_leader,
+    )
+    app = create_app(
+        store, controller, feed, admin.check, leader=leader, extra_routers=[dashboard, prometheus]
+    )
+    file_sd = (
+        FileSdWriter(
+            args.prometheus_file_sd,
+            lambda: discover(store, args.gateway_metrics, own_metrics),
+            interval_s=min(args.interval, 5.0),
+        )
+        if args.prometheus_file_sd
+        else None
+    )
 
     async def lead() -> None:
         # Followers serve the API; the lock's holder runs the controller.
@@ -251,8 +280,6 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         logger.error("lost the leader lock; stopping")
         server.should_exit = True
 
-    sock = bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,
         loop="none",
@@ -266,6 +293,10 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     leading = asyncio.ensure_future(lead())
+    if file_sd is not None:
+        # Every control plane replica writes it (followers too): the store is shared, and a
+        # Prometheus next to a follower must not lose the fleet.
+        await file_sd.start()
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     # uvicorn exposes no started event; a bounded poll (it binds an already-open socket).
     for _ in range(3000):
@@ -279,6 +310,8 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         leading.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await leading
+        if file_sd is not None:
+            await file_sd.stop()
         await controller.stop()
         if args.stop_replicas_on_exit and leader.is_leader:
             await controller.drain_all()
@@ -311,6 +344,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvloop
 
+    for url in args.gateway_metrics:
+        try:
+            metrics_endpoint(url)
+        except ValueError as e:
+            print(f"control plane: --gateway-metrics: {e}", file=sys.stderr)
+            return 2
+    if args.prometheus_file_sd is not None:
+        sd_dir = Path(args.prometheus_file_sd).parent
+        if (
+            not args.prometheus_file_sd.strip()
+            or Path(args.prometheus_file_sd).is_dir()
+            or not sd_dir.is_dir()
+        ):
+            print(
+                f"control plane: --prometheus-file-sd {args.prometheus_file_sd!r}: a file path in an "
+                "existing directory",
+                file=sys.stderr,
+            )
+            return 2
     try:
         state, work_dir = _prepare(args)
         drivers = _drivers(args, work_dir)
