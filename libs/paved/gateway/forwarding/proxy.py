@@ -178,7 +178,12 @@ class OpenAIProxy:
         return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "paved"})
 
     # ---- generation and embeddings ---------------------------------------------------------
-    async def forward(self, request: Request, endpoint: str, path: str) -> Response:
+    async def forward(
+        self, request: Request, endpoint: str, path: str, *, principal: Principal | None = None
+    ) -> Response:
+        """Answer one OpenAI request. `principal`: the caller is already known (the batch
+        runner, paved.gateway.batches, replays a line for the tenant that created the batch):
+        no Authorization is read, everything after it (limits, queue, cache) applies as is."""
         started = time.perf_counter()
         request_id, traceparent = request_ids(request)
         # The trace id joins this line to the instance's access line for the same request.
@@ -188,7 +193,9 @@ class OpenAIProxy:
             "endpoint": endpoint,
         }
         try:
-            return await self._forward(request, endpoint, path, request_id, traceparent, started, log)
+            return await self._forward(
+                request, endpoint, path, request_id, traceparent, started, log, principal
+            )
         except GatewayError as e:
             log["status"] = e.status
             log.setdefault("error", e.code)
@@ -208,8 +215,10 @@ class OpenAIProxy:
         traceparent: str,
         started: float,
         log: dict[str, Any],
+        principal: Principal | None = None,
     ) -> Response:
-        principal = await self.authenticator.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            principal = await self.authenticator.authenticate(request.headers.get("authorization"))
         log["tenant"], log["key"] = principal.tenant.name, principal.key_id
         t_auth = time.perf_counter()
         log["auth_ms"] = _ms(started, t_auth)
