@@ -230,23 +230,8 @@ class OpenAIProxy:
             # Gone mid-upload: nobody reads an answer, and it is no server error.
             raise GatewayError(499, "client closed the request", code="client_closed_request") from None
         body = _parse_body(raw)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise GatewayError(400, "you must provide a model parameter", param="model", code="missing_model")
-        alias, _ = self.router.split_model(model)
-        if not principal.allows(alias):
-            raise ModelNotAllowedError(model)
-        route = self.router.route(model)
+        model, alias, route = _check_model(principal, self.router, body)
         log["model"] = alias
-        if route.kind == "kserve":
-            # Its replicas speak KServe v2 only: forwarding would come back as their bare 404.
-            raise GatewayError(
-                400,
-                f"model '{alias}' is a KServe v2 model and is not served over the OpenAI API; call it "
-                f"over KServe v2 (gRPC ModelInfer, or POST /v2/models/{alias}/infer)",
-                param="model",
-                code="model_not_supported",
-            )
         priority = Priority.parse(request.headers.get(PRIORITY_HEADER))
         stream = body.get("stream") is True
         if stream and endpoint == "embeddings":
@@ -821,6 +806,38 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
                 400, "the request body contains a lone UTF-16 surrogate, which is not valid Unicode"
             ) from None
     return body
+
+
+def _check_model(principal: Principal, router: Router, body: dict[str, Any]) -> tuple[str, str, Any]:
+    """(model, alias, route) of a body whose model exists, is allowed to `principal` (else the
+    404 an unknown model gets) and speaks OpenAI."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "you must provide a model parameter", param="model", code="missing_model")
+    alias, _ = router.split_model(model)
+    if not principal.allows(alias):
+        raise ModelNotAllowedError(model)
+    route = router.route(model)
+    if route.kind == "kserve":
+        # Its replicas speak KServe v2 only: forwarding would come back as their bare 404.
+        raise GatewayError(
+            400,
+            f"model '{alias}' is a KServe v2 model and is not served over the OpenAI API; call it "
+            f"over KServe v2 (gRPC ModelInfer, or POST /v2/models/{alias}/infer)",
+            param="model",
+            code="model_not_supported",
+        )
+    return model, alias, route
+
+
+def check_openai_body(
+    principal: Principal, router: Router, endpoint: str, body: dict[str, Any], default_max_tokens: int
+) -> None:
+    """The checks `forward` makes on a request body before admission (model known, allowed
+    and OpenAI-speaking; max_tokens, n), for callers that validate requests ahead of sending
+    them (the batch file upload): GatewayError(400/404) with `param` set as forward's."""
+    _check_model(principal, router, body)
+    _completion_budget(endpoint, body, default_max_tokens)
 
 
 def _completion_budget(endpoint: str, body: dict[str, Any], default: int) -> int:
