@@ -68,35 +68,42 @@ _GATEWAY_LAYERS = (
     _gateway_rule(
         "base",
         "the gateway's base knows none of its layers",
-        "access routing flow caching experiments orchestration forwarding",
+        "access routing flow caching experiments orchestration forwarding responses",
     ),
     _gateway_rule(
         "access",
         "access knows nothing of orchestration (nor of routing, caching, flow or forwarding)",
-        "routing flow caching experiments orchestration forwarding",
+        "routing flow caching experiments orchestration forwarding responses",
     ),
     _gateway_rule(
         "routing",
         "routing knows nothing of forwarding, orchestration or caching (nor of access or flow)",
-        "access flow caching experiments orchestration forwarding",
+        "access flow caching experiments orchestration forwarding responses",
     ),
     _gateway_rule(
         "flow",
         "flow control orders requests: it knows nothing of routing or forwarding",
-        "access routing caching experiments orchestration forwarding",
+        "access routing caching experiments orchestration forwarding responses",
     ),
     _gateway_rule(
         "caching",
         "caching knows nothing of forwarding (nor of routing, experiments or orchestration)",
-        "routing flow experiments orchestration forwarding",
+        "routing flow experiments orchestration forwarding responses",
     ),
     _gateway_rule(
         "experiments",
         "experiments know nothing of orchestration or forwarding",
-        "flow caching orchestration forwarding",
+        "flow caching orchestration forwarding responses",
     ),
-    _gateway_rule("orchestration", "orchestration knows nothing of forwarding", "flow forwarding"),
-    _gateway_rule("forwarding", "forwarding is what the app composes, never the reverse"),
+    _gateway_rule(
+        "orchestration", "orchestration knows nothing of forwarding", "flow forwarding responses"
+    ),
+    _gateway_rule(
+        "forwarding",
+        "forwarding is what the app composes (and the Responses API calls), never the reverse",
+        "responses",
+    ),
+    _gateway_rule("responses", "the Responses API is what the app composes, never the reverse"),
 )
 
 

@@ -53,6 +53,9 @@ class Gateway:
     health: HealthChecker | None = None
     # Templates, conversations, caches and experiments; also set as `proxy.orchestrator`.
     orchestrator: Orchestrator | None = None
+    # The Responses API and resumable streams (its routes are the composer's to add); when
+    # set, chat completions go through it (a resumable stream when it is configured so).
+    responses: Any = None
     # Extra things to start after the core (e.g. the KServe gRPC server) and stop before it.
     on_start: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
     on_stop: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
@@ -118,6 +121,8 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         return await proxy.forward(request, "completions", "/v1/completions")
+        if gateway.responses is not None:
+            return await gateway.responses.chat(request)
 
     async def embeddings(request: Request) -> Response:
         return await proxy.forward(request, "embeddings", "/v1/embeddings")

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from paved.gateway.forwarding.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.orchestrate import InternalClient, Orchestrator
 from paved.gateway.orchestration.tokens import TokenCounter
+from paved.gateway.responses.api import ResponsesAPI
 from paved.gateway.routing.health import FileRoutesSource, HealthChecker
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesError, RoutesTable, load_routes_file, parse_routes
@@ -155,6 +157,62 @@ def _parser() -> argparse.ArgumentParser:
         help="forward only: no templates, conversations, caches or experiments",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    # Resumable streams and the Responses API (docs/gateway.md, "Responses API and resumable streams").
+    p.add_argument(
+        "--resumable-streams",
+        action="store_true",
+        help="chat completions streams become resumable (an id: per event, x-paved-stream-id, "
+        "GET /v1/chat/completions/streams/ID with Last-Event-ID)",
+    )
+    p.add_argument(
+        "--stream-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="how long a resumable stream's generation goes on with no reader (default 30)",
+    )
+    p.add_argument(
+        "--stream-max-events",
+        type=int,
+        default=20000,
+        metavar="N",
+        help="events kept per stream (default 20000)",
+    )
+    p.add_argument(
+        "--stream-retention",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="how long a stream's events are kept after its last one (default 3600)",
+    )
+    p.add_argument(
+        "--streams-per-tenant",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="streams kept per tenant, the oldest dropped first (default 1000)",
+    )
+    p.add_argument(
+        "--responses-per-tenant",
+        type=int,
+        default=10000,
+        metavar="N",
+        help="stored responses kept per tenant (default 10000)",
+    )
+    p.add_argument(
+        "--responses-retention",
+        type=float,
+        default=30 * 86400.0,
+        metavar="S",
+        help="how long a stored response is kept (default 30 days)",
+    )
+    p.add_argument(
+        "--responses-lease",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="a generating replica's lease: a response whose replica died fails after it",
+    )
     return p
 
 
@@ -199,6 +257,14 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--queue-max-wait must be in (0, 3600] seconds")
     if not 0 < args.wake_max_wait <= 3600:
         p.error("--wake-max-wait must be in (0, 3600] seconds")
+    if not 0 <= args.stream_grace <= 3600:
+        p.error("--stream-grace must be in [0, 3600] seconds")
+    for name in ("stream_max_events", "streams_per_tenant", "responses_per_tenant"):
+        if not 1 <= getattr(args, name) <= 10_000_000:
+            p.error(f"--{name.replace('_', '-')} must be in [1, 10000000]")
+    for name in ("stream_retention", "responses_retention", "responses_lease"):
+        if not 1 <= getattr(args, name) <= 366 * 86400:
+            p.error(f"--{name.replace('_', '-')} must be in [1, 31622400] seconds")
     try:
         args.tenant_weights = _tenant_weights(args.tenant_weight)
     except ValueError as e:
@@ -311,7 +377,43 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
     )
     if proxy.waker is not None:
         gateway.on_stop.append(proxy.waker.close)
+    gateway.responses = _responses(args, store, authenticator, proxy)
+    gateway.on_start.append(gateway.responses.start)
+    gateway.on_stop.append(gateway.responses.stop)
     return gateway, table
+
+
+def _responses(
+    args: argparse.Namespace, store: GatewayStore, authenticator: Authenticator, proxy: OpenAIProxy
+) -> ResponsesAPI:
+    """The Responses API and resumable streams: events in Redis with --redis, else the database."""
+    from paved.gateway.responses import events
+    from paved.gateway.responses.store import ResponseStore, StoreBounds
+
+    bounds = events.LogBounds(
+        max_events=args.stream_max_events,
+        retention_s=args.stream_retention,
+        max_streams_per_tenant=args.streams_per_tenant,
+    )
+    log: events.EventLog = (
+        events.RedisEventLog(args.redis, bounds) if args.redis else events.SqlEventLog(store, bounds)
+    )
+    responses = ResponseStore(
+        store,
+        StoreBounds(
+            max_per_tenant=args.responses_per_tenant,
+            retention_s=args.responses_retention,
+            lease_s=args.responses_lease,
+        ),
+        owner=secrets.token_hex(8),
+    )
+    return ResponsesAPI(
+        proxy=proxy,
+        authenticator=authenticator,
+        store=responses,
+        streams=events.LiveStreams(log, grace_s=args.stream_grace),
+        resumable_chat=args.resumable_streams,
+    )
 
 
 def _orchestrator(args: argparse.Namespace, store: GatewayStore, proxy: OpenAIProxy) -> Orchestrator:
@@ -366,6 +468,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 held=gateway.proxy.held,
             )
         )
+    if gateway.responses is not None:
+        extra_routes.extend(gateway.responses.routes())
     app = create_app(
         gateway, max_body_bytes=args.max_body_bytes, extra_routes=extra_routes, manage_lifespan=False
     )

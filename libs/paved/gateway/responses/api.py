@@ -1,0 +1,622 @@
+"""The Responses API (`/v1/responses`) and resumable chat streams, over the gateway's own chat
+path: every generation is `OpenAIProxy.forward` for a chat completions request made in-process
+(`run_chat`), so templates, conversations, caches, limits, queueing and routing apply as to a
+client's chat request, and its tokens are charged there, once, whoever reads the events.
+
+A generation runs in a task of its own, not in the client's request: its events go to a
+`LiveStream` (this replica's readers) and the shared event log (any replica's resumes). Who
+may stop it:
+- a non-resumable stream (`store: false`): the client leaving aborts it, as before;
+- a resumable one: only when no reader is attached for `grace_s` (on any replica: remote
+  readers keep a heartbeat in the log);
+- a background response: only `cancel` (on any replica: the owner's lease renewal sees it).
+
+Invariants:
+- An id names a response or stream of one tenant; any other tenant gets the 404 an unknown id
+  gets.
+- A stored response's final status is written after its last event is in the log, so a reader
+  who sees it finished can replay every event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from paved.gateway.errors import GatewayError, ModelNotAllowedError
+from paved.gateway.responses.events import LiveStream, LiveStreams, StreamTrimmed
+from paved.gateway.responses.store import ACTIVE, ResponseStore
+from paved.http import openai_responses as oai
+from paved.http.errors import error_body
+from paved.http.json_body import JSONBodyError, parse_json
+
+if TYPE_CHECKING:
+    from paved.gateway.access.auth import Authenticator
+    from paved.gateway.forwarding.proxy import OpenAIProxy
+    from paved.gateway.types import Principal
+
+logger = logging.getLogger("paved.gateway.responses")
+
+STREAM_HEADER = "x-paved-stream-id"
+CHAT_PATH = "/v1/chat/completions"
+_NOT_FOUND = "no response with that id (it may have expired or been deleted)"
+_EVENTS_GONE = "the events of this response are no longer kept (they expired or the event store was lost)"
+# The client headers a chat request made in-process keeps (auth, priority, tracing).
+_PASSED = (b"authorization", b"x-paved-priority", b"traceparent", b"x-request-id", b"x-paved-conversation")
+
+
+class _Chat:
+    """What an in-process chat request answered: its status and headers, then its body."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.body = b""
+        self.streaming = False
+
+
+async def run_chat(
+    proxy: OpenAIProxy,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    abort: asyncio.Event,
+    chat: _Chat,
+    on_event: Callable[[bytes], Awaitable[None] | None],
+) -> None:
+    """POST `body` to the gateway's own chat path as a client with `headers` would, with no
+    client: `abort` set is that client leaving. SSE events go to `on_event` whole (without
+    their blank line); a non-stream answer's body is kept in `chat.body`."""
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await abort.wait()
+        return {"type": "http.disconnect"}
+
+    buffer = b""
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        nonlocal buffer
+        if message["type"] == "http.response.start":
+            chat.status = message["status"]
+            chat.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in message.get("headers", ())}
+            chat.streaming = chat.status == 200 and chat.headers.get("content-type", "").startswith(
+                "text/event-stream"
+            )
+            if chat.streaming and not chat.started.done():
+                chat.started.set_result(None)
+            return
+        if message["type"] != "http.response.body":
+            return
+        data = message.get("body", b"")
+        if not chat.streaming:
+            chat.body += data
+            return
+        buffer += data
+        while (end := buffer.find(b"\n\n")) >= 0:
+            event, buffer = buffer[:end], buffer[end + 2 :]
+            if event:
+                result = on_event(event)
+                if result is not None:
+                    await result
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(),
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+        "headers": [(b"content-type", b"application/json"), *headers],
+    }  # fmt: skip
+    try:
+        response = await proxy.forward(Request(scope, receive), "chat", CHAT_PATH)
+        await response(scope, receive, send)
+    finally:
+        if not chat.started.done():
+            chat.started.set_result(None)
+
+
+def _passed_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in request.scope["headers"] if k in _PASSED]
+
+
+def _error(e: GatewayError | oai.ResponsesError) -> JSONResponse:
+    headers = getattr(e, "headers", None) or None
+    return JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status, headers=headers)
+
+
+def _chat_error(chat: _Chat) -> str:
+    try:
+        value = json.loads(chat.body)
+        return str(value["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"the model's backend answered {chat.status}"
+
+
+class ResponsesAPI:
+    """`/v1/responses` and the chat stream resume endpoint, for one gateway replica."""
+
+    def __init__(
+        self,
+        *,
+        proxy: OpenAIProxy,
+        authenticator: Authenticator,
+        store: ResponseStore,
+        streams: LiveStreams,
+        resumable_chat: bool = False,
+    ):
+        self.proxy = proxy
+        self.authenticator = authenticator
+        self.store = store
+        self.streams = streams
+        self.resumable_chat = resumable_chat
+        # This replica's running generations by response id: a local cancel stops one at once.
+        self._running: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.store.start()
+        start = getattr(self.streams.log, "start", None)
+        if start is not None:
+            await start()
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for abort in self._running.values():
+            abort.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+        await self.streams.log.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.store.bounds.lease_s)
+            try:
+                await self.store.sweep()
+            except Exception as e:  # noqa: BLE001 - the next round retries
+                logger.warning("could not sweep stored responses: %s", e)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/responses", self._guard(self.create), methods=["POST"]),
+            Route("/v1/responses/{id}", self._guard(self.retrieve), methods=["GET"]),
+            Route("/v1/responses/{id}", self._guard(self.delete), methods=["DELETE"]),
+            Route("/v1/responses/{id}/cancel", self._guard(self.cancel), methods=["POST"]),
+            Route("/v1/responses/{id}/input_items", self._guard(self.input_items), methods=["GET"]),
+            Route(CHAT_PATH + "/streams/{id}", self._guard(self.resume_chat), methods=["GET"]),
+        ]
+
+    @staticmethod
+    def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (GatewayError, oai.ResponsesError) as e:
+                return _error(e)
+
+        return run
+
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _principal(self, request: Request) -> Principal:
+        return await self.authenticator.authenticate(request.headers.get("authorization"))
+
+    # ---- create -----------------------------------------------------------------------------
+    async def create(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise GatewayError(499, "client closed the request", code="client_closed_request") from None
+        try:
+            body = parse_json(raw) if raw else None
+        except JSONBodyError as e:
+            raise GatewayError(400, f"the request body is {e}") from None
+        parsed = oai.parse_request(body)
+        alias, _ = self.proxy.router.split_model(parsed.model)
+        if not principal.allows(alias):
+            raise ModelNotAllowedError(parsed.model)
+        tenant = principal.tenant.name
+        if parsed.previous_response_id is not None:
+            previous = await self.store.get(tenant, parsed.previous_response_id)
+            if previous is None:
+                raise GatewayError(404, _NOT_FOUND, param="previous_response_id", code="response_not_found")
+            if previous.status in ACTIVE:
+                raise GatewayError(
+                    400, "the previous response has not finished yet", param="previous_response_id"
+                )
+            parsed.history = list(previous.messages)
+        response_id = oai.new_id("resp")
+        run = oai.ResponseStream(parsed, response_id, queued=parsed.background)
+        # Resumable when stored and streamed (or in the background: any later reader may stream).
+        logged = parsed.store and (parsed.stream or parsed.background)
+        live = await self.streams.create(response_id, tenant) if logged else None
+        if parsed.store:
+            await self.store.create(tenant, dict(run.response), parsed.input_items, logged)
+        abort = asyncio.Event()
+        self._running[response_id] = abort
+        job = _Job(self, parsed, run, live, abort, _passed_headers(request), tenant)
+        task = self._spawn(job.run())
+        if live is not None and not parsed.background:
+            self._spawn(self._grace(live, abort, task))
+        if parsed.background:
+            if parsed.stream and live is not None:
+                return self._follow_response(live.id)
+            return JSONResponse(run.response)
+        await job.chat.started
+        if job.chat.status and not job.chat.streaming:
+            # Refused before any output (limits, model, backend): the chat path's own answer.
+            await task
+            return Response(job.chat.body, job.chat.status, media_type="application/json")
+        if parsed.stream:
+            if live is not None:
+                return self._follow_response(live.id)
+            return StreamingResponse(
+                _until_gone(job.local_events(), abort), media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )  # fmt: skip
+        await _unless_disconnected(request, asyncio.shield(task), abort)
+        return JSONResponse(run.response)
+
+    def _follow_response(self, stream_id: str) -> Response:
+        events = self.streams.follow(stream_id, -1)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", STREAM_HEADER: stream_id},
+        )
+
+    # ---- retrieve, cancel, delete, input items ----------------------------------------------
+    async def _stored(self, request: Request) -> tuple[Principal, Any]:
+        principal = await self._principal(request)
+        found = await self.store.get(principal.tenant.name, request.path_params["id"])
+        if found is None:
+            raise GatewayError(404, _NOT_FOUND, code="response_not_found")
+        return principal, found
+
+    async def retrieve(self, request: Request) -> Response:
+        principal, found = await self._stored(request)
+        query = request.query_params
+        if query.get("stream") not in ("true", "1"):
+            return JSONResponse(found.body)
+        after = _int_param(query.get("starting_after"), "starting_after", -1)
+        info = await self.streams.log.info(found.id) if found.streamed else None
+        if info is None:
+            if found.status in ACTIVE or not found.streamed:
+                raise GatewayError(404, _EVENTS_GONE if found.streamed else
+                                   "this response was not streamed: it has no events to replay",
+                                   code="response_events_not_found")  # fmt: skip
+            # Its log is gone but it finished: the terminal event, rebuilt from the stored object.
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+                found.status, "response.failed"
+            )
+            return _one_event({"type": kind, "sequence_number": max(after + 1, 0), "response": found.body})
+        if info.tenant != principal.tenant.name:
+            raise GatewayError(404, _NOT_FOUND, code="response_not_found")
+        return await self._follow_checked(found.id, after)
+
+    async def _follow_checked(self, stream_id: str, after: int) -> Response:
+        events = self.streams.follow(stream_id, after)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+        except StreamTrimmed:
+            raise GatewayError(
+                404, "the events after that point are no longer kept (the stream's bound or retention)",
+                param="starting_after", code="stream_events_expired",
+            ) from None  # fmt: skip
+
+        async def all_events() -> AsyncIterator[bytes]:
+            if first is not None:
+                yield first
+            async for event in events:
+                yield event
+
+        return StreamingResponse(
+            all_events(),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", STREAM_HEADER: stream_id},
+        )
+
+    async def cancel(self, request: Request) -> Response:
+        principal, found = await self._stored(request)
+        if not found.body.get("background"):
+            raise GatewayError(400, "only background responses can be cancelled", code="not_cancellable")
+        cancelled = await self.store.cancel(principal.tenant.name, found.id)
+        if cancelled is None:
+            raise GatewayError(404, _NOT_FOUND, code="response_not_found")
+        abort = self._running.get(found.id)
+        if abort is not None:
+            abort.set()
+        return JSONResponse(cancelled.body)
+
+    async def delete(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        response_id = request.path_params["id"]
+        if not await self.store.delete(principal.tenant.name, response_id):
+            raise GatewayError(404, _NOT_FOUND, code="response_not_found")
+        abort = self._running.get(response_id)
+        if abort is not None:
+            abort.set()
+        with contextlib.suppress(Exception):
+            await self.streams.log.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        _, found = await self._stored(request)
+        query = request.query_params
+        limit = _int_param(query.get("limit"), "limit", 20)
+        if not 1 <= limit <= 100:
+            raise GatewayError(400, "limit must be between 1 and 100", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise GatewayError(400, "order must be asc or desc", param="order")
+        items = list(found.input_items)
+        if order == "desc":
+            items.reverse()
+        after = query.get("after")
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            if after not in ids:
+                raise GatewayError(400, "after names no item of this response", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return JSONResponse(
+            {
+                "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit,
+            }
+        )  # fmt: skip
+
+    # ---- resumable chat streams -------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions: a stream becomes resumable (each event an `id:`, the
+        stream's id in `x-paved-stream-id`); anything else is forwarded as before."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return await self.proxy.forward(request, "chat", CHAT_PATH)
+        body: Any = None
+        with contextlib.suppress(JSONBodyError):
+            body = parse_json(raw) if raw else None
+        if not self.resumable_chat or not isinstance(body, dict) or body.get("stream") is not True:
+            return await self.proxy.forward(request, "chat", CHAT_PATH)
+        principal = await self._principal(request)
+        stream_id = oai.new_id("chatstream")
+        live = await self.streams.create(stream_id, principal.tenant.name)
+        abort = asyncio.Event()
+        chat = _Chat()
+
+        def on_event(event: bytes) -> None:
+            self.streams.push(live, b"id: %d\n" % live.next_seq + event + b"\n\n")
+
+        async def generate() -> None:
+            try:
+                await run_chat(self.proxy, _passed_headers(request), raw, abort, chat, on_event)
+            except Exception as e:  # noqa: BLE001 - the stream must still end
+                logger.warning("chat stream %s failed: %s", stream_id, e)
+            finally:
+                if not live.ended:
+                    self.streams.push(live, b"id: %d\n: end\n\n" % live.next_seq, end=True)
+                await self.streams.flushed(live)
+
+        task = self._spawn(generate())
+        self._spawn(self._grace(live, abort, task))
+        await chat.started
+        if not chat.streaming:
+            await task
+            await self.streams.log.delete(stream_id)
+            headers = {k: v for k, v in chat.headers.items() if k.lower() not in ("content-length",)}
+            return Response(chat.body, chat.status, headers=headers)
+        headers = {
+            k: v for k, v in chat.headers.items() if k.lower() not in ("content-length", "content-type")
+        }
+        headers[STREAM_HEADER] = stream_id
+        return StreamingResponse(
+            self.streams.follow(stream_id, -1), media_type="text/event-stream", headers=headers
+        )
+
+    async def _grace(self, live: LiveStream, abort: asyncio.Event, task: asyncio.Task[Any]) -> None:
+        """Abort a resumable generation once no reader was attached anywhere for grace_s."""
+        grace = self.streams.grace_s
+        while not task.done():
+            idle = asyncio.ensure_future(live.idle.wait())
+            done, _ = await asyncio.wait({task, idle}, return_when="FIRST_COMPLETED")
+            idle.cancel()
+            if task in done:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), grace)
+                return
+            if live.readers:
+                continue
+            info = await self.streams.log.info(live.id)
+            if info is not None and time.time() - info.reader_at < grace:
+                await asyncio.sleep(grace - (time.time() - info.reader_at))
+                if live.readers:
+                    continue
+                info = await self.streams.log.info(live.id)
+                if info is not None and time.time() - info.reader_at < grace:
+                    continue
+            abort.set()
+            return
+
+    async def resume_chat(self, request: Request) -> Response:
+        principal = await self._principal(request)
+        stream_id = request.path_params["id"]
+        info = await self.streams.log.info(stream_id)
+        if info is None or info.tenant != principal.tenant.name:
+            raise GatewayError(
+                404, "no chat stream with that id (it may have expired, or its store was lost)",
+                code="stream_not_found",
+            )  # fmt: skip
+        last = request.headers.get("last-event-id") or request.query_params.get("after")
+        return await self._follow_checked(stream_id, _int_param(last, "Last-Event-ID", -1))
+
+
+class _Job:
+    """One response's generation: runs the chat path, translates its events, records them."""
+
+    def __init__(
+        self,
+        api: ResponsesAPI,
+        parsed: oai.ParsedRequest,
+        run: oai.ResponseStream,
+        live: LiveStream | None,
+        abort: asyncio.Event,
+        headers: list[tuple[bytes, bytes]],
+        tenant: str,
+    ):
+        self.api, self.parsed, self.run_, self.live, self.abort = api, parsed, run, live, abort
+        self.headers, self.tenant = headers, tenant
+        self.chat = _Chat()
+        self.error: str | None = None
+        # Without a log (store: false) the client's own stream reads from here.
+        self._local: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.cancelled = False
+        self._started = False
+
+    def _emit(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            data = oai.sse(event)
+            if self.live is not None:
+                self.api.streams.push(self.live, data, end=event["type"] in oai.TERMINAL_EVENTS)
+            else:
+                self._local.put_nowait(data)
+        if self.run_.done and self.live is None:
+            self._local.put_nowait(None)
+
+    async def local_events(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self._local.get()
+            if item is None:
+                return
+            yield item
+
+    def _on_event(self, event: bytes) -> None:
+        if not event.startswith(b"data:"):
+            return
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            return
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(chunk, dict):
+            return
+        message = oai.chat_error_message(chunk)
+        if message is not None:
+            self.error = message
+            return
+        self._emit(self.run_.feed(chunk))
+
+    async def run(self) -> None:
+        api, store, response_id = self.api, self.api.store, self.run_.response["id"]
+        lease: asyncio.Task[None] | None = None
+        try:
+            self._emit(self.run_.start())
+            if self.parsed.store:
+                lease = asyncio.create_task(self._keep_lease(response_id))
+            body = json.dumps(self.parsed.chat_body(), ensure_ascii=False).encode()
+
+            def on_event(event: bytes) -> None:
+                if self.run_.response["status"] != "in_progress" or not self._started:
+                    self._started = True
+                    self._emit(self.run_.running())
+                    if self.parsed.store:
+                        api._spawn(store.set_status(response_id, "in_progress", dict(self.run_.response)))
+                self._on_event(event)
+
+            await run_chat(api.proxy, self.headers, body, self.abort, self.chat, on_event)
+            if self.chat.status != 200:
+                self.error = _chat_error(self.chat)
+        except Exception as e:  # noqa: BLE001 - the response must still end
+            logger.warning("response %s failed: %s", response_id, e)
+            self.error = f"the gateway failed while generating: {type(e).__name__}"
+        finally:
+            if lease is not None:
+                lease.cancel()
+            self.cancelled = self.abort.is_set()
+            self._emit(
+                self.run_.finish(error=None if self.cancelled else self.error, cancelled=self.cancelled)
+            )
+            if self.live is not None:
+                await api.streams.flushed(self.live)
+            if self.parsed.store:
+                messages = [*self.parsed.history, *self.parsed.input_messages, *self.run_.output_messages()]
+                with contextlib.suppress(Exception):
+                    await store.finish(
+                        response_id, self.run_.response["status"], self.run_.response, messages
+                    )
+            api._running.pop(response_id, None)
+
+    async def _keep_lease(self, response_id: str) -> None:
+        """Renew the lease; a response cancelled or deleted on another replica stops here."""
+        period = max(0.2, min(1.0, self.api.store.bounds.lease_s / 3))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if not await self.api.store.renew(response_id):
+                    self.abort.set()
+                    return
+            except GatewayError as e:
+                logger.warning("could not renew the lease of %s: %s", response_id, e.message)
+
+
+async def _until_gone(events: AsyncIterator[bytes], abort: asyncio.Event) -> AsyncIterator[bytes]:
+    """A non-resumable stream: the client leaving (this generator closed early) aborts it."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        abort.set()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any], abort: asyncio.Event) -> None:
+    from paved.gateway.forwarding.held import ClientGone, unless_gone
+
+    try:
+        await unless_gone(request.receive, work, lambda _: None)
+    except ClientGone:
+        abort.set()
+        raise GatewayError(499, "client closed the request", code="client_closed_request") from None
+
+
+def _stream_headers(stream_id: str) -> dict[str, str]:
+    return {"cache-control": "no-cache", "x-accel-buffering": "no", STREAM_HEADER: stream_id}
+
+
+def _one_event(event: dict[str, Any]) -> Response:
+    return Response(oai.sse(event), media_type="text/event-stream")
+
+
+def _int_param(value: str | None, name: str, default: int) -> int:
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise GatewayError(400, f"{name} must be an integer", param=name) from None
+    if number < -1:
+        raise GatewayError(400, f"{name} must be -1 or more", param=name)
+    return number
