@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paved.kserve.errors import unavailable
+from paved.kserve.statistics import RequestTiming, current_timing
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class _Pending:
     rows: np.ndarray
     future: asyncio.Future
     enqueued: float
+    # The request's statistics record (paved.kserve.statistics), when the repository runs it.
+    timing: RequestTiming | None = None
 
 
 class DynamicBatcher:
@@ -97,8 +101,13 @@ class DynamicBatcher:
                 retry_after_s=1,
             )
         if self._scheduler is None:
-            self._scheduler = asyncio.create_task(self._schedule(), name=f"batcher-{self.name}")
-        item = _Pending(rows, asyncio.get_running_loop().create_future(), time.monotonic())
+            # A context of its own: not the first request's (its statistics timing, say).
+            self._scheduler = asyncio.create_task(
+                self._schedule(), name=f"batcher-{self.name}", context=contextvars.Context()
+            )
+        item = _Pending(
+            rows, asyncio.get_running_loop().create_future(), time.monotonic(), current_timing.get()
+        )
         self._pending.append(item)
         self._pending_rows += len(rows)
         self._wake.set()
@@ -175,7 +184,14 @@ class DynamicBatcher:
             inputs = batch[0].rows if len(batch) == 1 else np.concatenate([item.rows for item in batch])
             self.batches[len(inputs)] += 1
             loop = asyncio.get_running_loop()
-            outputs = await loop.run_in_executor(self._executor, self._run, inputs)
+            dispatched = time.monotonic_ns()
+            for item in batch:
+                if item.timing is not None:
+                    item.timing.dispatched(int(item.enqueued * 1e9), dispatched)
+            try:
+                outputs = await loop.run_in_executor(self._executor, self._run, inputs)
+            finally:
+                _record(batch, len(inputs), dispatched)
             offset = 0
             for item in batch:
                 n = len(item.rows)
@@ -189,3 +205,16 @@ class DynamicBatcher:
                     item.future.set_exception(e)
         finally:
             self._slots.release()
+
+
+def _record(batch: list[_Pending], rows: int, dispatched_ns: int) -> None:
+    """Statistics of one execution (failed ones count too, as in Triton): once for the model
+    (one batcher, one model), and its end for each request."""
+    ended = time.monotonic_ns()
+    model = None
+    for item in batch:
+        if item.timing is not None:
+            item.timing.execution_ended(ended)
+            model = item.timing.statistics
+    if model is not None:
+        model.execution(rows, ended - dispatched_ns)

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 access_log = logging.getLogger("paved.kserve.access")
 
 SERVER_NAME = "paved"
-EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
+EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "statistics", "generate")
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Per ModelStreamInfer call: requests running at once (as many as a model admits by default)
 # and responses waiting to be sent.
@@ -322,6 +323,14 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             response.models.add(name=model.name, version=model.version, state=state, reason=reason)
         return response
 
+    async def ModelStatistics(self, request, context):
+        """Triton's statistics of every READY version named (paved.kserve.statistics)."""
+        try:
+            stats = self.repository.statistics(request.name, request.version)
+        except KServeError as e:
+            await context.abort(e.code, e.message)
+        return json_format.ParseDict({"model_stats": stats}, service_pb2.ModelStatisticsResponse())
+
     # ---- inference -------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
         record = self.metrics.request(request.model_name, GRPC)
@@ -449,9 +458,6 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by paved's KServe server"
         )
-
-    async def ModelStatistics(self, request, context):
-        await self._unsupported(context, "ModelStatistics")
 
     async def RepositoryModelLoad(self, request, context):
         await self._unsupported(context, "explicit model control (RepositoryModelLoad)")

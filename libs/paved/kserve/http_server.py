@@ -1,7 +1,8 @@
 """KServe v2 over HTTP/REST (FastAPI), with Triton's binary tensor and generate extensions.
 
 Endpoints: /v2, /v2/health/{live,ready}, /v2/models/{m}[/versions/{v}], .../ready, .../config,
-.../infer, .../generate, .../generate_stream (SSE), /v2/repository/index; and paved's own
+.../infer, .../generate, .../generate_stream (SSE), .../stats and /v2/models/stats (Triton's
+statistics extension), /v2/repository/index; and paved's own
 /health/{live,ready} (ready is 503 until loaded), what the gateway and the launcher probe; and
 /metrics when the server owns its metrics registry (standalone; see paved.kserve.metrics).
 Status codes are Triton's (http_server.cc): a not-ready server or model is 400, unknown model
@@ -519,14 +520,17 @@ def create_http_app(
         stream = _EventStream(events(), responses, ended)
         return stream
 
+    async def statistics(name: str = "", version: str = ""):
+        return {"model_stats": repository.statistics(name, version)}
+
     # Registered before the model routes, so /v2/models/stats is not read as a model name.
+    for path in ("/v2/models/stats", "/v2/models/{name}/stats", "/v2/models/{name}/versions/{version}/stats"):
+        app.add_api_route(path, statistics, methods=["GET"])
+
     async def not_supported(request: Request):
         raise unsupported(f"{request.url.path} is not supported by paved's KServe server")
 
     for path in (
-        "/v2/models/stats",
-        "/v2/models/{name}/stats",
-        "/v2/models/{name}/versions/{version}/stats",
         "/v2/repository/models/{name}/load",
         "/v2/repository/models/{name}/unload",
         "/v2/systemsharedmemory{rest:path}",

@@ -6,8 +6,11 @@ numpy after `check_input`, so datatype / shape / missing-input errors are the sa
 request came over gRPC or HTTP. The kinds of models (paved.kserve.llm, paved.kserve.xgboost_model)
 build on this module; the repository that holds them (paved.kserve.repository) imports them.
 
-Every model is one version of a named model (`version`, "1" unless its repository directory
-holds others); the repository (paved.kserve.repository) resolves a request's version.
+A `ServedModel` is one version of a named model: `version` is its version folder in a Triton
+model repository ("1", "2", ... as `version_policy` selects them), "1" for a model that has
+only one (an engine's LLM, a lone model directory); the repository (paved.kserve.repository)
+holds every version and resolves a request's. Each version keeps its own inference
+`statistics` (paved.kserve.statistics), recorded by the repository and the batcher.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.errors import invalid_argument
+from paved.kserve.statistics import ModelStatistics
 from paved.kserve.tensors import TensorSpec, config_type
 
 # The version of a model that has only one (an engine's LLM, a lone model directory).
@@ -103,6 +107,15 @@ class ServedModel(abc.ABC):
 
     def ready(self) -> bool:
         return self.state()[0] == "READY"
+
+    @property
+    def statistics(self) -> ModelStatistics:
+        """This version's inference statistics since it was created (made on first use, so
+        subclasses need not call an __init__ here)."""
+        stats = self.__dict__.get("_statistics")
+        if stats is None:
+            stats = self.__dict__["_statistics"] = ModelStatistics()
+        return stats
 
     async def load(self) -> None:  # noqa: B027 - optional hook
         """Load the model (default: nothing to load, e.g. the engine owns it)."""

@@ -10,6 +10,9 @@ Version resolution (as Triton): a request for version "" gets the highest versio
 READY, else the highest one held (so its state explains why it cannot serve). A model whose
 config could not be read or built is held as an `UnavailableModel` with the reason, listed in
 the repository index, while the rest of the repository serves.
+
+Statistics (Triton's ModelStatistics; paved.kserve.statistics): `infer` records every request
+it runs on the model version that ran it, and `statistics` answers them.
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import cast
 
+import grpc
 from tritonclient.grpc import model_config_pb2
 
 from paved.engine.protocol import Engine
 from paved.engine.streams import Closing
-from paved.kserve.errors import not_found, unavailable
+from paved.kserve.errors import KServeError, invalid_argument, not_found, unavailable
 from paved.kserve.llm import LlmModel
+from paved.kserve.metrics import batch_rows
 
 # The model-side names, importable from here as before (the transports import them so).
 from paved.kserve.model import MODEL_VERSION as MODEL_VERSION
@@ -37,6 +43,7 @@ from paved.kserve.model import ModelState as ModelState
 from paved.kserve.model import ServedModel as ServedModel
 from paved.kserve.model import Ticket as Ticket
 from paved.kserve.model import custom_parameters as custom_parameters
+from paved.kserve.statistics import RequestTiming, current_timing
 
 logger = logging.getLogger(__name__)
 
@@ -274,13 +281,123 @@ class ModelRepository:
         return model
 
     async def infer(self, model: ServedModel, request: InferRequest) -> AsyncIterator[InferResponse]:
-        """Admit and run `request` on `model`, keeping only the requested outputs."""
+        """Admit and run `request` on `model`, keeping only the requested outputs; the request
+        is recorded in the model's statistics once it ends."""
         if request.outputs is not None:
             model.check_outputs(request.outputs)
-        responses = await model.infer(request)
+        timing = RequestTiming(model.statistics)
+        token = current_timing.set(timing)
+        try:
+            responses = await model.infer(request)
+        except BaseException as e:
+            if timing.dispatched_ns is not None or not _refused(e):
+                _record_failure(timing, model, request)
+            raise
+        finally:
+            current_timing.reset(token)
+        responses = _timed(responses, timing, model, request)
         if request.outputs is None:
             return responses
         return _select(responses, request.outputs)
+
+    def statistics(self, name: str = "", version: str = "") -> list[dict]:
+        """Triton's `model_stats` entries (paved.kserve.statistics): every READY version of
+        every model for name "", of model `name` for version "", else that version.
+        INVALID_ARGUMENT, in Triton's words, for a model or version that is not READY."""
+        if not name:
+            if version:
+                raise invalid_argument("model version was given without a model name")
+            ready = [m for m in self.models() if m.ready()]
+        else:
+            try:
+                held = [self.get(name, version)] if version else self._versions_of(name)
+            except KServeError:
+                held = []
+            ready = [m for m in held if m.ready() and m.version]
+            if not ready:
+                raise invalid_argument(
+                    f"requested model version is not available for model '{name}'"
+                    if version and self.serves(name)
+                    else f"requested model '{name}' is not available"
+                )
+        ordered = sorted(ready, key=lambda m: (m.name, version_key(m.version)))
+        return [m.statistics.to_dict(m.name, m.version) for m in ordered]
+
+    def _versions_of(self, name: str) -> list[ServedModel]:
+        versions = self.classic.get(name)
+        if versions is not None:
+            return list(versions.values())
+        return [self.get(name)]
+
+
+# Refusals before a model runs a request (Triton counts none of them in its statistics).
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether `error` from a model's infer (before any execution) refused the request
+    rather than failing it: neither a success nor a failure in the statistics."""
+    if isinstance(error, KServeError):
+        return error.code in _REFUSALS
+    return not isinstance(error, Exception)  # a cancellation
+
+
+def _record_failure(timing: RequestTiming, model: ServedModel, request: InferRequest) -> None:
+    duration = time.monotonic_ns() - timing.started_ns
+    if timing.dispatched_ns is None:  # no batcher ran it: the request was the model's execution
+        model.statistics.execution(batch_rows(model.max_batch_size, request.inputs), duration)
+    model.statistics.failed(duration)
+
+
+def _record_success(timing: RequestTiming, model: ServedModel, request: InferRequest) -> None:
+    now = time.monotonic_ns()
+    duration = now - timing.started_ns
+    rows = batch_rows(model.max_batch_size, request.inputs)
+    if timing.dispatched_ns is not None:
+        model.statistics.succeeded(rows, duration, timing.queue_ns, timing.compute_ns(now))
+    else:
+        model.statistics.execution(rows, duration)
+        model.statistics.succeeded(rows, duration, 0, duration)
+
+
+def _timed(
+    responses: AsyncIterator[InferResponse], timing: RequestTiming, model: ServedModel, request: InferRequest
+) -> AsyncIterator[InferResponse]:
+    """`responses`, recording the request when its final response arrives (or the stream
+    ends without one) or when the stream fails; a stream its reader closes early (a
+    cancelled request) is not recorded."""
+
+    async def timed():
+        recorded = False
+        try:
+            async for response in responses:
+                if response.final and not recorded:
+                    recorded = True
+                    _record_success(timing, model, request)
+                yield response
+        except Exception as e:
+            if not recorded and not _cancelled(e):
+                recorded = True
+                _record_failure(timing, model, request)
+            raise
+        if not recorded:
+            _record_success(timing, model, request)
+
+    return Closing(timed(), responses.aclose if hasattr(responses, "aclose") else None)
+
+
+def _cancelled(error: Exception) -> bool:
+    return isinstance(error, KServeError) and error.code == grpc.StatusCode.CANCELLED
 
 
 def _copy(config: model_config_pb2.ModelConfig) -> model_config_pb2.ModelConfig:

@@ -505,7 +505,7 @@ def test_unary_deadline_aborts_the_engine_request(gc, engine):
 def test_unsupported_features_say_so(gc, hc, server):
     error = grpc_error(lambda: gc.register_system_shared_memory("r", "/k", 8))
     assert error.status() == "StatusCode.UNIMPLEMENTED" and "not supported" in error.message()
-    assert grpc_error(lambda: gc.get_inference_statistics(XGB)).status() == "StatusCode.UNIMPLEMENTED"
+    assert grpc_error(lambda: gc.get_log_settings()).status() == "StatusCode.UNIMPLEMENTED"
     with pytest.raises(InferenceServerException) as info:
         hc.load_model(XGB)
     assert info.value.status() == "501"

@@ -66,17 +66,16 @@ DIFFERENCES = {
     "the fields the repository sets.",
     "error: *": "error messages are compared by the facts they must name (the input, the limit, the "
     "model's own message), not word for word; status codes must match exactly.",
-    "statistics": "counts and durations depend on each server's batching: compared is the shape "
-    "(the keys), and that the model's counts moved.",
+    "statistics": "durations are each server's own timings and are not compared; counts are, over "
+    "requests sent one at a time (so each is its own execution). Not compared: a python model's "
+    "error response (InferenceResponse(error=...)), which Triton counts as a success and paved as "
+    "a failure; compute_input / compute_output, which paved reports with 0 ns.",
 }
 
 # Where paved does not yet answer as Triton does (not deliberate: each is to be fixed in paved,
 # owner named). The paved half of such a case is an expected failure, strict: once paved
 # matches, the test fails until the entry goes.
-PAVED_GAPS = {
-    "statistics": "ModelStatistics / GET /v2/models/{name}/stats are not implemented by paved's "
-    "transports yet (gRPC UNIMPLEMENTED, HTTP 501): grpc_server.py / http_server.py",
-}
+PAVED_GAPS: dict[str, str] = {}
 
 
 def paved_missing(backend: str) -> str:
@@ -496,24 +495,138 @@ def _keys(value: Any) -> Any:
     return type(value).__name__
 
 
-def case_statistics(c: Clients) -> dict:
-    c.grpc.infer("add_sub", _inputs(grpcclient, {"INPUT0": X4, "INPUT1": X4}))
-    http = c.http.get_inference_statistics("add_sub")["model_stats"]
-    grpc = c.grpc.get_inference_statistics("add_sub").model_stats
+_STAT_KEYS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+def _stat_counts(entry: dict) -> dict:
+    """The counts of a `model_stats` entry, from HTTP's JSON or gRPC's (int64 as strings,
+    zeros left out)."""
+    inference = entry.get("inference_stats", {})
     return {
-        "http_shape": _keys(http[0]),
-        "http_model": [
-            (s["name"], s["version"], s["inference_count"] > 0, s["execution_count"] > 0) for s in http
+        "inference_count": int(entry.get("inference_count", 0)),
+        "execution_count": int(entry.get("execution_count", 0)),
+        **{k: int(inference.get(k, {}).get("count", 0)) for k in _STAT_KEYS},
+        "batches": {
+            int(b["batch_size"]): int(b.get("compute_infer", {}).get("count", 0))
+            for b in entry.get("batch_stats", [])
+        },
+    }
+
+
+def _stat_delta(after: dict, before: dict) -> dict:
+    out = {k: v - before[k] for k, v in after.items() if k != "batches"}
+    sizes = sorted(set(after["batches"]) | set(before["batches"]))
+    changes = {s: after["batches"].get(s, 0) - before["batches"].get(s, 0) for s in sizes}
+    return out | {"batches": {s: n for s, n in changes.items() if n}}
+
+
+def _stats_both(c: Clients, model: str) -> tuple[dict, dict]:
+    (http,) = c.http.get_inference_statistics(model)["model_stats"]
+    (grpc,) = c.grpc.get_inference_statistics(model, as_json=True)["model_stats"]
+    return http, grpc
+
+
+def _settled_stats(c: Clients, model: str, before: dict, ended: int) -> tuple[dict, dict]:
+    """Both transports' entries once `ended` more requests are recorded (a server may record a
+    request just after its response went out) and two reads agree."""
+    deadline = time.monotonic() + 30
+    while True:
+        http, grpc = _stats_both(c, model)
+        counts = _stat_counts(http)
+        done = counts["success"] + counts["fail"] - before["success"] - before["fail"] >= ended
+        if (done and counts == _stat_counts(grpc)) or time.monotonic() > deadline:
+            return http, grpc
+        time.sleep(0.05)
+
+
+def case_statistics(c: Clients) -> dict:
+    """Counts over requests sent one at a time, the entry's shape, the listing of every model
+    and the errors for an unknown model or version."""
+    before_http, before_grpc = _stats_both(c, "add_sub")
+    before = _stat_counts(before_http)
+    assert before == _stat_counts(before_grpc)
+    c.grpc.infer("add_sub", _inputs(grpcclient, {"INPUT0": _f32(3, 4), "INPUT1": _f32(3, 4)}))
+    c.http.infer("add_sub", _inputs(httpclient, {"INPUT0": X4, "INPUT1": X4}))
+    c.grpc.infer("add_sub", _inputs(grpcclient, {"INPUT0": _f32(2, 4), "INPUT1": _f32(2, 4)}))
+    _error(lambda: c.grpc.infer("add_sub", _inputs(grpcclient, {"INPUT0": _f32(1, 5), "INPUT1": _f32(1, 5)})))
+    after_http, after_grpc = _settled_stats(c, "add_sub", before, 3)
+
+    raises_before = _stat_counts(_stats_both(c, "raises")[0])
+    _error(lambda: c.grpc.infer("raises", _inputs(grpcclient, {"X": np.array([-1.0], dtype=np.float32)})))
+    raises_http, raises_grpc = _settled_stats(c, "raises", raises_before, 1)
+
+    listed = {
+        "http": [
+            (s["name"], s["version"])
+            for s in c.http.get_inference_statistics()["model_stats"]
+            if s["name"] in TRITON_MODELS
         ],
-        "grpc_model": [(s.name, s.version, s.inference_count > 0, s.execution_count > 0) for s in grpc],
+        "grpc": [
+            (s.name, s.version)
+            for s in c.grpc.get_inference_statistics().model_stats
+            if s.name in TRITON_MODELS
+        ],
+    }
+    errors = {}
+    for label, (model, version) in {
+        "unknown model": ("nope", ""),
+        "unknown version": ("add_sub", "7"),
+    }.items():
+        errors[label] = (
+            _error(lambda m=model, v=version: c.grpc.get_inference_statistics(m, v)),
+            _error(lambda m=model, v=version: c.http.get_inference_statistics(m, v)),
+        )
+    return {
+        "shape": _keys(after_http),
+        "add_sub": {
+            "http": _stat_delta(_stat_counts(after_http), before),
+            "grpc": _stat_delta(_stat_counts(after_grpc), before),
+            "last_inference moved": int(after_http["last_inference"]) > int(before_http["last_inference"]),
+        },
+        "raises": {
+            "http": _stat_delta(_stat_counts(raises_http), raises_before),
+            "grpc": _stat_delta(_stat_counts(raises_grpc), raises_before),
+        },
+        "listed": listed,
+        "errors": errors,
     }
 
 
 def expect_statistics(o: dict) -> None:
-    assert o["http_model"] == o["grpc_model"] == [("add_sub", "1", True, True)]
-    shape = o["http_shape"]
-    assert set(shape["inference_stats"]) >= {"success", "fail", "queue", "compute_input", "compute_infer"}
-    assert shape["inference_stats"]["success"] == {"count": "int", "ns": "int"}
+    shape = o["shape"]
+    assert shape["name"] == shape["version"] == "str"
+    assert set(shape["inference_stats"]) >= {*_STAT_KEYS, "cache_hit", "cache_miss"}
+    assert all(v == {"count": "int", "ns": "int"} for v in shape["inference_stats"].values())
+    assert shape["batch_stats"] == [
+        {
+            "batch_size": "int",
+            "compute_input": {"count": "int", "ns": "int"},
+            "compute_infer": {"count": "int", "ns": "int"},
+            "compute_output": {"count": "int", "ns": "int"},
+        }
+    ]
+    # 3 + 1 + 2 rows in three executions; the wrong shape is refused before the model.
+    add_sub = {
+        "inference_count": 6,
+        "execution_count": 3,
+        **{k: (0 if k == "fail" else 3) for k in _STAT_KEYS},
+        "batches": {1: 1, 2: 1, 3: 1},
+    }
+    assert o["add_sub"] == {"http": add_sub, "grpc": add_sub, "last_inference moved": True}
+    # An exception from execute: a failed request, and an execution.
+    raises = {"inference_count": 0, "execution_count": 1, **{k: int(k == "fail") for k in _STAT_KEYS}}
+    assert o["raises"] == {"http": raises | {"batches": {1: 1}}, "grpc": raises | {"batches": {1: 1}}}
+    assert o["listed"]["http"] == o["listed"]["grpc"] == [(m, "1") for m in sorted(TRITON_MODELS)]
+    assert o["errors"] == {
+        "unknown model": (
+            ("StatusCode.INVALID_ARGUMENT", "requested model 'nope' is not available"),
+            ("400", "requested model 'nope' is not available"),
+        ),
+        "unknown version": (
+            ("StatusCode.INVALID_ARGUMENT", "requested model version is not available for model 'add_sub'"),
+            ("400", "requested model version is not available for model 'add_sub'"),
+        ),
+    }
 
 
 def _linear_reference(model: str, x: np.ndarray) -> np.ndarray:
