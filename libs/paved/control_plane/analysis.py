@@ -17,6 +17,11 @@ restart, and is counted from zero too (Prometheus' `increase` does the same).
 
 Errors are 5xx answers plus retried attempts (a failing backend whose requests the gateway
 saved by retrying is still failing); 4xx and 499 (client went away) are the caller's.
+
+Where the counters come from is a `paved.control_plane.metrics_source.MetricsSource`: the
+gateways' /metrics scraped here (the default) or the same series read from a Prometheus
+(`--metrics-source prometheus=URL`). Both hand over cumulative counters per backend, so the
+windows and the decisions below are the same code for both.
 """
 
 from __future__ import annotations
@@ -26,79 +31,24 @@ import bisect
 import contextlib
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
+from paved.control_plane.metrics_source import (
+    GatewayCounters,
+    MetricsSource,
+    MetricsSourceError,
+    ScrapeSource,
+    parse_gateway_metrics,
+)
 from paved.control_plane.rollout import Analysis
+
+__all__ = ["GatewayAnalyzer", "parse_gateway_metrics"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _Sample:
-    at: float
-    requests: dict[str, float] = field(default_factory=dict)  # backend -> answered
-    errors: dict[str, float] = field(default_factory=dict)  # backend -> 5xx + retried
-    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # backend -> le -> count
-
-    def only(self, backends: set[str]) -> dict[str, Any]:
-        """These backends' counters as JSON (the histogram bounds as strings: JSON keys)."""
-        return {
-            "at": self.at,
-            "requests": {b: v for b, v in self.requests.items() if b in backends},
-            "errors": {b: v for b, v in self.errors.items() if b in backends},
-            "buckets": {
-                b: {repr(le): v for le, v in bs.items()} for b, bs in self.buckets.items() if b in backends
-            },
-        }
-
-    @classmethod
-    def parse(cls, data: Any) -> _Sample | None:
-        """The inverse of `only`; None for anything else (a baseline from an older version)."""
-        try:
-            return cls(
-                float(data["at"]),
-                {str(b): float(v) for b, v in data["requests"].items()},
-                {str(b): float(v) for b, v in data["errors"].items()},
-                {str(b): {float(le): float(v) for le, v in bs.items()} for b, bs in data["buckets"].items()},
-            )
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-
-
-def parse_gateway_metrics(text: str, at: float) -> _Sample:
-    sample = _Sample(at)
-    for family in text_string_to_metric_families(text):
-        if family.name == "paved_gateway_requests":
-            for s in family.samples:
-                if not s.name.endswith("_total"):
-                    continue
-                backend = s.labels.get("backend", "")
-                if not backend:
-                    continue
-                status = s.labels.get("status", "")
-                sample.requests[backend] = sample.requests.get(backend, 0.0) + s.value
-                if status.startswith("5"):
-                    sample.errors[backend] = sample.errors.get(backend, 0.0) + s.value
-        elif family.name == "paved_gateway_retries":
-            for s in family.samples:
-                if s.name.endswith("_total"):
-                    backend = s.labels.get("backend", "")
-                    sample.errors[backend] = sample.errors.get(backend, 0.0) + s.value
-                    sample.requests[backend] = sample.requests.get(backend, 0.0) + s.value
-        elif family.name == "paved_gateway_upstream_first_byte_seconds":
-            for s in family.samples:
-                if s.name.endswith("_bucket"):
-                    backend = s.labels.get("backend", "")
-                    le = float(s.labels["le"])
-                    sample.buckets.setdefault(backend, {})[le] = s.value
-    return sample
+_Sample = GatewayCounters  # the name the window code below has always used
 
 
 def _since_reset(first: _Sample, last: _Sample, backends: set[str]) -> _Sample:
@@ -133,17 +83,45 @@ def _p99(first: _Sample, last: _Sample, backends: set[str]) -> float | None:
 
 
 class GatewayAnalyzer:
-    """Scrapes the gateways' /metrics every `interval_s` and keeps `history_s` of samples."""
+    """Samples the gateways' counters every `interval_s` from a MetricsSource (by default the
+    gateways' /metrics at `metrics_urls`, scraped; `source=PrometheusSource(...)` reads them
+    with PromQL) and keeps `history_s` of samples. The window arithmetic below is the same
+    whatever the source."""
 
-    def __init__(self, metrics_urls: Iterable[str], *, interval_s: float = 1.0, history_s: float = 3600.0):
-        self.urls = list(metrics_urls)
+    def __init__(
+        self,
+        metrics_urls: Iterable[str] = (),
+        *,
+        source: MetricsSource | None = None,
+        interval_s: float = 1.0,
+        history_s: float = 3600.0,
+    ):
+        self.source: MetricsSource = (
+            source if source is not None else ScrapeSource(metrics_urls, timeout_s=interval_s)
+        )
         self.interval_s = interval_s
         self._samples: deque[_Sample] = deque(maxlen=max(16, int(history_s / interval_s)))
         self._task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
 
+    @property
+    def urls(self) -> list[str]:
+        """The scraped gateways' URLs ([] with another source)."""
+        return self.source.urls if isinstance(self.source, ScrapeSource) else []
+
+    @urls.setter
+    def urls(self, value: Iterable[str]) -> None:
+        if not isinstance(self.source, ScrapeSource):
+            raise TypeError(f"a {self.source.name} source has no gateway URLs")
+        self.source.urls = list(value)
+
+    @property
+    def configured(self) -> bool:
+        """Whether there is any traffic to read (no gateway to scrape: analysis sees none)."""
+        return self.source.configured
+
     async def start(self) -> None:
-        if self.urls and self._task is None:
+        if self.configured and self._task is None:
             await self.scrape_once()
             self._task = asyncio.ensure_future(self._loop())
 
@@ -160,31 +138,19 @@ class GatewayAnalyzer:
             await self.scrape_once()
 
     async def scrape_once(self) -> bool:
-        """Appends one sample of every gateway's counters; False when a gateway did not answer."""
-        merged = _Sample(time.time())
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s))
+        """Appends one sample of every gateway's counters; False when the source did not answer."""
+        if not self.configured:
+            return False
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                for url in self.urls:
-                    async with session.get(url) as r:
-                        text = await r.text()
-                    part = parse_gateway_metrics(text, merged.at)
-                    for name in ("requests", "errors"):
-                        mine, theirs = getattr(merged, name), getattr(part, name)
-                        for k, v in theirs.items():
-                            mine[k] = mine.get(k, 0.0) + v
-                    for b, buckets in part.buckets.items():
-                        into = merged.buckets.setdefault(b, {})
-                        for le, v in buckets.items():
-                            into[le] = into.get(le, 0.0) + v
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+            sample = await self.source.gateway_counters()
+        except MetricsSourceError as e:
             # A missed sample only widens the next window; analysis with no samples is
             # inconclusive, never a pass.
-            self.last_error = f"{type(e).__name__}: {e}"
-            logger.warning("gateway metrics scrape failed: %s", self.last_error)
+            self.last_error = str(e)
+            logger.warning("gateway metrics (%s) read failed: %s", self.source.name, self.last_error)
             return False
         self.last_error = None
-        self._samples.append(merged)
+        self._samples.append(sample)
         return True
 
     def counters(self, backends: set[str]) -> dict[str, Any] | None:

@@ -46,7 +46,6 @@ from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import Deployment, Replica
-from paved.metrics.gauges import scrape
 
 logger = logging.getLogger("paved.control_plane")
 
@@ -554,7 +553,7 @@ class Controller:
         backends = await self._backends(model_id, version, region)
         # Read now, not at the last periodic scrape; a gateway that did not answer gives no
         # baseline (the analysis then falls back to this process's samples).
-        if backends is None or not self.analyzer.urls or not await self.analyzer.scrape_once():
+        if backends is None or not self.analyzer.configured or not await self.analyzer.scrape_once():
             return None
         return self.analyzer.counters(backends)
 
@@ -582,7 +581,7 @@ class Controller:
         """Record when each deployment last had traffic (GC's `since last traffic` retention),
         from the gateways' per-backend counters."""
         now = time.time()
-        if now - self._traffic_checked < every_s or not self.analyzer.urls:
+        if now - self._traffic_checked < every_s or not self.analyzer.configured:
             return
         since, self._traffic_checked = self._traffic_checked or now - every_s, now
         replicas = await self.store.list_replicas()
@@ -647,10 +646,8 @@ class Controller:
                 scaler = self._scalers[d.id] = Autoscaler(policy)
             replicas = await self.store.list_replicas(deployment_id=d.id)
             ready = [r for r in replicas if r.state == "ready" and r.metrics_url]
-            samples = []
-            for r in ready:
-                with contextlib.suppress(Exception):
-                    samples.append(await scrape(r.metrics_url or "", model_id=d.spec.model_id))
+            # The analyzer's source: the replicas scraped here, or their series in Prometheus.
+            samples = await self.analyzer.source.replica_gauges(ready, d.spec.model_id)
             scaler.observe(samples)
             if wants_scale_to_zero(policy, d.spec.min_replicas):
                 clock = self._idle.get(d.id)

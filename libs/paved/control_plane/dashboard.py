@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from pathlib import Path
@@ -32,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from paved.control_plane.api import _jsonable, deployment_view, rollout_view
 from paved.control_plane.controller import Controller
 from paved.control_plane.errors import ControlError
+from paved.control_plane.prometheus import graph_url
 from paved.control_plane.store import ControlStore
 from paved.gateway.errors import GatewayError
 from paved.metrics.gauges import MAX_METRICS_BYTES, ScrapeError, scrape
@@ -199,13 +201,27 @@ def traffic_split(routes: dict[str, Any] | None) -> list[dict[str, Any]]:
     return out
 
 
+def _graphs(prometheus_url: str | None, models: set[str]) -> dict[str, Any]:
+    """{"url": Prometheus, "graphs": {model: its /graph link}}; {"url": None} without one."""
+    if not prometheus_url:
+        return {"url": None, "graphs": {}}
+    graphs = {}
+    for model in sorted(models):
+        with contextlib.suppress(ValueError):  # ids are validated at registration; never here
+            graphs[model] = graph_url(prometheus_url, model)
+    return {"url": prometheus_url.rstrip("/"), "graphs": graphs}
+
+
 def dashboard_router(
     store: ControlStore,
     controller: Controller,
     check_admin: Any,
     *,
     gateway_metrics: list[str] | tuple[str, ...] = (),
+    prometheus_url: str | None = None,
 ) -> APIRouter:
+    """`prometheus_url`: where paved's recorded series are (the control plane's
+    --prometheus-url); the summary then carries a graphs link per model."""
     router = APIRouter()
     audit_tail = _AuditTail()
     gauges: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (at, gauges or error)
@@ -322,6 +338,7 @@ def dashboard_router(
             "audit": audit,
             "autoscale": [e for e in audit if e["kind"] == "autoscale"][-20:],
             "gateway": usage,
+            "prometheus": _graphs(prometheus_url, {d.spec.model_id for d in deployments}),
         }
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 

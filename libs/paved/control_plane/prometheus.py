@@ -398,6 +398,30 @@ def scrape_config(
     return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
 
 
+# The recorded series a model's graphs show (the labels each rule group keeps: the gateways'
+# `model`, the replicas' `paved_model`, the control plane's `model`).
+MODEL_GRAPHS = (
+    'paved:gateway_availability:ratio_rate5m{{model="{model}"}}',
+    'paved:replica_http_errors:ratio_rate1m{{paved_model="{model}"}}',
+    'paved:gateway_request_duration_seconds:p95_5m{{model="{model}"}}',
+    'paved:vllm_num_requests_waiting:sum{{paved_model="{model}"}}',
+    'paved:fleet_replicas_ready:sum{{model="{model}"}}',
+)
+
+
+def graph_url(prometheus_url: str, model: str, *, range_input: str = "1h") -> str:
+    """Prometheus' /graph page with `model`'s recorded series, one panel each. ValueError for a
+    model id that is not one (it is quoted into PromQL)."""
+    if not _MODEL.fullmatch(model):
+        raise ValueError(f"model {model!r:.80}: not a model id")
+    params: dict[str, str] = {}
+    for i, expr in enumerate(MODEL_GRAPHS):
+        params[f"g{i}.expr"] = expr.format(model=model)
+        params[f"g{i}.tab"] = "0"  # the graph, not the table
+        params[f"g{i}.range_input"] = range_input
+    return prometheus_url.rstrip("/") + "/graph?" + urllib.parse.urlencode(params)
+
+
 # -- SLOs ---------------------------------------------------------------------------------------
 
 # (severity, long window, short window, burn-rate factor, for): the SRE workbook's table.

@@ -31,6 +31,7 @@ from paved.control_plane.kube_driver import KubeDriver, api_client
 from paved.control_plane.kube_objects import KubeSettings
 from paved.control_plane.leader import LeaderLock
 from paved.control_plane.local_driver import LocalDriver
+from paved.control_plane.metrics_source import check_prometheus_url, parse_metrics_source
 from paved.control_plane.prometheus import FileSdWriter, discover, metrics_endpoint, prometheus_router
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
@@ -180,6 +181,20 @@ def _parser() -> argparse.ArgumentParser:
         "the gateways and this control plane (the same as GET /v1/prometheus/targets); rewritten "
         "atomically whenever the set changes",
     )
+    p.add_argument(
+        "--metrics-source",
+        default="scrape",
+        metavar="scrape|prometheus=URL",
+        help="where rollout analysis and the autoscaler read metrics: scrape (the gateways' "
+        "--gateway-metrics and every ready replica's metrics endpoint, read here; default) or "
+        "prometheus=URL (the same series by PromQL from a Prometheus scraping the fleet with "
+        "this control plane's service discovery)",
+    )
+    p.add_argument(
+        "--prometheus-url",
+        metavar="URL",
+        help="a Prometheus holding paved's recorded series: the dashboard links each model to its graphs",
+    )
     p.add_argument("--interval", type=float, default=1.0, help="seconds between reconcile passes")
     p.add_argument(
         "--health-timeout", type=float, default=900.0, help="seconds a replica may take to be ready"
@@ -225,8 +240,8 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
     store = ControlStore(state)
     await store.start()
     feed = RoutesFeed(store)
-    analyzer = GatewayAnalyzer(args.gateway_metrics)
-    if not args.gateway_metrics:
+    analyzer = GatewayAnalyzer(source=parse_metrics_source(args.metrics_source, args.gateway_metrics))
+    if not analyzer.configured:
         logger.warning(
             "no --gateway-metrics: rollout analysis sees no traffic, so each phase passes after its "
             "inconclusive intervals; give the gateways' /metrics URLs to gate phases on errors and latency"
@@ -242,7 +257,13 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         drain_delay_s=args.drain_delay,
     )
     leader = LeaderLock(state)
-    dashboard = dashboard_router(store, controller, admin.check, gateway_metrics=args.gateway_metrics)
+    dashboard = dashboard_router(
+        store,
+        controller,
+        admin.check,
+        gateway_metrics=args.gateway_metrics,
+        prometheus_url=args.prometheus_url,
+    )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     own_metrics = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
@@ -349,6 +370,18 @@ def main(argv: list[str] | None = None) -> int:
             metrics_endpoint(url)
         except ValueError as e:
             print(f"control plane: --gateway-metrics: {e}", file=sys.stderr)
+            return 2
+    for flag, check in (
+        ("--metrics-source", lambda: parse_metrics_source(args.metrics_source)),
+        (
+            "--prometheus-url",
+            lambda: args.prometheus_url is None or check_prometheus_url(args.prometheus_url),
+        ),
+    ):
+        try:
+            check()
+        except ValueError as e:
+            print(f"control plane: {flag}: {e}", file=sys.stderr)
             return 2
     if args.prometheus_file_sd is not None:
         sd_dir = Path(args.prometheus_file_sd).parent

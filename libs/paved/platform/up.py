@@ -45,6 +45,8 @@ from typing import IO, Any
 import httpx
 
 from paved import procs
+from paved.control_plane.prometheus import RULE_FILES, scrape_config
+from paved.platform import prometheus as local_prometheus
 from paved.runfiles import runfile
 
 HOST = "127.0.0.1"
@@ -90,6 +92,8 @@ class Config:
     engine: str = "vllm"  # or "sim"
     s3: bool = False
     boot_timeout_s: float = 1800.0
+    prometheus: bool = True  # Debian's prometheus on loopback, scraping the fleet
+    prometheus_interval_s: int = 15  # its scrape and rule evaluation interval
 
     def validate(self) -> None:
         if self.work_dir.exists() and not self.work_dir.is_dir():
@@ -108,6 +112,8 @@ class Config:
             )
         if self.port and self.replica_port_base <= self.port + CP_PORT_OFFSET and self.port <= top:
             raise UsageError(f"--port {self.port} overlaps the replica ports {self.replica_port_base}-{top}")
+        if not 1 <= self.prometheus_interval_s <= 300:
+            raise UsageError(f"--prometheus-interval {self.prometheus_interval_s}: between 1 and 300 seconds")
         if self.engine not in ("vllm", "sim"):
             raise UsageError(f"--engine {self.engine!r}: vllm or sim")
         if self.state is not None:
@@ -184,6 +190,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--boot-timeout", type=float, default=1800.0, help="seconds for every replica to be ready (1800)"
     )
+    p.add_argument(
+        "--no-prometheus",
+        action="store_true",
+        help="do not start Prometheus (by default /usr/bin/prometheus scrapes the fleet on a free loopback "
+        "port, with paved's rules and alerts)",
+    )
+    p.add_argument(
+        "--prometheus-interval",
+        type=_int("--prometheus-interval"),
+        default=15,
+        metavar="SECONDS",
+        help="Prometheus' scrape and rule evaluation interval (1..300, default 15)",
+    )
 
 
 def _int(flag: str) -> Callable[[str], int]:
@@ -216,6 +235,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         engine=args.engine,
         s3=args.s3,
         boot_timeout_s=args.boot_timeout,
+        prometheus=not args.no_prometheus,
+        prometheus_interval_s=args.prometheus_interval,
     )
     cfg.validate()
     if not args.work_dir:
@@ -328,6 +349,8 @@ class Platform:
         self.xgb_replicas: list[dict[str, Any]] = []
         self.xgb_package_uri = ""
         self.kserve_grpc = ""
+        self.prometheus_url = ""
+        self.rules_dir: Path | None = None
         self._stopped = False
 
     # -- start -------------------------------------------------------------------------------
@@ -378,6 +401,17 @@ class Platform:
         ]  # fmt: skip
         for name, lo, hi in regions:
             cp_argv += ["--region", f"{name}={lo}-{hi}"]
+        file_sd = work / "prometheus" / "targets.json"
+        if cfg.prometheus:
+            # Known before the control plane starts: its dashboard links to the graphs there.
+            prom_port = _free_port()
+            self.prometheus_url = f"http://{HOST}:{prom_port}"
+            self.rules_dir = _rules_dir()
+            try:
+                file_sd.parent.mkdir(exist_ok=True)
+            except OSError as e:
+                raise PlatformError(f"{file_sd.parent}: {e.strerror}") from None
+            cp_argv += ["--prometheus-file-sd", str(file_sd), "--prometheus-url", self.prometheus_url]
         if self.s3_endpoint:
             cp_argv += ["--s3-endpoint-url", self.s3_endpoint]
         self.say(f"starting the control plane ({_redact(state)}; {len(regions)} region(s))")
@@ -385,6 +419,8 @@ class Platform:
         self.control_plane_url = cp.wait_line(
             re.compile(r"serving control plane on (http://\S+)"), 120
         ).group(1)
+        if cfg.prometheus:
+            self._start_prometheus(prom_port, file_sd)
 
         gw_argv = [
             sys.executable, "-m", "paved.gateway.server",
@@ -417,6 +453,39 @@ class Platform:
         self.replicas = self._wait_replicas(MODEL_ID, cfg.replicas * len(regions))
         self.xgb_replicas = self._wait_replicas(XGB_MODEL_ID, len(regions))
         self._wait_served()
+
+    def _start_prometheus(self, port: int, file_sd: Path) -> None:
+        """Debian's prometheus on 127.0.0.1:`port`, discovering the fleet from the file the
+        control plane keeps (file_sd: no credentials to hand over), with paved's rules."""
+        cfg = self.cfg
+        home = cfg.work_dir / "prometheus"
+        interval = f"{cfg.prometheus_interval_s}s"
+        rules = [str(self.rules_dir / Path(f).name) for f in RULE_FILES] if self.rules_dir else []
+        text = scrape_config(
+            file_sd=str(file_sd),
+            rule_files=rules,
+            scrape_interval=interval,
+            evaluation_interval=interval,
+            refresh_interval=interval,
+        )
+        config = home / "prometheus.yml"
+        try:
+            config.write_text(text)
+            argv = local_prometheus.argv(config, home / "data", port)
+        except OSError as e:
+            raise PlatformError(f"{config}: {e.strerror}") from None
+        except local_prometheus.PrometheusError as e:
+            raise PlatformError(f"{e} (or --no-prometheus)") from None
+        # Its own small environment: it needs no key, and the marker makes stop() find it.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), MARKER_ENV: self.token}
+        self.say(
+            f"starting Prometheus on {self.prometheus_url} (every {interval}; rules from {self.rules_dir})"
+        )
+        child = self._spawn("prometheus", argv, env, "prometheus.log")
+        try:
+            local_prometheus.wait_ready(self.prometheus_url, child.proc, 60, child.log)
+        except local_prometheus.PrometheusError as e:
+            raise PlatformError(str(e)) from None
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], log: str) -> _Child:
         child = _Child(name, argv, env, self.cfg.work_dir / "logs" / log, self.cfg.work_dir)
@@ -595,6 +664,11 @@ class Platform:
             f"  gateway KServe v2 gRPC: {self.kserve_grpc}  (models {MODEL_ID}, {XGB_MODEL_ID})",
             f"  control plane: {self.control_plane_url}",
         ]
+        if self.prometheus_url:
+            lines.append(
+                f"  prometheus: {self.prometheus_url}  (alerts at {self.prometheus_url}/alerts; targets from "
+                f"{self.cfg.work_dir / 'prometheus' / 'targets.json'})"
+            )
         if self.s3_endpoint:
             lines.append(f"  s3: {self.s3_endpoint}  (package {self.package_uri})")
         for rep in [*self.replicas, *self.xgb_replicas]:
@@ -627,7 +701,13 @@ class Platform:
         by_name = {c.name: c for c in self.children}
         # The gateway first (no new traffic), then the control plane, which drains its replicas
         # (--stop-replicas-on-exit), then the S3 they may still read from.
-        for name, timeout_s in (("gateway", 20.0), ("control plane", 90.0), ("s3", 10.0)):
+        # Prometheus goes first: it would only record the others going down.
+        for name, timeout_s in (
+            ("prometheus", 10.0),
+            ("gateway", 20.0),
+            ("control plane", 90.0),
+            ("s3", 10.0),
+        ):
             child = by_name.get(name)
             if child is not None:
                 child.stop(timeout_s)
@@ -644,6 +724,15 @@ class Platform:
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _rules_dir() -> Path | None:
+    """ops/prometheus/rules: in the runfiles (a Bazel run), else in this checkout; None when
+    neither has it (Prometheus then runs without rules)."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(runfile(f"ops/prometheus/{RULE_FILES[0]}")).parent
+    here = Path(__file__).resolve().parents[3] / "ops" / "prometheus" / "rules"
+    return here if here.is_dir() else None
 
 
 def _redact(url: str) -> str:

@@ -197,6 +197,12 @@
   }
 
   // ---- rendering ---------------------------------------------------------------------------
+  // A link to the model's recorded series in Prometheus (when the control plane knows one).
+  function graphsCell(model) {
+    const link = summary && summary.prometheus && summary.prometheus.graphs ? summary.prometheus.graphs[model] : null;
+    if (!link || !/^https?:\/\//.test(link)) return td(null);
+    return el("td", {}, el("a", { href: link, target: "_blank", rel: "noopener noreferrer", "aria-label": `Graphs of ${model} in Prometheus`, text: "Graphs" }));
+  }
   function renderDeployments(deployments) {
     fill("deployments", deployments.map((d) => {
       const desired = Object.entries(d.desired || {}).map(([r, n]) => `${r}: ${n}`).join(", ") || "–";
@@ -208,7 +214,7 @@
         td(d.model_id), td(d.version + (d.current ? " (current)" : "")), td(d.strategy), stateCell(d.state),
         td(desired), td(`${d.min_replicas}–${d.max_replicas}`), td(!(d.autoscale && d.autoscale.enabled) ? "off"
           : d.autoscale.scale_to_zero_after_s ? `on, to zero after ${d.autoscale.scale_to_zero_after_s} s idle` : "on"),
-        el("td", {}, ...buttons));
+        el("td", {}, ...buttons), graphsCell(d.model_id));
     }));
     // The rollout form: models, and the versions of the chosen model that are not serving.
     const models = [...new Set(deployments.map((d) => d.model_id))].sort();
