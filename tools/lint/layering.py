@@ -95,15 +95,14 @@ _GATEWAY_LAYERS = (
         "experiments know nothing of orchestration or forwarding",
         "flow caching orchestration forwarding responses",
     ),
-    _gateway_rule(
-        "orchestration", "orchestration knows nothing of forwarding", "flow forwarding responses"
-    ),
+    _gateway_rule("orchestration", "orchestration knows nothing of forwarding", "flow forwarding responses"),
     _gateway_rule(
         "forwarding",
-        "forwarding is what the app composes (and the Responses API calls), never the reverse",
-        "responses",
+        "forwarding is what the app composes (and the Responses API and batches call), never the reverse",
+        "responses batches",
     ),
-    _gateway_rule("responses", "the Responses API is what the app composes, never the reverse"),
+    _gateway_rule("responses", "the Responses API is what the app composes, never the reverse", "batches"),
+    _gateway_rule("batches", "the batch path is what the app composes, never the reverse", "responses"),
 )
 
 

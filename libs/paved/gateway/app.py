@@ -102,7 +102,11 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     extra_routes: list[Any] | None = None,
     manage_lifespan: bool = True,
+    max_upload_bytes: int | None = None,
 ) -> Any:
+    """The gateway's ASGI app. `max_upload_bytes`: the body bound of `POST /v1/files` (batch
+    input files, larger than any request; the upload spools to disk), else `max_body_bytes`."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_lifespan:
@@ -178,7 +182,17 @@ def create_app(
     for route in extra_routes or ():
         app.router.routes.append(route)
     install_error_handlers(app)
-    return BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, 128 * 1024 * 1024))
+    buffered = 128 * 1024 * 1024
+    limited = BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, buffered))
+    if max_upload_bytes is None or max_upload_bytes <= max_body_bytes:
+        return limited
+    uploads = BodyLimitMiddleware(app, max_upload_bytes, max_buffered_bytes=max(max_upload_bytes, buffered))
+
+    async def by_path(scope: Any, receive: Any, send: Any) -> None:
+        is_upload = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/files"
+        await (uploads if is_upload else limited)(scope, receive, send)
+
+    return by_path
 
 
 def install_error_handlers(app: FastAPI) -> None:

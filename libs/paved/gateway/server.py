@@ -26,6 +26,7 @@ from paved.gateway.access.auth import AdminAuth, Authenticator, load_admin_key
 from paved.gateway.access.limits import make_limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
+from paved.gateway.batches import service as batch_service
 from paved.gateway.flow.flow import FlowConfig, FlowController
 from paved.gateway.forwarding.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.metrics import GatewayMetrics
@@ -213,6 +214,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a generating replica's lease: a response whose replica died fails after it",
     )
+    batch_service.add_arguments(p)
     return p
 
 
@@ -470,8 +472,17 @@ async def _serve(args: argparse.Namespace) -> int:
         )
     if gateway.responses is not None:
         extra_routes.extend(gateway.responses.routes())
+    batches = batch_service.from_arguments(args, gateway.store, gateway.proxy)
+    extra_routes.extend(batches.api.routes())
+    gateway.on_start.append(batches.start)
+    gateway.on_stop.append(batches.stop)
     app = create_app(
-        gateway, max_body_bytes=args.max_body_bytes, extra_routes=extra_routes, manage_lifespan=False
+        gateway,
+        max_body_bytes=args.max_body_bytes,
+        extra_routes=extra_routes,
+        manage_lifespan=False,
+        # The multipart envelope around a largest batch file.
+        max_upload_bytes=args.batch_max_bytes + (1 << 20),
     )
     await gateway.start()
     if args.bootstrap_key_file:
@@ -531,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     _check(args, p)
+    batch_service.check_arguments(args, p)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,0 +1,422 @@
+"""The batch runner: one per gateway replica; any replica runs any batch.
+
+Each tick it (1) renews the leases of the lines it is running, (2) abandons the lines of
+batches that were cancelled or ran past their window, (3) leases more lines while the batch's
+model has headroom, and (4) finalizes batches whose lines are all answered (or that were
+cancelled or expired): the output and error files are written to the object store and
+published with the final status.
+
+A line is sent through the gateway's own request path (`OpenAIProxy.forward` with the batch
+creator's principal), so the same router, limits, orchestration (templates, exact cache) and
+flow queue apply, in the queue's lowest class (`background`): interactive requests queued for
+the model always go first. On top of that a line is only leased when the model has headroom:
+nobody waits in the model's queue on this replica, the router's fresh engine gauges do not read
+every backend full (`Router.saturated`), this replica runs fewer than `concurrency` lines, and
+the tenant's batch tokens in the last minute on this replica are under `token_share` of its
+tokens/min limit.
+
+Invariants: a line's outcome is committed only under its current lease (paved.gateway.batches
+.store), so a replica killed mid-batch loses nothing (its leases expire after `lease_s` and
+another replica re-runs those lines) and no custom_id is answered twice; 429 / 5xx answers are
+retried with backoff up to `max_attempts` leases, then kept as the line's (failed) answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter, Gauge
+from starlette.requests import Request
+
+from paved.gateway.batches.objects import ObjectStore
+from paved.gateway.batches.store import BatchStore, Lease, new_id, output_line
+from paved.gateway.errors import GatewayError
+from paved.gateway.types import Principal
+
+if TYPE_CHECKING:
+    from paved.gateway.access.state import GatewayStore
+    from paved.gateway.forwarding.proxy import OpenAIProxy
+
+logger = logging.getLogger("paved.gateway.batches")
+
+_RETRYABLE = frozenset((429, 499, 500, 502, 503, 504))
+LINE_ERRORS = {
+    "cancelled": {
+        "code": "batch_cancelled",
+        "message": "This request was not executed: the batch was cancelled.",
+    },
+    "expired": {
+        "code": "batch_expired",
+        "message": "This request could not be executed before the completion window expired.",
+    },
+}
+# metadata["paved_cache"] -> the Cache-Control a batch's lines are sent with (see docs).
+CACHE_MODES = {"off": "no-store", "write": None, "refresh": "no-cache"}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    poll_s: float = 0.2
+    lease_s: float = 30.0
+    # Lines this replica runs at once, over every batch.
+    concurrency: int = 32
+    max_attempts: int = 20
+    # Of a tenant's tokens/min limit, what its batches may use (per replica).
+    token_share: float = 0.5
+    stats_every_s: float = 5.0
+
+
+class BatchMetrics:
+    def __init__(self, registry: Any):
+        self.lines = Counter(
+            "paved_gateway_batch_lines",
+            "Batch lines settled by this replica, by tenant, model and outcome (done, failed, retried)",
+            ("tenant", "model", "status"),
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "paved_gateway_batch_in_flight",
+            "Batch lines this replica is running",
+            ("tenant", "model"),
+            registry=registry,
+        )
+        self.states = Gauge(
+            "paved_gateway_batch_line_states",
+            "Lines of active batches (all replicas, from the database), by tenant, model and state",
+            ("tenant", "model", "state"),
+            registry=registry,
+        )
+        self.queue_age = Gauge(
+            "paved_gateway_batch_queue_age_seconds",
+            "Age of the oldest line still pending in an active batch, by tenant and model",
+            ("tenant", "model"),
+            registry=registry,
+        )
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        store: BatchStore,
+        objects: ObjectStore,
+        proxy: OpenAIProxy,
+        accounts: GatewayStore,
+        metrics: BatchMetrics,
+        config: RunnerConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.store = store
+        self.objects = objects
+        self.proxy = proxy
+        self.accounts = accounts
+        self.metrics = metrics
+        self.config = config or RunnerConfig()
+        self.clock = clock
+        self.owner = new_id("runner")
+        self._tasks: dict[tuple[str, int], tuple[asyncio.Task[None], str]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._principals: dict[str, tuple[float, Principal | None]] = {}
+        self._tokens: dict[str, deque[tuple[float, int]]] = {}
+        self._renewed = 0.0
+        self._stats_at = 0.0
+        self._stats_keys: set[tuple[str, ...]] = set()
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        for task, _ in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*(t for t, _ in self._tasks.values()), return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("batch runner tick failed; trying again")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+
+    async def tick(self) -> None:
+        """One round: renew, abandon, lease, finalize (tests drive it directly)."""
+        now = self.clock()
+        cfg = self.config
+        if self._tasks and now - self._renewed >= cfg.lease_s / 3:
+            await self.store.renew(self.owner, now + cfg.lease_s)
+            self._renewed = now
+        await self._abandon(now)
+        await self._lease(now)
+        await self._finalize(now)
+        if now - self._stats_at >= cfg.stats_every_s:
+            self._stats_at = now
+            await self._stats(now)
+
+    # -- leasing and running ---------------------------------------------------------------
+
+    async def _abandon(self, now: float) -> None:
+        for batch_id in {b for b, _ in self._tasks}:
+            batch = await self.store.get_batch(None, batch_id)
+            if batch["status"] != "in_progress" or batch["expires_at"] <= now:
+                for key, (task, _) in list(self._tasks.items()):
+                    if key[0] == batch_id:
+                        task.cancel()
+
+    async def _lease(self, now: float) -> None:
+        free = self.config.concurrency - len(self._tasks)
+        if free <= 0:
+            return
+        for batch in await self.store.runnable(now):
+            if free <= 0:
+                break
+            if not self._has_headroom(batch, now):
+                continue
+            leases = await self.store.lease(batch["id"], self.owner, free, now, self.config.lease_s)
+            if leases and not self._renewed:
+                self._renewed = now
+            for lease in leases:
+                key = (lease.batch_id, lease.line_no)
+                task = asyncio.ensure_future(self._run(batch, lease))
+                self._tasks[key] = (task, batch["tenant"])
+                self.metrics.in_flight.labels(batch["tenant"], batch["model"]).inc()
+                task.add_done_callback(functools.partial(self._done, key, batch))
+                free -= 1
+
+    def _done(self, key: tuple[str, int], batch: dict[str, Any], _task: object) -> None:
+        self._tasks.pop(key, None)
+        self.metrics.in_flight.labels(batch["tenant"], batch["model"]).dec()
+        self._wake.set()
+
+    def _has_headroom(self, batch: dict[str, Any], now: float) -> bool:
+        model = batch["model"]
+        alias, _ = self.proxy.router.split_model(model)
+        flow = self.proxy.flow
+        if flow is not None and flow.enabled and flow.depth(alias) > 0:
+            return False
+        try:
+            if self.proxy.router.saturated(model, sticky_key=batch["key_id"]):
+                return False
+        except GatewayError:
+            pass  # an unknown model: its lines fail with the interactive path's 404
+        cached = self._principals.get(batch["key_id"])
+        principal = cached[1] if cached is not None else None
+        tpm = principal.tenant.limits.tokens_per_min if principal is not None else None
+        if tpm is not None:
+            window = self._tokens.setdefault(batch["tenant"], deque())
+            while window and window[0][0] < now - 60:
+                window.popleft()
+            if sum(n for _, n in window) >= tpm * self.config.token_share:
+                return False
+        return True
+
+    async def _principal(self, key_id: str, now: float) -> Principal | None:
+        cached = self._principals.get(key_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        found = await self.accounts.lookup(key_id)
+        principal = None
+        if found is not None:
+            info, tenant, _ = found
+            if info.revoked_at is None and (info.expires_at is None or info.expires_at.timestamp() > now):
+                principal = Principal(
+                    key_id=info.key_id, key_name=info.name, tenant=tenant, key_limits=info.limits
+                )
+        self._principals[key_id] = (now + 5.0, principal)
+        return principal
+
+    async def _run(self, batch: dict[str, Any], lease: Lease) -> None:
+        tenant, model = batch["tenant"], batch["model"]
+        try:
+            status, request_id, body, retry_after = await self._send(batch, lease)
+        except asyncio.CancelledError:
+            # Abandoned (cancel, expiry, shutdown): back to pending for whoever finalizes or
+            # resumes; shielded so the lease is not left to expire needlessly.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.store.settle(lease, self.owner, "pending", None))
+            raise
+        except Exception as e:  # never let one line kill the runner
+            logger.exception("batch %s line %d failed in the gateway", lease.batch_id, lease.line_no)
+            status, request_id, body, retry_after = 500, "", {"error": {"message": type(e).__name__}}, None
+        now = self.clock()
+        if status in _RETRYABLE and lease.attempt < self.config.max_attempts:
+            backoff = retry_after if retry_after is not None else min(30.0, 0.5 * 2 ** min(lease.attempt, 6))
+            await self.store.settle(lease, self.owner, "pending", None, next_at=now + backoff)
+            self.metrics.lines.labels(tenant, model, "retried").inc()
+            return
+        state = "done" if status == 200 else "failed"
+        line = output_line(lease.batch_id, lease.line_no, lease.custom_id, status, request_id, body)
+        if await self.store.settle(lease, self.owner, state, line):
+            self.metrics.lines.labels(tenant, model, state).inc()
+
+    async def _send(self, batch: dict[str, Any], lease: Lease) -> tuple[int, str, Any, float | None]:
+        now = self.clock()
+        principal = await self._principal(batch["key_id"], now)
+        request_id = f"batch_req_{lease.batch_id.removeprefix('batch_')}_{lease.line_no}"
+        if principal is None:
+            message = "the API key that created this batch was revoked or expired"
+            body = {"error": {"message": message, "type": "invalid_request_error", "code": "revoked_api_key"}}
+            return 401, request_id, body, None
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-paved-priority", b"background"),
+            (b"x-request-id", request_id.encode()),
+        ]
+        meta = batch.get("metadata") or {}
+        cache_control = CACHE_MODES.get(str(meta.get("paved_cache", "off")), "no-store")
+        if cache_control is not None:
+            headers.append((b"cache-control", cache_control.encode()))
+        payload = json.dumps(lease.body, ensure_ascii=False, separators=(",", ":")).encode()
+        endpoint = batch["endpoint"]
+        from paved.gateway.batches.validate import ENDPOINTS
+
+        response = await self.proxy.forward(
+            _request(endpoint, headers, payload), ENDPOINTS[endpoint], endpoint, principal=principal
+        )
+        raw = bytes(getattr(response, "body", b"") or b"")
+        try:
+            answer = json.loads(raw) if raw else None
+        except ValueError:
+            answer = {"error": {"message": "the backend's answer was not JSON"}}
+        if response.status_code == 200 and isinstance(answer, dict):
+            usage = answer.get("usage")
+            used = usage.get("total_tokens") if isinstance(usage, dict) else None
+            if isinstance(used, int):
+                self._tokens.setdefault(batch["tenant"], deque()).append((now, used))
+        retry_after = response.headers.get("retry-after")
+        try:
+            wait = float(retry_after) if retry_after is not None else None
+        except ValueError:
+            wait = None
+        return response.status_code, response.headers.get("x-request-id", request_id), answer, wait
+
+    # -- finalization ----------------------------------------------------------------------
+
+    async def _finalize(self, now: float) -> None:
+        for ready in await self.store.to_finalize(now):
+            batch_id = ready["id"]
+            final = await self.store.begin_finalize(
+                batch_id, self.owner, now, self.config.lease_s * 4, LINE_ERRORS
+            )
+            if final is None:
+                continue
+            batch = await self.store.get_batch(None, batch_id)
+            await self._write_files(batch, final)
+
+    async def _write_files(self, batch: dict[str, Any], final: str) -> None:
+        batch_id, tenant = batch["id"], batch["tenant"]
+        tmpdir = tempfile.mkdtemp(prefix="paved-batch-")
+        try:
+            paths = {kind: os.path.join(tmpdir, kind) for kind in ("output", "error")}
+
+            def write() -> dict[str, tuple[int, int]]:
+                counts = {"output": [0, 0], "error": [0, 0]}
+                with open(paths["output"], "wb") as out, open(paths["error"], "wb") as err:
+                    for state, line in self.store.results(batch_id):
+                        kind = "output" if state == "done" else "error"
+                        data = line.encode() + b"\n"
+                        (out if kind == "output" else err).write(data)
+                        counts[kind][0] += 1
+                        counts[kind][1] += len(data)
+                return {k: (v[0], v[1]) for k, v in counts.items()}
+
+            counts = await asyncio.to_thread(write)
+            now = self.clock()
+            files = []
+            ids: dict[str, str | None] = {"output": None, "error": None}
+            for kind in ("output", "error"):
+                lines, size = counts[kind]
+                if not lines:
+                    continue
+                file_id = "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+                key = f"files/{tenant}/{file_id}"
+                await self.objects.put_file(key, paths[kind])
+                ids[kind] = file_id
+                files.append(
+                    {
+                        "id": file_id,
+                        "tenant": tenant,
+                        "purpose": "batch_output",
+                        "filename": f"{batch_id}_{kind}.jsonl",
+                        "bytes": size,
+                        "created_at": now,
+                        "object_key": key,
+                        "lines": lines,
+                        "url": None,
+                        "model": None,
+                    }
+                )
+            done = counts["output"][0]
+            failed = counts["error"][0]
+            if await self.store.finish(
+                batch_id, self.owner, final, now, files, ids["output"], ids["error"], done, failed
+            ):
+                logger.info("batch %s %s: %d done, %d failed", batch_id, final, done, failed)
+        finally:
+            for name in os.listdir(tmpdir):
+                os.unlink(os.path.join(tmpdir, name))
+            os.rmdir(tmpdir)
+
+    async def _stats(self, now: float) -> None:
+        seen: set[tuple[str, ...]] = set()
+        ages: dict[tuple[str, str], float] = {}
+        for tenant, model, state, n, oldest in await self.store.line_stats():
+            self.metrics.states.labels(tenant, model, state).set(n)
+            seen.add((tenant, model, state))
+            if state == "pending" and oldest is not None:
+                ages[(tenant, model)] = max(0.0, now - oldest)
+        for key in self._stats_keys - seen:
+            self.metrics.states.labels(*key).set(0)
+        for tenant, model, _ in self._stats_keys | seen:
+            self.metrics.queue_age.labels(tenant, model).set(ages.get((tenant, model), 0.0))
+        self._stats_keys = seen
+
+
+def _request(path: str, headers: list[tuple[bytes, bytes]], payload: bytes) -> Request:
+    """An ASGI request the proxy reads like a client's: the body once, then a receive that
+    never reports a disconnect (the runner cancels the task to abandon a line)."""
+    sent = False
+    forever: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await forever
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "scheme": "http",
+        "query_string": b"",
+        "headers": [*headers, (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+        "http_version": "1.1",
+    }
+    return Request(scope, receive)

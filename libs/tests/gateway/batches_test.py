@@ -1,0 +1,284 @@
+"""The OpenAI Files + Batches API at the gateway, driven with the official `openai` client
+against gateway mains in front of a paved frontend on the simulated engine.
+
+One module fleet: a frontend (sim), a PostgreSQL, and two gateway replicas sharing it (and one
+files directory); a third gateway on SQLite with a short batch window for expiry."""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_proc import GatewayProcess, write_routes
+from servers import ServerProcess
+
+from paved.testing.postgres import create_database, postgres_server
+
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batches")
+    frontend = ServerProcess("--engine", "sim://tiny?tokens_per_s=2000&max_num_seqs=64", ready_timeout_s=120)
+    gateways: list[GatewayProcess] = []
+    try:
+        with postgres_server() as pg:
+            state = create_database(pg, "gateway")
+            routes = write_routes(
+                tmp / "routes.json",
+                [
+                    {
+                        "alias": "tiny",
+                        "backends": [{"url": frontend.url, "version": "v1"}],
+                        "cache": {"exact": True},
+                    }
+                ],
+            )
+            admin = "adm-" + secrets.token_hex(16)
+            common = ["--state", state, "--files-dir", str(tmp / "files"), "--batch-lease", "3"]
+            for _ in range(2):
+                gateways.append(GatewayProcess(routes, *common, admin_key=admin, state_dir=tmp))
+            yield {"gateways": gateways, "frontend": frontend, "tmp": tmp, "routes": routes, "admin": admin}
+            for gw in gateways:
+                gw.stop()
+    finally:
+        for gw in gateways:
+            gw.stop()
+        frontend.terminate()
+
+
+def _client(gw: GatewayProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, timeout=30, max_retries=0)
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def _chat_lines(n: int, *, prefix: str = "q", max_tokens: int = 8) -> list[dict]:
+    return [
+        {
+            "custom_id": f"{prefix}-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"question {prefix} {i}"}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in TERMINAL:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+
+
+def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
+
+
+def test_openai_client_end_to_end_and_outputs_equal_interactive(fleet):
+    a, b = fleet["gateways"]
+    a.tenant("acme", models=["tiny"])
+    key = a.key("acme")
+    client = _client(a, key)
+    lines = _chat_lines(20)
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(_jsonl(lines))
+    assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
+    assert uploaded.id in [f.id for f in client.files.list()]
+    assert client.files.content(uploaded.id).content == _jsonl(lines)
+
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "e2e"}
+    )
+    assert batch.status == "in_progress" and batch.request_counts.total == 20
+    assert batch.metadata == {"job": "e2e"}
+    done = _wait(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.completed == 20 and done.request_counts.failed == 0
+    assert done.error_file_id is None and done.completed_at is not None
+    out = _lines(client, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+    by_id = {x["custom_id"]: x for x in out}
+    # The same lines sent interactively at temperature 0 answer the same text.
+    for line in lines[:5]:
+        answer = client.chat.completions.create(**line["body"])
+        got = by_id[line["custom_id"]]
+        assert got["response"]["status_code"] == 200 and got["error"] is None
+        assert got["id"].startswith("batch_req_") and got["response"]["request_id"]
+        assert got["response"]["body"]["choices"][0]["message"]["content"] == answer.choices[0].message.content
+    # Listing: newest first, cursor pagination.
+    second = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    page = client.batches.list(limit=1)
+    assert [x.id for x in page.data] == [second.id] and page.has_more
+    older = client.batches.list(limit=1, after=second.id)
+    assert [x.id for x in older.data] == [batch.id]
+    _wait(client, second.id)
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    deleted = client.files.delete(uploaded.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_invalid_files_are_refused_naming_the_line(fleet):
+    a, _ = fleet["gateways"]
+    a.tenant("strict", models=["tiny"])
+    client = _client(a, a.key("strict"))
+    good = _chat_lines(3)
+    cases = [
+        (good + [dict(good[0])], "line 4", "custom_id"),
+        ([good[0], {**good[1], "method": "GET"}], "line 2", "method"),
+        ([good[0], {**good[1], "body": {**good[1]["body"], "model": "nope"}}], "line 2", "body.model"),
+        ([good[0], {**good[1], "body": {**good[1]["body"], "stream": True}}], "line 2", "body.stream"),
+        ([{**good[0], "body": {**good[0]["body"], "max_tokens": -1}}], "line 1", "body.max_tokens"),
+        (
+            [good[0], {**good[1], "body": {**good[1]["body"], "response_format": {"type": "xml"}}}],
+            "line 2",
+            "body.response_format",
+        ),
+        ([good[0], {**good[1], "url": "/v1/embeddings"}], "line 2", "url"),
+    ]
+    before = len(client.files.list().data)
+    for lines, where, field in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.files.create(file=("bad.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        message = err.value.body["message"]
+        assert where in message and field in message, message
+        assert err.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as err:
+        client.files.create(file=("bad.jsonl", io.BytesIO(b'{"custom_id": "x"}\nnot json\n')), purpose="batch")
+    assert "line 1" in err.value.body["message"]
+    assert len(client.files.list().data) == before  # nothing kept of an invalid file
+    # A valid file for another endpoint than the batch's is refused at create.
+    uploaded = client.files.create(file=("ok.jsonl", io.BytesIO(_jsonl(good))), purpose="batch")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
+
+
+def test_tenant_isolation(fleet):
+    a, b = fleet["gateways"]
+    a.tenant("one", models=["tiny"])
+    a.tenant("two", models=["tiny"])
+    one, two = _client(a, a.key("one")), _client(b, a.key("two"))
+    f = one.files.create(file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))), purpose="batch")
+    batch = one.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (
+        lambda: two.files.retrieve(f.id),
+        lambda: two.files.content(f.id),
+        lambda: two.files.delete(f.id),
+        lambda: two.batches.retrieve(batch.id),
+        lambda: two.batches.cancel(batch.id),
+        lambda: two.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert f.id not in [x.id for x in two.files.list()]
+    assert batch.id not in [x.id for x in two.batches.list()]
+    done = _wait(one, batch.id)
+    with pytest.raises(openai.NotFoundError):
+        two.files.content(done.output_file_id)
+
+
+def test_cache_write_feeds_the_interactive_path(fleet):
+    a, b = fleet["gateways"]
+    a.tenant("cat", models=["tiny"])
+    key = a.key("cat")
+    client = _client(a, key)
+    lines = _chat_lines(3, prefix="cat")
+    f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"paved_cache": "write"}
+    )
+    assert _wait(client, batch.id).status == "completed"
+    # The exact cache here is each replica's memory: the replica that ran the line answers it.
+    served = {
+        httpx.post(
+            gw.url + "/v1/chat/completions", json=lines[0]["body"], headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ).headers.get("x-paved-cache")
+        for gw in (a, b)
+    }
+    assert "exact" in served, served
+
+
+def test_cancel_delivers_partial_files(fleet):
+    a, _ = fleet["gateways"]
+    a.tenant("stopper", models=["tiny"])
+    client = _client(a, a.key("stopper"))
+    lines = _chat_lines(300, prefix="c", max_tokens=64)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = _wait(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    out, err = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
+    ids = [x["custom_id"] for x in out + err]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each exactly once
+    assert any(x["error"] and x["error"]["code"] == "batch_cancelled" for x in err)
+    assert done.request_counts.completed == len(out)
+
+
+def test_replica_killed_mid_batch_the_other_finishes_each_line_once(fleet):
+    a, b = fleet["gateways"]
+    a.tenant("durable", models=["tiny"])
+    client = _client(b, a.key("durable"))
+    lines = _chat_lines(400, prefix="k", max_tokens=32)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    # Both replicas run lines; a is killed (no shutdown) once some are done.
+    while client.batches.retrieve(batch.id).request_counts.completed < 40:
+        time.sleep(0.05)
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait()
+    done = _wait(client, batch.id, timeout_s=240)
+    assert done.status == "completed", done
+    out = _lines(client, done.output_file_id)
+    ids = [x["custom_id"] for x in out]
+    assert len(ids) == len(set(ids)) == 400 and done.error_file_id is None
+    expected = client.chat.completions.create(**lines[7]["body"]).choices[0].message.content
+    assert {x["custom_id"]: x for x in out}["k-7"]["response"]["body"]["choices"][0]["message"]["content"] == expected
+
+
+def test_expiry_delivers_finished_lines(tmp_path, fleet):
+    admin = fleet["admin"]
+    gw = GatewayProcess(
+        fleet["routes"], "--batch-window", "3", "--batch-concurrency", "2", admin_key=admin, state_dir=tmp_path
+    )
+    try:
+        gw.tenant("late", models=["tiny"])
+        client = _client(gw, gw.key("late"))
+        lines = _chat_lines(500, prefix="e", max_tokens=128)
+        f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = _wait(client, batch.id)
+        assert done.status == "expired" and done.expired_at is not None
+        out, err = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
+        assert out, "finished lines are delivered"
+        assert sorted(x["custom_id"] for x in out + err) == sorted(x["custom_id"] for x in lines)
+        assert all(x["error"]["code"] == "batch_expired" for x in err)
+    finally:
+        gw.stop()
