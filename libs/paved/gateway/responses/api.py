@@ -407,7 +407,8 @@ class ResponsesAPI:
         chat = _Chat()
 
         def on_event(event: bytes) -> None:
-            self.streams.push(live, b"id: %d\n" % live.next_seq + event + b"\n\n")
+            end = event.startswith(b"data: [DONE]")
+            self.streams.push(live, b"id: %d\n" % live.next_seq + event + b"\n\n", end=end)
 
         async def generate() -> None:
             try:
@@ -416,6 +417,7 @@ class ResponsesAPI:
                 logger.warning("chat stream %s failed: %s", stream_id, e)
             finally:
                 if not live.ended:
+                    # Ended without [DONE] (an error event, an abort): a comment closes the log.
                     self.streams.push(live, b"id: %d\n: end\n\n" % live.next_seq, end=True)
                 await self.streams.flushed(live)
 
