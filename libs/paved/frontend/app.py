@@ -11,7 +11,7 @@ from typing import Protocol
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from paved.frontend import openai_api, ops_api
+from paved.frontend import openai_api, ops_api, responses_api
 from paved.frontend.errors import install_error_handlers
 from paved.frontend.metrics import FrontendMetrics
 from paved.frontend.middleware import MetricsMiddleware
@@ -140,6 +140,7 @@ def create_app(
     app.state.paved = AppState(models=models, metrics=metrics)
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(ops_api.router)
     # Added last = outermost: metrics also count the 413s the body limit answers.
     app.add_middleware(
