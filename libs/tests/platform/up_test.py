@@ -131,13 +131,23 @@ def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path)
         assert (work / "admin_key").stat().st_mode & 0o777 == 0o600
 
         running = marked(token)
-        # The S3, control plane and gateway it printed, and 4 launchers with their engines.
-        assert len(pids) == 3 and set(pids) <= set(running), (pids, running)
-        assert [running[pid].split(" -m ", 1)[1].split()[0] for pid in pids] == [
+        # The S3, control plane, Prometheus and gateway it printed, and the launchers with their
+        # engines.
+        assert len(pids) == 4 and set(pids) <= set(running), (pids, running)
+        assert [running[pid].split(" -m ", 1)[-1].split()[0] for pid in pids] == [
             "moto.server",
             "paved.control_plane.server",
+            "/usr/bin/prometheus",
             "paved.gateway.server",
         ]
+        # Prometheus on by default, on loopback, scraping the fleet (prometheus_e2e_test asserts more).
+        prom = [
+            m.group(1)
+            for line in output
+            if (m := re.match(r"^  prometheus: (http://127\.0\.0\.1:\d+) ", line))
+        ]
+        assert len(prom) == 1, output
+        assert httpx.get(prom[0] + "/-/ready", timeout=10).status_code == 200
         mains = [cmd.split(" -m ", 1)[-1].split()[0] for cmd in running.values()]
         assert mains.count("paved.launcher.main") == 6, running
         assert mains.count("paved.frontend.server") == 4, running
