@@ -290,7 +290,7 @@ class ModelRepository:
         try:
             responses = await model.infer(request)
         except BaseException as e:
-            if timing.dispatched_ns is not None or not _refused(e):
+            if _failed(e, executed=timing.dispatched_ns is not None):
                 _record_failure(timing, model, request)
             raise
         finally:
@@ -338,18 +338,18 @@ _REFUSALS = frozenset(
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 )
 
 
-def _refused(error: BaseException) -> bool:
-    """Whether `error` from a model's infer (before any execution) refused the request
-    rather than failing it: neither a success nor a failure in the statistics."""
-    if isinstance(error, KServeError):
-        return error.code in _REFUSALS
-    return not isinstance(error, Exception)  # a cancellation
+def _failed(error: BaseException, *, executed: bool) -> bool:
+    """Whether `error` from a model's infer counts as a failed request in its statistics: not a
+    cancellation (never counted), and not a refusal unless a batcher already executed it."""
+    if not isinstance(error, Exception) or _cancelled(error):
+        return False
+    if executed:
+        return True
+    return not (isinstance(error, KServeError) and error.code in _REFUSALS)
 
 
 def _record_failure(timing: RequestTiming, model: ServedModel, request: InferRequest) -> None:
@@ -374,8 +374,8 @@ def _timed(
     responses: AsyncIterator[InferResponse], timing: RequestTiming, model: ServedModel, request: InferRequest
 ) -> AsyncIterator[InferResponse]:
     """`responses`, recording the request when its final response arrives (or the stream
-    ends without one) or when the stream fails; a stream its reader closes early (a
-    cancelled request) is not recorded."""
+    ends without one) or when the stream fails (as `_failed` decides); a stream its reader
+    closes early (a cancelled request) is not recorded."""
 
     async def timed():
         recorded = False
@@ -386,7 +386,7 @@ def _timed(
                     _record_success(timing, model, request)
                 yield response
         except Exception as e:
-            if not recorded and not _cancelled(e):
+            if not recorded and _failed(e, executed=timing.dispatched_ns is not None):
                 recorded = True
                 _record_failure(timing, model, request)
             raise
@@ -397,7 +397,10 @@ def _timed(
 
 
 def _cancelled(error: Exception) -> bool:
-    return isinstance(error, KServeError) and error.code == grpc.StatusCode.CANCELLED
+    return isinstance(error, KServeError) and error.code in (
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
 
 
 def _copy(config: model_config_pb2.ModelConfig) -> model_config_pb2.ModelConfig:

@@ -9,6 +9,7 @@ sends one at a time, so each request is its own execution.
 """
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -215,14 +216,19 @@ class _Batched(ServedModel):
         return "READY", ""
 
     async def load(self):
-        self.batcher = DynamicBatcher(self._run, name=self.name, max_batch_size=8, coalesce=False)
+        self.batcher = DynamicBatcher(type(self)._run, name=self.name, max_batch_size=8, coalesce=False)
 
     async def close(self):
         if self.batcher is not None:
             await self.batcher.close()
 
-    @staticmethod
-    def _run(x: np.ndarray) -> np.ndarray:
+    # A first row of 5 holds its execution until the test opens this.
+    gate = threading.Event()
+
+    @classmethod
+    def _run(cls, x: np.ndarray) -> np.ndarray:
+        if x[0, 0] == 5:
+            cls.gate.wait(30)
         if x[0, 0] < 0:
             raise KServeError(grpc.StatusCode.INTERNAL, "negative row")
         return x * 2
@@ -308,3 +314,27 @@ def test_failed_executions_and_models_without_a_batcher():
     assert (u["execution_count"], u_inference["success"]["count"], u_inference["fail"]["count"]) == (2, 1, 1)
     assert u_inference["queue"]["ns"] == 0
     assert u_inference["compute_infer"]["ns"] == u_inference["success"]["ns"] > 0
+
+
+def test_request_cancelled_during_its_execution_is_not_counted():
+    async def scenario():
+        batched = _Batched()
+        repository = ModelRepository(classic=[batched])
+        repository.start_loading()
+        await repository.wait_loaded()
+        try:
+            task = asyncio.create_task(_run(repository, batched, np.full((1, 1), 5, np.float32)))
+            while batched.batcher is None or not batched.batcher.batches:  # until it is dispatched
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            _Batched.gate.set()
+            await _run(repository, batched, np.ones((1, 1), np.float32))  # after the held execution
+            return repository.statistics("batched")[0]
+        finally:
+            _Batched.gate.set()
+            await repository.close()
+
+    entry = asyncio.run(scenario())
+    # Both executions ran; only the second request ended, and it succeeded.
+    assert (entry["execution_count"], counts(entry)["success"], counts(entry)["fail"]) == (2, 1, 0)
