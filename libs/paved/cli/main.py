@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from paved.cli import control, keys, render, templates, up
+from paved.cli import batches, control, keys, render, templates, up
 from paved.cli.common import CliError
 
 # The subcommand registry: each entry adds its command group(s) to the top-level subparsers.
@@ -22,6 +22,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     templates.register,
     up.register,
     render.register,
+    batches.register,
 )
 
 

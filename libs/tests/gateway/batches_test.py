@@ -96,7 +96,7 @@ def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 
 def test_openai_client_end_to_end_and_outputs_equal_interactive(fleet):
-    a, b = fleet["gateways"]
+    a, _ = fleet["gateways"]
     a.tenant("acme", models=["tiny"])
     key = a.key("acme")
     client = _client(a, key)
@@ -108,7 +108,10 @@ def test_openai_client_end_to_end_and_outputs_equal_interactive(fleet):
     assert client.files.content(uploaded.id).content == _jsonl(lines)
 
     batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "e2e"}
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "e2e"},
     )
     assert batch.status == "in_progress" and batch.request_counts.total == 20
     assert batch.metadata == {"job": "e2e"}
@@ -125,7 +128,9 @@ def test_openai_client_end_to_end_and_outputs_equal_interactive(fleet):
         got = by_id[line["custom_id"]]
         assert got["response"]["status_code"] == 200 and got["error"] is None
         assert got["id"].startswith("batch_req_") and got["response"]["request_id"]
-        assert got["response"]["body"]["choices"][0]["message"]["content"] == answer.choices[0].message.content
+        assert (
+            got["response"]["body"]["choices"][0]["message"]["content"] == answer.choices[0].message.content
+        )
     # Listing: newest first, cursor pagination.
     second = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -148,7 +153,7 @@ def test_invalid_files_are_refused_naming_the_line(fleet):
     client = _client(a, a.key("strict"))
     good = _chat_lines(3)
     cases = [
-        (good + [dict(good[0])], "line 4", "custom_id"),
+        ([*good, dict(good[0])], "line 4", "custom_id"),
         ([good[0], {**good[1], "method": "GET"}], "line 2", "method"),
         ([good[0], {**good[1], "body": {**good[1]["body"], "model": "nope"}}], "line 2", "body.model"),
         ([good[0], {**good[1], "body": {**good[1]["body"], "stream": True}}], "line 2", "body.stream"),
@@ -168,7 +173,9 @@ def test_invalid_files_are_refused_naming_the_line(fleet):
         assert where in message and field in message, message
         assert err.value.body["param"] == field
     with pytest.raises(openai.BadRequestError) as err:
-        client.files.create(file=("bad.jsonl", io.BytesIO(b'{"custom_id": "x"}\nnot json\n')), purpose="batch")
+        client.files.create(
+            file=("bad.jsonl", io.BytesIO(b'{"custom_id": "x"}\nnot json\n')), purpose="batch"
+        )
     assert "line 1" in err.value.body["message"]
     assert len(client.files.list().data) == before  # nothing kept of an invalid file
     # A valid file for another endpoint than the batch's is refused at create.
@@ -176,7 +183,9 @@ def test_invalid_files_are_refused_naming_the_line(fleet):
     with pytest.raises(openai.BadRequestError):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
+        client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
 
 
 def test_tenant_isolation(fleet):
@@ -192,7 +201,9 @@ def test_tenant_isolation(fleet):
         lambda: two.files.delete(f.id),
         lambda: two.batches.retrieve(batch.id),
         lambda: two.batches.cancel(batch.id),
-        lambda: two.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"),
+        lambda: two.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
     ):
         with pytest.raises(openai.NotFoundError):
             call()
@@ -211,13 +222,19 @@ def test_cache_write_feeds_the_interactive_path(fleet):
     lines = _chat_lines(3, prefix="cat")
     f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"paved_cache": "write"}
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"paved_cache": "write"},
     )
     assert _wait(client, batch.id).status == "completed"
     # The exact cache here is each replica's memory: the replica that ran the line answers it.
     served = {
         httpx.post(
-            gw.url + "/v1/chat/completions", json=lines[0]["body"], headers={"Authorization": f"Bearer {key}"}, timeout=30
+            gw.url + "/v1/chat/completions",
+            json=lines[0]["body"],
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
         ).headers.get("x-paved-cache")
         for gw in (a, b)
     }
@@ -230,7 +247,9 @@ def test_cancel_delivers_partial_files(fleet):
     client = _client(a, a.key("stopper"))
     lines = _chat_lines(300, prefix="c", max_tokens=64)
     f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = _wait(client, batch.id)
@@ -248,7 +267,9 @@ def test_replica_killed_mid_batch_the_other_finishes_each_line_once(fleet):
     client = _client(b, a.key("durable"))
     lines = _chat_lines(400, prefix="k", max_tokens=32)
     f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     # Both replicas run lines; a is killed (no shutdown) once some are done.
     while client.batches.retrieve(batch.id).request_counts.completed < 40:
         time.sleep(0.05)
@@ -260,20 +281,30 @@ def test_replica_killed_mid_batch_the_other_finishes_each_line_once(fleet):
     ids = [x["custom_id"] for x in out]
     assert len(ids) == len(set(ids)) == 400 and done.error_file_id is None
     expected = client.chat.completions.create(**lines[7]["body"]).choices[0].message.content
-    assert {x["custom_id"]: x for x in out}["k-7"]["response"]["body"]["choices"][0]["message"]["content"] == expected
+    assert {x["custom_id"]: x for x in out}["k-7"]["response"]["body"]["choices"][0]["message"][
+        "content"
+    ] == expected
 
 
 def test_expiry_delivers_finished_lines(tmp_path, fleet):
     admin = fleet["admin"]
     gw = GatewayProcess(
-        fleet["routes"], "--batch-window", "3", "--batch-concurrency", "2", admin_key=admin, state_dir=tmp_path
+        fleet["routes"],
+        "--batch-window",
+        "3",
+        "--batch-concurrency",
+        "2",
+        admin_key=admin,
+        state_dir=tmp_path,
     )
     try:
         gw.tenant("late", models=["tiny"])
         client = _client(gw, gw.key("late"))
         lines = _chat_lines(500, prefix="e", max_tokens=128)
         f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         done = _wait(client, batch.id)
         assert done.status == "expired" and done.expired_at is not None
         out, err = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
@@ -282,3 +313,28 @@ def test_expiry_delivers_finished_lines(tmp_path, fleet):
         assert all(x["error"]["code"] == "batch_expired" for x in err)
     finally:
         gw.stop()
+
+
+def test_cli_create_wait_list_get_download(fleet, tmp_path, monkeypatch, capsys):
+    from paved.cli.main import main
+
+    gw = fleet["gateways"][1]  # the replica still up after the kill test
+    gw.tenant("cli", models=["tiny"])
+    monkeypatch.setenv("PAVED_API_KEY", gw.key("cli"))
+    monkeypatch.setenv("PAVED_GATEWAY_URL", gw.url)
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_jsonl(_chat_lines(5, prefix="cli")))
+    assert main(["batches", "create", str(src), "--wait", "--poll", "0.2"]) == 0
+    out = capsys.readouterr()
+    batch_id = out.out.strip()
+    assert batch_id.startswith("batch_") and "5/5 (0 failed) completed" in out.err
+    assert main(["batches", "list"]) == 0 and batch_id in capsys.readouterr().out
+    assert main(["batches", "get", batch_id]) == 0 and "completed, 5/5 done" in capsys.readouterr().out
+    target = tmp_path / "out.jsonl"
+    assert main(["batches", "download", batch_id, "--output", str(target)]) == 0
+    assert sorted(json.loads(x)["custom_id"] for x in target.read_text().splitlines()) == [
+        f"cli-{i}" for i in range(5)
+    ]
+    assert main(["batches", "get", "batch_nope"]) == 1
+    assert "No such batch" in capsys.readouterr().err
+    assert main(["batches", "create", str(tmp_path / "missing.jsonl")]) == 2

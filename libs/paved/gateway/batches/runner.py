@@ -76,6 +76,8 @@ class RunnerConfig:
     # Of a tenant's tokens/min limit, what its batches may use (per replica).
     token_share: float = 0.5
     stats_every_s: float = 5.0
+    # Abandoning lines of cancelled / expired batches and finalizing finished ones: this often.
+    maintenance_s: float = 1.0
 
 
 class BatchMetrics:
@@ -133,6 +135,9 @@ class BatchRunner:
         self._renewed = 0.0
         self._stats_at = 0.0
         self._stats_keys: set[tuple[str, ...]] = set()
+        self._maintained = 0.0
+        # Answers not yet committed: (lease, state, output line, retry at, tenant, model).
+        self._outcomes: list[tuple[Lease, str, str | None, float, str, str]] = []
 
     async def start(self) -> None:
         self._loop_task = asyncio.ensure_future(self._loop())
@@ -146,6 +151,8 @@ class BatchRunner:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*(t for t, _ in self._tasks.values()), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._flush()
 
     async def _loop(self) -> None:
         while True:
@@ -158,17 +165,24 @@ class BatchRunner:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+            # Answers arriving together are committed (and their slots refilled) together.
+            await asyncio.sleep(0.02)
 
     async def tick(self) -> None:
         """One round: renew, abandon, lease, finalize (tests drive it directly)."""
         now = self.clock()
         cfg = self.config
+        await self._flush()
         if self._tasks and now - self._renewed >= cfg.lease_s / 3:
             await self.store.renew(self.owner, now + cfg.lease_s)
             self._renewed = now
-        await self._abandon(now)
+        maintain = now - self._maintained >= cfg.maintenance_s or now < self._maintained
+        if maintain:
+            self._maintained = now
+            await self._abandon(now)
         await self._lease(now)
-        await self._finalize(now)
+        if maintain:
+            await self._finalize(now)
         if now - self._stats_at >= cfg.stats_every_s:
             self._stats_at = now
             await self._stats(now)
@@ -185,7 +199,8 @@ class BatchRunner:
 
     async def _lease(self, now: float) -> None:
         free = self.config.concurrency - len(self._tasks)
-        if free <= 0:
+        # Refill in groups (one lease transaction for several lines), unless nothing runs.
+        if free <= 0 or (self._tasks and free < max(1, self.config.concurrency // 4)):
             return
         for batch in await self.store.runnable(now):
             if free <= 0:
@@ -261,13 +276,25 @@ class BatchRunner:
         now = self.clock()
         if status in _RETRYABLE and lease.attempt < self.config.max_attempts:
             backoff = retry_after if retry_after is not None else min(30.0, 0.5 * 2 ** min(lease.attempt, 6))
-            await self.store.settle(lease, self.owner, "pending", None, next_at=now + backoff)
-            self.metrics.lines.labels(tenant, model, "retried").inc()
+            self._outcomes.append((lease, "pending", None, now + backoff, tenant, model))
             return
         state = "done" if status == 200 else "failed"
         line = output_line(lease.batch_id, lease.line_no, lease.custom_id, status, request_id, body)
-        if await self.store.settle(lease, self.owner, state, line):
-            self.metrics.lines.labels(tenant, model, state).inc()
+        self._outcomes.append((lease, state, line, 0.0, tenant, model))
+
+    async def _flush(self) -> None:
+        """Commit the answers gathered since the last tick, in one transaction."""
+        if not self._outcomes:
+            return
+        batch, self._outcomes = self._outcomes, []
+        try:
+            ours = await self.store.settle_many(self.owner, [(o[0], o[1], o[2], o[3]) for o in batch])
+        except BaseException:
+            self._outcomes = batch + self._outcomes  # the database was unreachable: next tick
+            raise
+        for (_, state, _, _, tenant, model), kept in zip(batch, ours, strict=True):
+            if kept:
+                self.metrics.lines.labels(tenant, model, "retried" if state == "pending" else state).inc()
 
     async def _send(self, batch: dict[str, Any], lease: Lease) -> tuple[int, str, Any, float | None]:
         now = self.clock()

@@ -427,6 +427,37 @@ class BatchStore:
 
         return await self._store.run(go)
 
+    async def settle_many(
+        self, owner: str, outcomes: list[tuple[Lease, str, str | None, float]]
+    ) -> list[bool]:
+        """`settle` for many lines in one transaction (the runner commits its answers in groups:
+        one write per group, not per line); per line, whether the lease was still ours."""
+
+        def go() -> list[bool]:
+            out = []
+            with self._engine.begin() as c:
+                for lease, state, result, next_at in outcomes:
+                    res = c.execute(
+                        lines_table.update()
+                        .where(
+                            lines_table.c.batch_id == lease.batch_id,
+                            lines_table.c.line_no == lease.line_no,
+                            lines_table.c.state == "leased",
+                            lines_table.c.owner == owner,
+                            lines_table.c.attempt == lease.attempt,
+                        )
+                        .values(
+                            state=state,
+                            result=result,
+                            next_at=next_at,
+                            owner=None if state == "pending" else owner,
+                        )
+                    )
+                    out.append(res.rowcount > 0)
+            return out
+
+        return await self._store.run(go)
+
     async def to_finalize(self, now: float) -> list[dict[str, Any]]:
         """Batches ready for their files: in progress with every line done or failed,
         cancelling, or past their window; not being finalized by a live runner."""
