@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from paved.gateway.access.state import GatewayStore
+from paved.gateway.errors import GatewayError
 
 logger = logging.getLogger("paved.gateway.responses")
 
@@ -77,15 +78,23 @@ class RedisEventLog:
 
         self.bounds = bounds
         # Typed Any: redis-py's stubs type replies as str | bytes | int whatever the decoding.
+        # Pools as large as the streams one replica serves at once (a full pool raises).
         self._redis: Any = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=4096
         )
         # Blocking reads need a socket timeout longer than their block.
         self._blocking: Any = aioredis.Redis.from_url(
-            url, socket_timeout=READ_BLOCK_S + timeout_s, socket_connect_timeout=timeout_s
+            url,
+            socket_timeout=READ_BLOCK_S + timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=4096,
         )
 
     async def open(self, stream_id: str, tenant: str) -> None:
+        async with _unavailable_as_503():
+            await self._open(stream_id, tenant)
+
+    async def _open(self, stream_id: str, tenant: str) -> None:
         ttl = int(self.bounds.retention_s) + 1
         now = time.time()
         meta = f"pvd:em:{stream_id}"
@@ -123,7 +132,8 @@ class RedisEventLog:
             await p.execute()
 
     async def info(self, stream_id: str) -> StreamInfo | None:
-        raw = await self._redis.hgetall(f"pvd:em:{stream_id}")
+        async with _unavailable_as_503():
+            raw = await self._redis.hgetall(f"pvd:em:{stream_id}")
         if not raw:
             return None
         return StreamInfo(
@@ -155,6 +165,17 @@ class RedisEventLog:
     async def close(self) -> None:
         await self._redis.aclose()
         await self._blocking.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _unavailable_as_503() -> AsyncIterator[None]:
+    """Redis down, slow or out of connections: a 503 the client may retry, never a 500."""
+    from redis.exceptions import RedisError
+
+    try:
+        yield
+    except (RedisError, OSError) as e:
+        raise GatewayError(503, "the stream store is unavailable", code="stream_store_unavailable") from e
 
 
 _metadata = sa.MetaData()
