@@ -657,6 +657,10 @@ class Controller:
                 # held (a wake) since; `_traffic` and `wake` keep last_traffic_at.
                 if any(s.running + s.waiting > 0 for s in samples):
                     clock.demand(now)
+                # A replica still starting (a wake's, under a slow cold start) has had no chance
+                # to serve what woke it: the idle time counts from when it is up.
+                if any(r.state == "starting" for r in replicas):
+                    clock.demand(now)
                 if d.last_traffic_at is not None:
                     clock.demand(d.last_traffic_at.timestamp())
                 if clock.due(policy, d.spec.min_replicas, now):

@@ -323,3 +323,29 @@ def test_the_sim_engines_start_delay_is_a_checked_uri_option():
     for bad in ("-1", "nan", "4000", "soon"):
         with pytest.raises(ValueError, match="start_delay_s"):
             SimConfig.from_uri(f"sim://tiny?start_delay_s={bad}")
+
+
+def test_a_woken_deployment_is_not_put_back_to_zero_while_its_replica_starts(tmp_path):
+    """A cold start longer than the idle delay: the replica a wake started has not served yet,
+    so the deployment is not idle; once it is ready the delay counts again."""
+
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        controller = Controller(store, {"local": _Records()}, RoutesFeed(store), GatewayAnalyzer([]))
+        try:
+            d = await _deployment(store, "tiny", ZERO)
+            await store.add_replica(
+                Replica(
+                    id="rep_1", deployment_id=d.id, region="local", state="starting",
+                    url="", admin_url="",
+                )
+            )  # fmt: skip
+            controller._idle[d.id] = IdleClock(time.time() - 60)
+            await controller._autoscale(await store.list_deployments())
+            assert await store.get_desired(d.id) != {"local": 0}
+            assert not [e for e in await store.list_audit(model_id="tiny") if e.data.get("mode") == "to_zero"]
+        finally:
+            await store.close()
+
+    asyncio.run(main())
