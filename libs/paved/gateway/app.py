@@ -121,12 +121,12 @@ def create_app(
     proxy = gateway.proxy
 
     async def chat(request: Request) -> Response:
+        if gateway.responses is not None:
+            return await gateway.responses.chat(request)
         return await proxy.forward(request, "chat", "/v1/chat/completions")
 
     async def completions(request: Request) -> Response:
         return await proxy.forward(request, "completions", "/v1/completions")
-        if gateway.responses is not None:
-            return await gateway.responses.chat(request)
 
     async def embeddings(request: Request) -> Response:
         return await proxy.forward(request, "embeddings", "/v1/embeddings")
