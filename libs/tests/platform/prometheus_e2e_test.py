@@ -188,7 +188,7 @@ def test_prometheus_discovers_records_and_alerts_on_a_failing_rollout(tmp_path: 
         ).json()
         link = summary["prometheus"]["graphs"][MODEL_ID]
         assert link.startswith(p.prometheus_url + "/graph?") and "paved%3Agateway_availability" in link
-        assert httpx.get(link, timeout=10).status_code == 200
+        assert httpx.get(link, timeout=10, follow_redirects=True).status_code == 200
     finally:
         if traffic is not None:
             traffic.stop()
