@@ -6,6 +6,7 @@ files directory); a third gateway on SQLite with a short batch window for expiry
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import secrets
@@ -93,6 +94,25 @@ def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
+
+
+def test_a_line_request_reads_connected_through_every_proxy_step():
+    """The proxy watches for a client disconnect around each step of a request (headers, then
+    the body) and cancels each watcher when its step ends. A batch line's request must still
+    read as connected at the next step: it did not, and a line whose body read took a loop turn
+    was answered 499 and retried after a backoff."""
+    from paved.gateway.batches.runner import _request
+    from paved.gateway.forwarding.held import unless_gone
+
+    async def go() -> list[int]:
+        request = _request("/v1/chat/completions", [], b"{}")
+        assert await request.body() == b"{}"
+        return [
+            await unless_gone(request.receive, asyncio.sleep(0.01, result=step), lambda _: None)
+            for step in range(3)
+        ]
+
+    assert asyncio.run(go()) == [0, 1, 2]
 
 
 def test_openai_client_end_to_end_and_outputs_equal_interactive(fleet):
