@@ -222,6 +222,37 @@ def test_streamed_chat_equals_the_unary_answer(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_each_get_their_tokens(client, stream):
+    kwargs = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 1,
+        "extra_body": {"ignore_eos": True},
+    }
+    if stream:
+        events = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        chunks = list(events)
+        texts, reasons = ["", ""], [[], []]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                if choice.finish_reason:
+                    reasons[choice.index].append(choice.finish_reason)
+        usage = chunks[-1].usage
+    else:
+        completion = client.chat.completions.create(**kwargs)
+        texts = [c.message.content for c in sorted(completion.choices, key=lambda c: c.index)]
+        reasons = [[c.finish_reason] for c in sorted(completion.choices, key=lambda c: c.index)]
+        usage = completion.usage
+    assert all(texts) and texts[0] != texts[1], texts
+    assert reasons == [["length"], ["length"]]
+    assert usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_ends_the_answer(client, stream):
     # Greedy, this random model only emits newlines; a seeded sample is as reproducible.
     kwargs = {

@@ -28,9 +28,12 @@ Semantics kept from Triton's vLLM backend:
   `num_output_tokens` (new tokens in this response).
 - a client that cancels (the gRPC stream cancelled) gets its vLLM request aborted; a streaming
   request then ends with a CANCELLED error response.
-Differences, on purpose: sampling parameters that vLLM rejects (an unknown field, a bad value)
-are refused with the reason (INVALID_ARG) instead of being logged and dropped; there is no
-image, embedding, LoRA or metrics support; `num_input_tokens` has shape [1], as declared.
+Differences, on purpose: with n > 1 every response carries all n choices in index order (vLLM
+streams each choice's output on its own; Triton's backend zips them by position), and finish
+reasons come in the final response only, one per choice; sampling parameters that vLLM rejects
+(an unknown field, a bad value) are refused with the reason (INVALID_ARG) instead of being
+logged and dropped; there is no image, embedding, LoRA or metrics support; `num_input_tokens`
+has shape [1], as declared.
 """
 
 import asyncio
@@ -191,33 +194,42 @@ class TritonPythonModel:
         wanted = {name: _bool_input(request, name, False) for name in _ADDITIONAL}
         return prompt, stream, prepend, params, wanted
 
-    def _response(self, output, state, prepend, wanted):
-        """One response from vLLM's cumulative RequestOutput: what is new since the last one."""
-        choices = output.outputs
-        seen = state.setdefault("seen", {"text": [0] * len(choices), "tokens": [0] * len(choices)})
-        prefix = output.prompt if prepend and output.prompt else ""
+    def _response(self, choices, seen, prompt, final, wanted):
+        """One response for choices 0..n-1 (vLLM's latest CompletionOutput of each, None before its
+        first token): what is new since `seen` (advanced here). Finish reasons are held back
+        until the final response, so every choice gets exactly one, whenever it finished."""
+        outputs = []
+        for i, c in enumerate(choices):
+            text_from, tokens_from = seen[i]
+            new_text = c.text[text_from:] if c is not None else ""
+            new_ids = list(c.token_ids[tokens_from:]) if c is not None else []
+            new_logprobs = (
+                list(c.logprobs[tokens_from:]) if c is not None and c.logprobs is not None else None
+            )
+            if c is not None:
+                seen[i] = (len(c.text), len(c.token_ids))
+            outputs.append((c, new_text, new_ids, new_logprobs))
         tensors = [
             pb_utils.Tensor(
                 "text_output",
-                np.array(
-                    [(prefix + c.text[seen["text"][i] :]).encode("utf-8") for i, c in enumerate(choices)],
-                    dtype=np.object_,
-                ),
+                np.array([(prompt + text).encode("utf-8") for _, text, _, _ in outputs], dtype=np.object_),
             )
         ]
         if wanted["return_finish_reason"]:
-            reasons = [str(c.finish_reason).encode() for c in choices]
+            reasons = [
+                str(c.finish_reason if final and c is not None else None).encode() for c, *_ in outputs
+            ]
             tensors.append(pb_utils.Tensor("finish_reason", np.array(reasons, dtype=np.object_)))
         if wanted["return_cumulative_logprob"]:
-            values = [c.cumulative_logprob if c.cumulative_logprob is not None else 0.0 for c in choices]
+            values = [(c.cumulative_logprob or 0.0) if c is not None else 0.0 for c, *_ in outputs]
             tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(values, dtype=np.float32)))
         if wanted["return_logprobs"]:
             texts = []
-            for i, c in enumerate(choices):
-                if c.logprobs is None:
+            for _, _, _, positions in outputs:
+                if positions is None:
                     texts.append(b"null")
                     continue
-                positions = [
+                rows = [
                     {
                         str(token_id): {
                             "logprob": lp.logprob,
@@ -226,18 +238,17 @@ class TritonPythonModel:
                         }
                         for token_id, lp in position.items()
                     }
-                    for position in c.logprobs[seen["tokens"][i] :]
+                    for position in positions
                 ]
-                texts.append(json.dumps(positions).encode())
+                texts.append(json.dumps(rows).encode())
             tensors.append(pb_utils.Tensor("logprobs", np.array(texts, dtype=np.object_)))
         if wanted["return_num_input_tokens"]:
-            count = len(output.prompt_token_ids or [])
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([count], dtype=np.uint32)))
+            tensors.append(
+                pb_utils.Tensor("num_input_tokens", np.array([seen["prompt_tokens"]], dtype=np.uint32))
+            )
         if wanted["return_num_output_tokens"]:
-            new = [len(c.token_ids) - seen["tokens"][i] for i, c in enumerate(choices)]
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array(new, dtype=np.uint32)))
-        seen["text"] = [len(c.text) for c in choices]
-        seen["tokens"] = [len(c.token_ids) for c in choices]
+            counts = [len(ids) for _, _, ids, _ in outputs]
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array(counts, dtype=np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     async def _infer(self, request):
@@ -250,11 +261,17 @@ class TritonPythonModel:
             except _InvalidRequest as e:
                 sender.send(pb_utils.InferenceResponse(error=_error(str(e), "INVALID_ARG")), flags=_FINAL)
                 return
-            last = None
-            generated = 0
+            # With n > 1 vLLM streams each choice's CompletionOutput on its own (`index` says
+            # which); the latest of each is kept here.
+            choices = [None] * params.n
+            seen = {i: (0, 0) for i in range(params.n)}
+            got_any = False
             async for output in self._engine.generate(prompt, params, vllm_id):
-                last = output
-                generated = sum(len(c.token_ids) for c in output.outputs)
+                got_any = True
+                seen["prompt_tokens"] = len(output.prompt_token_ids or [])
+                for c in output.outputs:
+                    choices[c.index] = c
+                generated = sum(len(c.token_ids) for c in choices if c is not None)
                 cancelled = state["cancelled"] if stream else await asyncio.to_thread(sender.is_cancelled)
                 if cancelled:
                     await self._engine.abort(vllm_id)
@@ -269,12 +286,15 @@ class TritonPythonModel:
                         self._responses.put((state, ended, _FINAL))
                     return
                 if stream:
-                    flags = _FINAL if output.finished else 0
-                    self._responses.put((state, self._response(output, state, False, wanted), flags))
+                    response = self._response(choices, seen, "", output.finished, wanted)
+                    state["queued"] = True
+                    self._responses.put((state, response, _FINAL if output.finished else 0))
             if not stream:
-                if last is None:
+                if not got_any:
                     raise RuntimeError("vLLM produced no output")
-                sender.send(self._response(last, {}, prepend, wanted), flags=_FINAL)
+                sender.send(
+                    self._response(choices, seen, prompt if prepend else "", True, wanted), flags=_FINAL
+                )
         except Exception as e:  # noqa: BLE001 - every failure still ends the client's stream
             self.logger.log_error(f"[vllm_model] request failed: {traceback.format_exc()}")
             response = pb_utils.InferenceResponse(error=_error(f"Error generating stream: {e}", "INTERNAL"))
@@ -294,4 +314,4 @@ class TritonPythonModel:
 
 def _stream_started(state):
     """Responses already queued for this request go first: its error must follow them."""
-    return "seen" in state
+    return state.get("queued", False)
