@@ -476,8 +476,10 @@ class Platform:
             raise PlatformError(f"{config}: {e.strerror}") from None
         except local_prometheus.PrometheusError as e:
             raise PlatformError(f"{e} (or --no-prometheus)") from None
-        # Its own small environment: it needs no key, and the marker makes stop() find it.
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), MARKER_ENV: self.token}
+        # The platform's environment without the admin key (Prometheus needs none), so whatever
+        # marks this platform's processes (its own marker, a supervisor's) marks Prometheus too.
+        env = {k: v for k, v in os.environ.items() if k != "PAVED_ADMIN_KEY"}
+        env[MARKER_ENV] = self.token
         self.say(
             f"starting Prometheus on {self.prometheus_url} (every {interval}; rules from {self.rules_dir})"
         )
