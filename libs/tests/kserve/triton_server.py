@@ -15,6 +15,7 @@ ones Triton can load (explicit model control).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import shutil
@@ -122,12 +123,27 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+@functools.cache
+def _python_libdir(home: Path) -> str:
+    out = subprocess.run(
+        [str(home / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out.stdout.strip()
+
+
 def _server_env(layout: _Layout) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
     # The stub embeds Python and takes numpy from the python3 it finds on PATH: the venv's.
     env["PATH"] = f"{layout.home / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
     env["VIRTUAL_ENV"] = str(layout.home)
-    libs = [str(layout.libs)]
+    # The stub is linked against `libpython3.11.so`, which the loader would take from the system
+    # (Debian's 3.11.2) while the stdlib is the venv Python's (3.11.7): extension modules then
+    # miss symbols (`_ssl`: `_PyModule_Add`). The venv Python's own libdir goes first.
+    libs = [_python_libdir(layout.home), str(layout.libs)]
     if os.environ.get("LD_LIBRARY_PATH"):
         libs.append(os.environ["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)

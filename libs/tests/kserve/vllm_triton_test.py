@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import tritonclient.grpc as grpcclient
 from servers import ServerProcess
 
 from libs.tests.kserve.kserve_fakes import wait_for
-from libs.tests.kserve.triton_server import find_triton_home, triton_server
+from libs.tests.kserve.triton_server import triton_server
 from paved.testing.fixtures import tiny_model_dir
 
 MODEL = "vllm_model"
@@ -62,21 +61,6 @@ def _engine_args() -> dict:
     }
 
 
-def _stub_libdir(home: Path) -> str:
-    """The libdir of the Triton venv's own Python. The stub is linked against `libpython3.11.so`
-    and the loader finds the system's first (Debian's 3.11.2 here) while the stdlib is that venv
-    Python's (3.11.7): its extension modules then miss symbols (`_ssl`: `_PyModule_Add`), and
-    vLLM imports ssl. Putting this libdir first on LD_LIBRARY_PATH runs the matching libpython."""
-    out = subprocess.run(
-        [str(home / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return out.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton")
@@ -87,13 +71,8 @@ def triton(tmp_path_factory):
     # vLLM, torch and paved come from this test's interpreter; the stub keeps its own numpy 1.x
     # first (the model appends these after its site-packages).
     (version / "python_path.txt").write_text("".join(f"{p}\n" for p in sys.path if p))
-    with pytest.MonkeyPatch.context() as patch:
-        libdir = _stub_libdir(find_triton_home())
-        patch.setenv(
-            "LD_LIBRARY_PATH", os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
-        )
-        with triton_server(repository, tmp, start_timeout_s=600) as urls:
-            yield urls, tmp / "tritonserver.log"
+    with triton_server(repository, tmp, start_timeout_s=600) as urls:
+        yield urls, tmp / "tritonserver.log"
 
 
 @pytest.fixture(scope="module")
