@@ -115,6 +115,103 @@ def test_a_line_request_reads_connected_through_every_proxy_step():
     assert asyncio.run(go()) == [0, 1, 2]
 
 
+class _FakeLines:
+    """The runner's side of BatchStore over one in-memory batch of `total` lines."""
+
+    def __init__(self, total: int):
+        self.total, self.next_line, self.status = total, 0, "in_progress"
+        self.states: dict[int, str] = {}
+
+    async def runnable(self, now):
+        batch = {"id": "batch_x", "tenant": "t", "key_id": "k", "model": "tiny", "metadata": None}
+        return [{**batch, "endpoint": "/v1/chat/completions"}] if self.status == "in_progress" else []
+
+    async def lease(self, batch_id, owner, n, now, lease_s):
+        from paved.gateway.batches.store import Lease
+
+        nos = [i for i in range(self.total) if self.states.get(i, "pending") == "pending"][:n]
+        for i in nos:
+            self.states[i] = "leased"
+        return [Lease(batch_id, i, f"c{i}", {}, 1, 0.0) for i in nos]
+
+    async def settle(self, lease, owner, state, result, next_at=0.0):
+        self.states[lease.line_no] = state
+        return True
+
+    async def settle_many(self, owner, outcomes):
+        for lease, state, _, _ in outcomes:
+            self.states[lease.line_no] = state
+        return [True] * len(outcomes)
+
+    async def batch_states(self, ids):
+        return {"batch_x": (self.status, 1e12)}
+
+    async def renew(self, owner, until):
+        pass
+
+    async def to_finalize(self, now):
+        return []
+
+    async def line_stats(self):
+        return []
+
+
+def test_runner_starts_a_line_leased_ahead_as_one_ends_and_releases_them_on_cancel():
+    """A runner keeps its slots full from lines leased ahead: a line that ends starts the next
+    one at once, before any tick (slots waiting for the next tick's lease cost the batch a
+    tenth of its throughput). On cancel, the running lines and those leased ahead go back to
+    pending: none is left leased."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from paved.gateway.batches.runner import BatchMetrics, BatchRunner, RunnerConfig
+
+    async def go() -> None:
+        store = _FakeLines(20)
+        router = SimpleNamespace(split_model=lambda m: (m, None), saturated=lambda m, sticky_key: False)
+        proxy = SimpleNamespace(router=router, flow=None)
+        clock = [1000.0]
+        runner = BatchRunner(
+            store,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            proxy,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            BatchMetrics(CollectorRegistry()),
+            RunnerConfig(concurrency=4),
+            clock=lambda: clock[0],
+        )
+        answers: dict[int, asyncio.Future] = {}
+
+        async def send(batch, lease):
+            answers[lease.line_no] = asyncio.get_running_loop().create_future()
+            await answers[lease.line_no]
+            return 200, "req", {"ok": True}, None
+
+        runner._send = send  # type: ignore[method-assign]
+        await runner.tick()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert sorted(answers) == [0, 1, 2, 3]  # concurrency 4 running ...
+        assert sum(v == "leased" for v in store.states.values()) == 6  # ... and 2 leased ahead
+        answers[0].set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert sorted(answers) == [0, 1, 2, 3, 4]  # started without a tick
+        clock[0] += 0.5
+        await runner.tick()  # commits line 0, refills the lines ahead
+        assert store.states[0] == "done"
+        store.status = "cancelling"
+        clock[0] += 1.0
+        await runner.tick()  # maintenance: abandons the running lines, releases the ones ahead
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert "leased" not in store.states.values(), store.states
+        await runner.stop()
+
+    asyncio.run(go())
+
+
 def test_openai_client_end_to_end_and_outputs_equal_interactive(fleet):
     a, _ = fleet["gateways"]
     a.tenant("acme", models=["tiny"])

@@ -55,6 +55,9 @@ class BatchesAPI:
     clock: Callable[[], float] = time.time
     # The window a "24h" batch gets (tests shorten it).
     window_s: float | None = None
+    # Called once a batch is stored: this replica's runner leases its lines at once instead of
+    # at its next poll (other replicas find it at theirs).
+    on_create: Callable[[], None] | None = None
 
     def routes(self) -> list[Route]:
         return [
@@ -247,6 +250,8 @@ class BatchesAPI:
                 yield obj["custom_id"], json.dumps(obj["body"], ensure_ascii=False, separators=(",", ":"))
 
         await self.store.create_batch(row, lines())
+        if self.on_create is not None:
+            self.on_create()
         return JSONResponse(_batch_object(await self.store.get_batch(tenant, batch_id)))
 
     async def list_batches(self, request: Request) -> Response:

@@ -1,10 +1,13 @@
 """The batch runner: one per gateway replica; any replica runs any batch.
 
-Each tick it (1) renews the leases of the lines it is running, (2) abandons the lines of
-batches that were cancelled or ran past their window, (3) leases more lines while the batch's
-model has headroom, and (4) finalizes batches whose lines are all answered (or that were
-cancelled or expired): the output and error files are written to the object store and
-published with the final status.
+Each tick it (1) commits the answers gathered since the last one (one transaction), (2) renews
+the leases of the lines it holds, (3) abandons the lines of batches that were cancelled or ran
+past their window, (4) leases more lines while the batch's model has headroom: `concurrency` to
+run plus half as many ahead, so that a line that ends starts the next one at once, between
+ticks, and (5) finalizes batches whose lines are all answered (or that were cancelled or
+expired): the output and error files are written to the object store and published with the
+final status. A batch whose lines ran out is finalized by the tick after this replica's last
+answer for it is committed, not at the next once-a-second maintenance round.
 
 A line is sent through the gateway's own request path (`OpenAIProxy.forward` with the batch
 creator's principal), so the same router, limits, orchestration (templates, exact cache) and
@@ -131,7 +134,15 @@ class BatchRunner:
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._principals: dict[str, tuple[float, Principal | None]] = {}
+        # Per tenant: (when, tokens) of its batch answers in the last minute, and their sum.
         self._tokens: dict[str, deque[tuple[float, int]]] = {}
+        self._token_sums: dict[str, int] = {}
+        # Lines leased ahead, started the moment a running line ends (see _lease).
+        self._ready: deque[tuple[dict[str, Any], Lease]] = deque()
+        # Batches whose last lease came back short: finalized as soon as this replica holds
+        # none of their lines, not at the next maintenance round.
+        self._draining: set[str] = set()
+        self._stopping = False
         self._renewed = 0.0
         self._stats_at = 0.0
         self._stats_keys: set[tuple[str, ...]] = set()
@@ -142,7 +153,12 @@ class BatchRunner:
     async def start(self) -> None:
         self._loop_task = asyncio.ensure_future(self._loop())
 
+    def wake(self) -> None:
+        """Run the next tick now (a batch was created on this replica)."""
+        self._wake.set()
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -153,19 +169,23 @@ class BatchRunner:
             await asyncio.gather(*(t for t, _ in self._tasks.values()), return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._flush()
+        with contextlib.suppress(Exception):
+            await self._release(list(self._ready))
 
     async def _loop(self) -> None:
         while True:
+            # Cleared before the tick: a wake during it (an answer, a batch created) is kept.
+            self._wake.clear()
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("batch runner tick failed; trying again")
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
-            # Answers arriving together are committed (and their slots refilled) together.
+            # Answers arriving together are committed together (their slots were refilled from
+            # the lines leased ahead as each ended).
             await asyncio.sleep(0.02)
 
     async def tick(self) -> None:
@@ -173,7 +193,11 @@ class BatchRunner:
         now = self.clock()
         cfg = self.config
         await self._flush()
-        if self._tasks and now - self._renewed >= cfg.lease_s / 3:
+        held = {k[0] for k in self._tasks} | {lease.batch_id for _, lease in self._ready}
+        held |= {o[0].batch_id for o in self._outcomes}
+        drained = self._draining - held
+        self._draining -= drained
+        if (self._tasks or self._ready) and now - self._renewed >= cfg.lease_s / 3:
             await self.store.renew(self.owner, now + cfg.lease_s)
             self._renewed = now
         maintain = now - self._maintained >= cfg.maintenance_s or now < self._maintained
@@ -181,7 +205,7 @@ class BatchRunner:
             self._maintained = now
             await self._abandon(now)
         await self._lease(now)
-        if maintain:
+        if maintain or drained:
             await self._finalize(now)
         if now - self._stats_at >= cfg.stats_every_s:
             self._stats_at = now
@@ -190,37 +214,79 @@ class BatchRunner:
     # -- leasing and running ---------------------------------------------------------------
 
     async def _abandon(self, now: float) -> None:
-        for batch_id in {b for b, _ in self._tasks}:
-            batch = await self.store.get_batch(None, batch_id)
-            if batch["status"] != "in_progress" or batch["expires_at"] <= now:
-                for key, (task, _) in list(self._tasks.items()):
-                    if key[0] == batch_id:
-                        task.cancel()
+        ids = {b for b, _ in self._tasks} | {lease.batch_id for _, lease in self._ready}
+        if not ids:
+            return
+        states = await self.store.batch_states(ids)
+        gone = {b for b in ids if b not in states or states[b][0] != "in_progress" or states[b][1] <= now}
+        if not gone:
+            return
+        for key, (task, _) in list(self._tasks.items()):
+            if key[0] in gone:
+                task.cancel()
+        dropped = [(b, lease) for b, lease in self._ready if lease.batch_id in gone]
+        self._ready = deque((b, lease) for b, lease in self._ready if lease.batch_id not in gone)
+        await self._release(dropped)
+
+    async def _release(self, leased: list[tuple[dict[str, Any], Lease]]) -> None:
+        """Lines leased ahead but not started: back to pending for whoever runs them (their
+        lease still counts toward `max_attempts`, as any lease does)."""
+        if leased:
+            await self.store.settle_many(self.owner, [(lease, "pending", None, 0.0) for _, lease in leased])
 
     async def _lease(self, now: float) -> None:
-        free = self.config.concurrency - len(self._tasks)
-        # Refill in groups (one lease transaction for several lines), unless nothing runs.
-        if free <= 0 or (self._tasks and free < max(1, self.config.concurrency // 4)):
+        """Lease up to `concurrency` lines to run plus `concurrency // 2` ahead.
+
+        The lines leased ahead are what keeps the runner's slots full: a line that ends starts
+        the next one at once (`_done`), with no database round trip and no wait for a tick,
+        while the tick refills the reserve in groups (one lease transaction for several lines).
+        Lines ahead are leased like running ones (renewed, released on cancel, expiry and
+        stop; a crash leaves them to lease expiry), so the reserve is kept small: at a batch's
+        end another replica may wait on this one's reserve."""
+        cfg = self.config
+        ahead = max(1, cfg.concurrency // 2)
+        want = cfg.concurrency + ahead - len(self._tasks) - len(self._ready)
+        idle = not self._tasks and not self._ready
+        if want > 0 and (idle or want >= max(1, ahead // 2)):
+            for batch in await self.store.runnable(now):
+                if want <= 0:
+                    break
+                if not self._has_headroom(batch, now):
+                    continue
+                leases = await self.store.lease(batch["id"], self.owner, want, now, cfg.lease_s)
+                if leases and not self._renewed:
+                    self._renewed = now
+                if len(leases) < want:
+                    self._draining.add(batch["id"])
+                self._ready.extend((batch, lease) for lease in leases)
+                want -= len(leases)
+        self._start_ready(now)
+
+    def _start_ready(self, now: float) -> None:
+        """Start lines leased ahead while this replica runs fewer than `concurrency` and their
+        batch has headroom (in order; a batch without headroom keeps its lines)."""
+        if self._stopping or not self._ready or len(self._tasks) >= self.config.concurrency:
             return
-        for batch in await self.store.runnable(now):
-            if free <= 0:
-                break
-            if not self._has_headroom(batch, now):
+        held: set[str] = set()
+        kept: deque[tuple[dict[str, Any], Lease]] = deque()
+        while self._ready and len(self._tasks) < self.config.concurrency:
+            batch, lease = self._ready.popleft()
+            if batch["id"] in held or not self._has_headroom(batch, now):
+                held.add(batch["id"])
+                kept.append((batch, lease))
                 continue
-            leases = await self.store.lease(batch["id"], self.owner, free, now, self.config.lease_s)
-            if leases and not self._renewed:
-                self._renewed = now
-            for lease in leases:
-                key = (lease.batch_id, lease.line_no)
-                task = asyncio.ensure_future(self._run(batch, lease))
-                self._tasks[key] = (task, batch["tenant"])
-                self.metrics.in_flight.labels(batch["tenant"], batch["model"]).inc()
-                task.add_done_callback(functools.partial(self._done, key, batch))
-                free -= 1
+            key = (lease.batch_id, lease.line_no)
+            task = asyncio.ensure_future(self._run(batch, lease))
+            self._tasks[key] = (task, batch["tenant"])
+            self.metrics.in_flight.labels(batch["tenant"], batch["model"]).inc()
+            task.add_done_callback(functools.partial(self._done, key, batch))
+        kept.extend(self._ready)
+        self._ready = kept
 
     def _done(self, key: tuple[str, int], batch: dict[str, Any], _task: object) -> None:
         self._tasks.pop(key, None)
         self.metrics.in_flight.labels(batch["tenant"], batch["model"]).dec()
+        self._start_ready(self.clock())
         self._wake.set()
 
     def _has_headroom(self, batch: dict[str, Any], now: float) -> bool:
@@ -237,13 +303,18 @@ class BatchRunner:
         cached = self._principals.get(batch["key_id"])
         principal = cached[1] if cached is not None else None
         tpm = principal.tenant.limits.tokens_per_min if principal is not None else None
-        if tpm is not None:
-            window = self._tokens.setdefault(batch["tenant"], deque())
-            while window and window[0][0] < now - 60:
-                window.popleft()
-            if sum(n for _, n in window) >= tpm * self.config.token_share:
-                return False
-        return True
+        return tpm is None or self._tokens_used(batch["tenant"], now) < tpm * self.config.token_share
+
+    def _tokens_used(self, tenant: str, now: float) -> int:
+        """The tenant's batch tokens answered on this replica in the last minute."""
+        window = self._tokens.get(tenant)
+        if not window:
+            return 0
+        total = self._token_sums.get(tenant, 0)
+        while window and window[0][0] < now - 60:
+            total -= window.popleft()[1]
+        self._token_sums[tenant] = total
+        return total
 
     async def _principal(self, key_id: str, now: float) -> Principal | None:
         cached = self._principals.get(key_id)
@@ -329,7 +400,9 @@ class BatchRunner:
             usage = answer.get("usage")
             used = usage.get("total_tokens") if isinstance(usage, dict) else None
             if isinstance(used, int):
-                self._tokens.setdefault(batch["tenant"], deque()).append((now, used))
+                tenant = batch["tenant"]
+                self._tokens.setdefault(tenant, deque()).append((now, used))
+                self._token_sums[tenant] = self._token_sums.get(tenant, 0) + used
         retry_after = response.headers.get("retry-after")
         try:
             wait = float(retry_after) if retry_after is not None else None

@@ -64,6 +64,8 @@ class Batches:
             if run
             else None
         )
+        if batch_runner is not None:
+            api.on_create = batch_runner.wake
         return cls(store=store, api=api, runner=batch_runner)
 
     async def start(self) -> None:

@@ -344,6 +344,21 @@ class BatchStore:
 
         return await self._store.run(go)
 
+    async def batch_states(self, ids: set[str]) -> dict[str, tuple[str, float]]:
+        """(status, expires_at) of these batches (one query, no line counts: the runner asks
+        every maintenance round whether to abandon the lines it holds)."""
+
+        def go() -> dict[str, tuple[str, float]]:
+            with self._engine.connect() as c:
+                rows = c.execute(
+                    sa.select(batches_table.c.id, batches_table.c.status, batches_table.c.expires_at).where(
+                        batches_table.c.id.in_(sorted(ids))
+                    )
+                ).all()
+            return {r[0]: (r[1], r[2]) for r in rows}
+
+        return await self._store.run(go)
+
     async def lease(self, batch_id: str, owner: str, n: int, now: float, lease_s: float) -> list[Lease]:
         def go() -> list[Lease]:
             with self._engine.begin() as c:
