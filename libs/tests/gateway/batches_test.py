@@ -455,3 +455,32 @@ def test_cli_create_wait_list_get_download(fleet, tmp_path, monkeypatch, capsys)
     assert main(["batches", "get", "batch_nope"]) == 1
     assert "No such batch" in capsys.readouterr().err
     assert main(["batches", "create", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_an_unwritable_file_store_is_a_503_not_a_500(tmp_path, fleet):
+    """A file store that cannot be written (a full or read-only disk, here a folder under /proc)
+    refuses the upload with a 503 naming the cause and a Retry-After, never a 500; with no
+    --files-dir the files go beside the gateway's SQLite state, which it can write."""
+    admin = fleet["admin"]
+    broken = GatewayProcess(
+        fleet["routes"], "--files-dir", "/proc/paved-no-such-dir", admin_key=admin, state_dir=tmp_path / "a"
+    )
+    try:
+        broken.tenant("ro", models=["tiny"])
+        client = _client(broken, broken.key("ro"))
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))), purpose="batch")
+        assert refused.value.status_code == 503, refused.value
+        assert "file store is unavailable" in str(refused.value) and "/proc" not in str(refused.value)
+        assert refused.value.response.headers.get("retry-after")
+    finally:
+        broken.stop()
+    state = tmp_path / "b"
+    plain = GatewayProcess(fleet["routes"], admin_key=admin, state_dir=state)
+    try:
+        plain.tenant("rw", models=["tiny"])
+        client = _client(plain, plain.key("rw"))
+        f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))), purpose="batch")
+        assert list((state / "gateway-files").rglob(f.id)), "stored beside the gateway's state"
+    finally:
+        plain.stop()

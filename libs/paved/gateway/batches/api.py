@@ -101,7 +101,10 @@ class BatchesAPI:
             file_id = new_id("file")
             tenant = principal.tenant.name
             key = f"files/{tenant}/{file_id}"
-            fd, tmp = tempfile.mkstemp(prefix="paved-upload-")
+            try:
+                fd, tmp = tempfile.mkstemp(prefix="paved-upload-")
+            except OSError as e:
+                raise _files_unavailable(e) from None
             try:
                 with os.fdopen(fd, "wb") as dest:
                     summary = await asyncio.to_thread(
@@ -113,7 +116,10 @@ class BatchesAPI:
                         limits=self.limits,
                         default_max_tokens=self.default_max_tokens,
                     )
-                await self.objects.put_file(key, tmp)
+                try:
+                    await self.objects.put_file(key, tmp)
+                except OSError as e:
+                    raise _files_unavailable(e) from None
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -341,3 +347,14 @@ def _batch_object(row: dict[str, Any]) -> dict[str, Any]:
         "request_counts": {"total": row["total"], "completed": completed, "failed": failed},
         "metadata": row["metadata"],
     }
+
+
+def _files_unavailable(e: OSError) -> GatewayError:
+    """The file store cannot take the upload (a full or unwritable disk, an S3 outage): a 503
+    the client may retry, naming the cause but no path."""
+    return GatewayError(
+        503,
+        f"the gateway's batch file store is unavailable ({e.strerror or type(e).__name__})",
+        code="files_store_unavailable",
+        headers={"Retry-After": "30"},
+    )

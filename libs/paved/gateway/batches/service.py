@@ -118,6 +118,14 @@ def check_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> Non
         p.error("--files-s3-endpoint needs --files-s3-bucket")
 
 
+def _default_files_dir(state: str | None) -> Path:
+    """Beside the gateway's SQLite state when it has one (the replica's own disk, which it can
+    write), else under $PAVED_STATE_DIR or the user's data dir."""
+    if state and state.startswith("sqlite:///"):
+        return Path(state.removeprefix("sqlite:///")).parent / "gateway-files"
+    return Path(os.environ.get("PAVED_STATE_DIR") or Path.home() / ".local/share/paved") / "gateway-files"
+
+
 def from_arguments(args: argparse.Namespace, accounts: GatewayStore, proxy: OpenAIProxy) -> Batches:
     objects: ObjectStore
     if args.files_s3_bucket:
@@ -125,8 +133,7 @@ def from_arguments(args: argparse.Namespace, accounts: GatewayStore, proxy: Open
 
         objects = S3ObjectStore(s3_client(args.files_s3_endpoint), args.files_s3_bucket, args.files_s3_prefix)
     else:
-        base = Path(os.environ.get("PAVED_STATE_DIR") or Path.home() / ".local/share/paved")
-        objects = LocalObjectStore(args.files_dir or base / "gateway-files")
+        objects = LocalObjectStore(args.files_dir or _default_files_dir(getattr(args, "state", None)))
     return Batches.build(
         accounts,
         proxy,
