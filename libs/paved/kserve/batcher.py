@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.errors import unavailable
 from paved.kserve.statistics import RequestTiming, current_timing
@@ -88,6 +89,33 @@ class DynamicBatcher:
         self._closed = False
         # Batch sizes dispatched (rows), for tests and the benchmark.
         self.batches: collections.Counter[int] = collections.Counter()
+
+    @classmethod
+    def for_config(
+        cls,
+        run: Callable[[np.ndarray], np.ndarray],
+        config: model_config_pb2.ModelConfig,
+        *,
+        name: str,
+        instances: int,
+    ) -> DynamicBatcher:
+        """The scheduler a Triton config asks for: with `dynamic_batching`, its queue delay,
+        preferred sizes and queue bound over `max_batch_size`; without it, Triton's default
+        scheduler (each request its own execution, no coalescing)."""
+        if config.HasField("dynamic_batching"):
+            db = config.dynamic_batching
+            return cls(
+                run,
+                name=name,
+                max_batch_size=config.max_batch_size,
+                max_queue_delay_s=db.max_queue_delay_microseconds / 1e6,
+                preferred_batch_sizes=list(db.preferred_batch_size),
+                max_queue_size=db.default_queue_policy.max_queue_size,
+                instances=instances,
+            )
+        return cls(
+            run, name=name, max_batch_size=max(config.max_batch_size, 1), instances=instances, coalesce=False
+        )
 
     async def submit(self, rows: np.ndarray) -> np.ndarray:
         """Run `rows` (first dimension = batch) through the model; returns its rows of the output."""

@@ -166,25 +166,7 @@ class TensorModel(ServedModel):
             self._state, self._reason = "UNAVAILABLE", f"load failed: {e}"
             raise
         c = self._config
-        if c.HasField("dynamic_batching"):
-            db = c.dynamic_batching
-            self.batcher = DynamicBatcher(
-                self._run,
-                name=self.name,
-                max_batch_size=c.max_batch_size,
-                max_queue_delay_s=db.max_queue_delay_microseconds / 1e6,
-                preferred_batch_sizes=list(db.preferred_batch_size),
-                max_queue_size=db.default_queue_policy.max_queue_size,
-                instances=self.instances,
-            )
-        else:
-            self.batcher = DynamicBatcher(
-                self._run,
-                name=self.name,
-                max_batch_size=max(c.max_batch_size, 1),
-                instances=self.instances,
-                coalesce=False,
-            )
+        self.batcher = DynamicBatcher.for_config(self._run, c, name=self.name, instances=self.instances)
         self._state, self._reason = "READY", ""
 
     async def close(self) -> None:

@@ -141,25 +141,7 @@ class XGBoostModel(ServedModel):
             raise
         c = self._config
         instances = instance_count(c)
-        if c.HasField("dynamic_batching"):
-            db = c.dynamic_batching
-            self.batcher = DynamicBatcher(
-                self._predict,
-                name=self.name,
-                max_batch_size=c.max_batch_size,
-                max_queue_delay_s=db.max_queue_delay_microseconds / 1e6,
-                preferred_batch_sizes=list(db.preferred_batch_size),
-                max_queue_size=db.default_queue_policy.max_queue_size,
-                instances=instances,
-            )
-        else:
-            self.batcher = DynamicBatcher(
-                self._predict,
-                name=self.name,
-                max_batch_size=max(c.max_batch_size, 1),
-                instances=instances,
-                coalesce=False,
-            )
+        self.batcher = DynamicBatcher.for_config(self._predict, c, name=self.name, instances=instances)
         self._state, self._reason = "READY", ""
 
     def _load_booster(self) -> Any:

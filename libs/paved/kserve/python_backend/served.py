@@ -294,26 +294,9 @@ class PythonModel(ServedModel):
         await asyncio.gather(*(w.initialize() for w in self._workers))
         for w in self._workers:
             self._idle.put_nowait(w)
-        c = config
-        if c.HasField("dynamic_batching"):
-            db = c.dynamic_batching
-            self._batcher = DynamicBatcher(
-                self._run_batch,
-                name=self.name,
-                max_batch_size=c.max_batch_size,
-                max_queue_delay_s=db.max_queue_delay_microseconds / 1e6,
-                preferred_batch_sizes=list(db.preferred_batch_size),
-                max_queue_size=db.default_queue_policy.max_queue_size,
-                instances=len(self._workers),
-            )
-        else:
-            self._batcher = DynamicBatcher(
-                self._run_batch,
-                name=self.name,
-                max_batch_size=max(c.max_batch_size, 1),
-                instances=len(self._workers),
-                coalesce=False,
-            )
+        self._batcher = DynamicBatcher.for_config(
+            self._run_batch, config, name=self.name, instances=len(self._workers)
+        )
 
     async def close(self) -> None:
         self._closing = True
