@@ -419,28 +419,8 @@ class BatchStore:
     ) -> bool:
         """Commit a leased line's outcome: `done` / `failed` with its output line, or back to
         `pending` (retry at `next_at`). False when the lease is no longer ours."""
-
-        def go() -> bool:
-            with self._engine.begin() as c:
-                res = c.execute(
-                    lines_table.update()
-                    .where(
-                        lines_table.c.batch_id == lease.batch_id,
-                        lines_table.c.line_no == lease.line_no,
-                        lines_table.c.state == "leased",
-                        lines_table.c.owner == owner,
-                        lines_table.c.attempt == lease.attempt,
-                    )
-                    .values(
-                        state=state,
-                        result=result,
-                        next_at=next_at,
-                        owner=None if state == "pending" else owner,
-                    )
-                )
-                return res.rowcount > 0
-
-        return await self._store.run(go)
+        (ours,) = await self.settle_many(owner, [(lease, state, result, next_at)])
+        return ours
 
     async def settle_many(
         self, owner: str, outcomes: list[tuple[Lease, str, str | None, float]]
