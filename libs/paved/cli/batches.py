@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from paved.cli.common import DEFAULT_GATEWAY, CliError, base_url, segment
+from paved.cli.common import DEFAULT_GATEWAY, CliError, base_url, gateway_url_option, segment
 
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -42,12 +42,7 @@ def _pair(text: str) -> tuple[str, str]:
 def _options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("gateway")
-    group.add_argument(
-        "--gateway",
-        type=base_url,
-        default=None,
-        help=f"gateway URL (env PAVED_GATEWAY_URL, default {DEFAULT_GATEWAY})",
-    )
+    gateway_url_option(group)
     group.add_argument("--api-key", default=None, help="a tenant's API key; prefer the env var PAVED_API_KEY")
     return parent
 

@@ -142,16 +142,20 @@ def admin_key_option(group: argparse._ArgumentGroup, help_text: str) -> None:
     group.add_argument("--admin-key", type=admin_key, default=None, help=help_text)
 
 
-def gateway_options() -> argparse.ArgumentParser:
-    """A parent parser with --gateway and --admin-key (added to every leaf command)."""
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("gateway")
+def gateway_url_option(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--gateway",
         type=base_url,
         default=None,
         help=f"gateway base URL (env PAVED_GATEWAY_URL, default {DEFAULT_GATEWAY})",
     )
+
+
+def gateway_options() -> argparse.ArgumentParser:
+    """A parent parser with --gateway and --admin-key (added to every leaf command)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("gateway")
+    gateway_url_option(group)
     admin_key_option(
         group, "the gateway's admin key; prefer the env var PAVED_ADMIN_KEY (command lines are visible in ps)"
     )
