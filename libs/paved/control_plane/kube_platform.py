@@ -423,20 +423,74 @@ def control_plane_args(s: PlatformSettings) -> list[str]:
     return args
 
 
+_PROCESS_ENV = (
+    {"name": "PAVED_STATE_DIR", "value": STATE_DIR},
+    {"name": "HOME", "value": TMP_DIR},
+    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+)
+_MOUNTS = [
+    {"name": "admin-key", "mountPath": ADMIN_KEY_DIR, "readOnly": True},
+    {"name": "state", "mountPath": STATE_DIR},
+    {"name": "tmp", "mountPath": TMP_DIR},
+]
+
+
+def _deployment(
+    s: PlatformSettings,
+    name: str,
+    component: str,
+    *,
+    replicas: int,
+    container: dict[str, Any],
+    admin_key: SecretRef,
+    api_token: bool,
+    grace_s: int,
+) -> dict[str, Any]:
+    """The Deployment of one of paved's own services: `container` on a read-only root with
+    emptyDirs for its state and /tmp, its admin key mounted from a Secret, replicas spread."""
+    selector = _selector(name, component)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(name, component, s.namespace),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": selector},
+            # A new pod is up before an old one goes: the service never has no replica.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels(name, component)},
+                "spec": {
+                    "serviceAccountName": name,
+                    "automountServiceAccountToken": api_token,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": grace_s,
+                    "securityContext": _pod_security(),
+                    "affinity": _spread(selector),
+                    "containers": [container],
+                    "volumes": [
+                        _admin_key_volume(admin_key),
+                        {"name": "state", "emptyDir": {}},
+                        {"name": "tmp", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+
+
 def control_plane_objects(s: PlatformSettings) -> list[dict[str, Any]]:
     """Deployment (leader elected on its PostgreSQL, so every replica serves the API and one
     drives the cluster), Service and PodDisruptionBudget of the control plane."""
     component = "control-plane"
-    selector = _selector(CONTROL_PLANE, component)
     container = {
         "name": "control-plane",
         "image": s.control_plane_image,
         "args": control_plane_args(s),
         "env": [
             _secret_env("PAVED_STATE_URL", s.control_plane_state),
-            {"name": "PAVED_STATE_DIR", "value": STATE_DIR},
-            {"name": "HOME", "value": TMP_DIR},
-            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+            *_PROCESS_ENV,
         ],
         "ports": [{"name": "http", "containerPort": CONTROL_PLANE_PORT, "protocol": "TCP"}],
         # Connecting to PostgreSQL precedes the first answer: up to 2 minutes to come up.
@@ -446,44 +500,21 @@ def control_plane_objects(s: PlatformSettings) -> list[dict[str, Any]]:
         "readinessProbe": _probe("/health/ready", period=5, failures=3),
         "resources": s.control_plane_resources,
         "securityContext": _container_security(),
-        "volumeMounts": [
-            {"name": "admin-key", "mountPath": ADMIN_KEY_DIR, "readOnly": True},
-            {"name": "state", "mountPath": STATE_DIR},
-            {"name": "tmp", "mountPath": TMP_DIR},
-        ],
+        "volumeMounts": _MOUNTS,
     }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(CONTROL_PLANE, component, s.namespace),
-        "spec": {
-            "replicas": s.control_plane_replicas,
-            "revisionHistoryLimit": 5,
-            "selector": {"matchLabels": selector},
-            # A new pod is up before an old one goes: the API never has no replica.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": labels(CONTROL_PLANE, component)},
-                "spec": {
-                    "serviceAccountName": CONTROL_PLANE,
-                    # The only paved pod that talks to the API server (in-cluster config).
-                    "automountServiceAccountToken": True,
-                    "enableServiceLinks": False,
-                    # The leader's lock is released when its PostgreSQL session ends; replicas
-                    # are left running for the next leader to adopt.
-                    "terminationGracePeriodSeconds": 30,
-                    "securityContext": _pod_security(),
-                    "affinity": _spread(selector),
-                    "containers": [container],
-                    "volumes": [
-                        _admin_key_volume(s.control_plane_admin_key),
-                        {"name": "state", "emptyDir": {}},
-                        {"name": "tmp", "emptyDir": {}},
-                    ],
-                },
-            },
-        },
-    }
+    deployment = _deployment(
+        s,
+        CONTROL_PLANE,
+        component,
+        replicas=s.control_plane_replicas,
+        container=container,
+        admin_key=s.control_plane_admin_key,
+        # The only paved pod that talks to the API server (in-cluster config).
+        api_token=True,
+        # The leader's lock is released when its PostgreSQL session ends; replicas are left
+        # running for the next leader to adopt.
+        grace_s=30,
+    )
     return [
         deployment,
         _service(s, CONTROL_PLANE, component, CONTROL_PLANE_PORT, "ClusterIP"),
@@ -519,7 +550,6 @@ def gateway_objects(s: PlatformSettings) -> list[dict[str, Any]]:
     """ServiceAccount (no token: the gateway never calls the API server), Deployment, Service
     and PodDisruptionBudget of the gateway."""
     component = "gateway"
-    selector = _selector(GATEWAY, component)
     account = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
@@ -535,9 +565,7 @@ def gateway_objects(s: PlatformSettings) -> list[dict[str, Any]]:
             _secret_env("PAVED_REDIS_URL", s.gateway_redis),
             # The routes feed is behind the control plane's admin key.
             _secret_env("PAVED_ROUTES_TOKEN", s.control_plane_admin_key),
-            {"name": "PAVED_STATE_DIR", "value": STATE_DIR},
-            {"name": "HOME", "value": TMP_DIR},
-            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+            *_PROCESS_ENV,
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "startupProbe": _probe("/health/live", period=2, failures=60),
@@ -547,40 +575,18 @@ def gateway_objects(s: PlatformSettings) -> list[dict[str, Any]]:
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(GATEWAY_PRE_STOP_S)]}}},
         "resources": s.gateway_resources,
         "securityContext": _container_security(),
-        "volumeMounts": [
-            {"name": "admin-key", "mountPath": ADMIN_KEY_DIR, "readOnly": True},
-            {"name": "state", "mountPath": STATE_DIR},
-            {"name": "tmp", "mountPath": TMP_DIR},
-        ],
+        "volumeMounts": _MOUNTS,
     }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(GATEWAY, component, s.namespace),
-        "spec": {
-            "replicas": s.gateway_replicas,
-            "revisionHistoryLimit": 5,
-            "selector": {"matchLabels": selector},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": labels(GATEWAY, component)},
-                "spec": {
-                    "serviceAccountName": GATEWAY,
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": GATEWAY_PRE_STOP_S + GATEWAY_SHUTDOWN_S + 5,
-                    "securityContext": _pod_security(),
-                    "affinity": _spread(selector),
-                    "containers": [container],
-                    "volumes": [
-                        _admin_key_volume(s.gateway_admin_key),
-                        {"name": "state", "emptyDir": {}},
-                        {"name": "tmp", "emptyDir": {}},
-                    ],
-                },
-            },
-        },
-    }
+    deployment = _deployment(
+        s,
+        GATEWAY,
+        component,
+        replicas=s.gateway_replicas,
+        container=container,
+        admin_key=s.gateway_admin_key,
+        api_token=False,
+        grace_s=GATEWAY_PRE_STOP_S + GATEWAY_SHUTDOWN_S + 5,
+    )
     return [
         account,
         deployment,
