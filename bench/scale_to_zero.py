@@ -39,31 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
-from fleet import FAST, SIM, make_fleet, tiny_package
+from fleet import FAST, SIM, chat_burst, make_fleet, tiny_package
 
 
 async def _burst(url: str, key: str, n: int) -> list[tuple[int | str, float]]:
-    """(status, seconds from the burst's start to the answer) of `n` requests sent at once."""
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
-    started = time.perf_counter()
-
-    async def one(i: int) -> tuple[int | str, float]:
-        try:
-            await client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=16
-            )
-            status: int | str = 200
-        except openai.APIStatusError as e:
-            status = e.status_code
-        except Exception as e:  # noqa: BLE001 - every failure is a result
-            status = type(e).__name__
-        return status, time.perf_counter() - started
-
-    try:
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
-    finally:
-        await client.close()
+    return await chat_burst(url, key, n, max_tokens=16, timeout_s=300)
 
 
 def _routes(cp: Any) -> dict[str, Any]:

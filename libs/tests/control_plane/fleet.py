@@ -271,6 +271,33 @@ FAST = {
 }
 
 
+async def chat_burst(
+    url: str, key: str, n: int, *, max_tokens: int = 4, timeout_s: float = 120
+) -> list[tuple[int | str, float]]:
+    """(status, seconds from the burst's start to the answer) of `n` chat requests for `tiny` sent
+    at once through the official client with no retries; a failure that is not an HTTP status is
+    its exception's type name, so every request has a result."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout_s)
+    started = time.perf_counter()
+
+    async def one(i: int) -> tuple[int | str, float]:
+        try:
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=max_tokens
+            )
+            status: int | str = 200
+        except openai.APIStatusError as e:
+            status = e.status_code
+        except Exception as e:  # noqa: BLE001 - every failure is a result
+            status = type(e).__name__
+        return status, time.perf_counter() - started
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+    finally:
+        await client.close()
+
+
 def tiny_package() -> str:
     return runfile("services/launcher/tiny_package.tar")
 

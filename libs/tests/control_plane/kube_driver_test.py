@@ -9,13 +9,13 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
 from fleet import (
     FAST,
     SIM,
     TrafficDriver,
     audit_messages,
+    chat_burst,
     deploy,
     first_deploy,
     rollout,
@@ -236,24 +236,7 @@ def test_scale_to_zero_and_back_on_the_cluster(cluster, tmp_path):
         (deployment,) = _deployments(api, "zero").values()
         assert deployment["spec"].get("replicas", 0) == 0
 
-        async def burst() -> list[int | str]:
-            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-            async def one(i: int) -> int | str:
-                try:
-                    await client.chat.completions.create(
-                        model="tiny", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4
-                    )
-                    return 200
-                except openai.APIStatusError as e:
-                    return e.status_code
-
-            try:
-                return list(await asyncio.gather(*(one(i) for i in range(12))))
-            finally:
-                await client.close()
-
-        assert asyncio.run(burst()) == [200] * 12
+        assert [status for status, _ in asyncio.run(chat_burst(gw.url, key, 12))] == [200] * 12
         pods = [p for p in _pods(api, "zero") if not p["metadata"].get("deletionTimestamp")]
         assert len(pods) == 1
         kinds = [e["kind"] for e in cp.api("GET", "/v1/audit?model_id=tiny&limit=1000")["data"]]

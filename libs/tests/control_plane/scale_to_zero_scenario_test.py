@@ -33,11 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import numpy as np
-import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from fleet import FAST, SIM, gateway_for, make_fleet, tiny_package
+from fleet import FAST, SIM, chat_burst, gateway_for, make_fleet, tiny_package
 from gateway_proc import GatewayProcess, write_routes
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -76,23 +75,7 @@ def _has_table(gw: GatewayProcess, revision: str) -> bool:
 
 
 async def _burst(url: str, key: str, n: int) -> list[int | str]:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    async def one(i: int) -> int | str:
-        try:
-            await client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4
-            )
-            return 200
-        except openai.APIStatusError as e:
-            return e.status_code
-        except Exception as e:  # noqa: BLE001 - every failure is a result
-            return f"{type(e).__name__}: {e}"
-
-    try:
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
-    finally:
-        await client.close()
+    return [status for status, _ in await chat_burst(url, key, n)]
 
 
 def test_an_idle_model_goes_to_zero_and_a_burst_through_two_gateways_wakes_it_once(fleet, tmp_path):
