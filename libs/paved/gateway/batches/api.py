@@ -170,7 +170,9 @@ class BatchesAPI:
     async def content(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
         row = await self.store.get_file(principal.tenant.name, request.path_params["file_id"])
-        chunks: Iterator[bytes] = self.objects.open_read(row["object_key"])
+        # In a thread: the S3 store asks for the object here, so a failure is a 503 before the
+        # response starts rather than a body cut short.
+        chunks: Iterator[bytes] = await asyncio.to_thread(self.objects.open_read, row["object_key"])
         return StreamingResponse(
             chunks, media_type="application/jsonl", headers={"content-length": str(row["bytes"])}
         )

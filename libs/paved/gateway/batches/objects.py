@@ -6,7 +6,14 @@ Invariants callers rely on:
   fsync, rename; S3: one PUT or one completed multipart upload), and putting the same key
   again replaces it whole (the batch finalizer may run twice after a crash).
 - Keys are built by the gateway (`files/<tenant>/<file id>`), never taken from a request.
-- Every S3 call has connect and read timeouts.
+- Every S3 call has connect and read timeouts (`s3_client`), and an S3 failure (bucket missing,
+  server down, access denied, timeout) is raised as `ObjectStoreUnavailable`: an OSError (what
+  the upload path already turns into its 503) that is also a GatewayError 503 with Retry-After,
+  so no path answers it with a 500.
+- `open_read` of the S3 store asks for the object before it returns (call it from a worker
+  thread): a failure is raised there, before any response has started.
+- `delete` and `delete_prefix` of a missing object or prefix succeed (a sweep or a finalizer
+  redone after a crash deletes again).
 """
 
 from __future__ import annotations
@@ -14,18 +21,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
+
+from paved.gateway.errors import GatewayError
 
 _CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 class ObjectStore(Protocol):
     async def put_file(self, key: str, path: str) -> None: ...
     def open_read(self, key: str) -> Iterator[bytes]: ...
     async def delete(self, key: str) -> None: ...
+    async def delete_prefix(self, prefix: str) -> None: ...
+
+
+class ObjectStoreUnavailable(OSError, GatewayError):
+    """The object store failed a call: 503 + Retry-After, naming the cause (an S3 error code or
+    the exception's type), never the bucket, endpoint or key."""
+
+    def __init__(self, cause: str):
+        GatewayError.__init__(
+            self,
+            503,
+            f"the gateway's batch file store is unavailable ({cause})",
+            code="files_store_unavailable",
+            headers={"Retry-After": "30"},
+        )
+        self.strerror = cause
 
 
 class LocalObjectStore:
@@ -67,6 +94,10 @@ class LocalObjectStore:
         with contextlib.suppress(FileNotFoundError):
             await asyncio.to_thread(os.unlink, self._path(key))
 
+    async def delete_prefix(self, prefix: str) -> None:
+        """Every object under the folder `prefix` (a key prefix ending in '/')."""
+        await asyncio.to_thread(shutil.rmtree, self._path(prefix.rstrip("/")), ignore_errors=True)
+
 
 class S3ObjectStore:
     """Objects in `bucket` under `prefix`; `client` is a boto3 S3 client (see `s3_client`)."""
@@ -78,18 +109,58 @@ class S3ObjectStore:
 
     async def put_file(self, key: str, path: str) -> None:
         # upload_file switches to a multipart upload for large files: completed or absent.
-        await asyncio.to_thread(self.client.upload_file, path, self.bucket, self.prefix + key)
+        await asyncio.to_thread(_s3, self.client.upload_file, path, self.bucket, self.prefix + key)
 
     def open_read(self, key: str) -> Iterator[bytes]:
-        body: IO[bytes] = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"]
-        try:
-            while chunk := body.read(_CHUNK):
-                yield chunk
-        finally:
-            body.close()
+        body: IO[bytes] = _s3(self.client.get_object, Bucket=self.bucket, Key=self.prefix + key)["Body"]
+        return _stream(body)
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(self.client.delete_object, Bucket=self.bucket, Key=self.prefix + key)
+        await asyncio.to_thread(_s3, self.client.delete_object, Bucket=self.bucket, Key=self.prefix + key)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await asyncio.to_thread(self._delete_prefix_sync, self.prefix + prefix)
+
+    def _delete_prefix_sync(self, prefix: str) -> None:
+        # One listing page (at most 1,000 keys) is one DeleteObjects call.
+        token: dict[str, str] = {}
+        while True:
+            page = _s3(self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix, **token)
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+            if keys:
+                _s3(self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+def _stream(body: IO[bytes]) -> Iterator[bytes]:
+    try:
+        while True:
+            chunk = _s3(body.read, _CHUNK)
+            if not chunk:
+                return
+            yield chunk
+    finally:
+        body.close()
+
+
+def _s3(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`call` with boto's errors as ObjectStoreUnavailable (the client's own retries and
+    deadlines have run by then)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return call(*args, **kwargs)
+    except ClientError as e:
+        raise ObjectStoreUnavailable("S3 " + str(e.response.get("Error", {}).get("Code", "error"))) from e
+    except (BotoCoreError, OSError) as e:
+        # boto3's transfer manager raises S3UploadFailedError (neither of boto's bases).
+        raise ObjectStoreUnavailable("S3 " + type(e).__name__) from e
+    except Exception as e:
+        if type(e).__module__.startswith(("boto3", "botocore", "s3transfer", "urllib3")):
+            raise ObjectStoreUnavailable("S3 " + type(e).__name__) from e
+        raise
 
 
 def s3_client(endpoint_url: str | None, region: str | None = None) -> Any:
