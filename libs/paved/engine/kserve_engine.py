@@ -6,7 +6,11 @@ protocol. Every request is one ModelStreamInfer call with the vLLM backend's ten
 sampling options, constraints included, travel in `sampling_parameters` in the form the
 backend parses (`structured_outputs` as JSON text; paved specs in `extra_args`, read by paved's
 logits processor when installed in the remote vLLM). This is the `response_format` path
-Triton's own OpenAI frontend lacks: a constraint is sent, or the request is refused.
+Triton's own OpenAI frontend lacks: a constraint is sent, or the request is refused. An
+xgrammar constraint that xgrammar cannot parse is refused here, before it travels: Triton's
+stream carries no status code, so the remote's refusal would otherwise read as a failure. A
+remote error is a client error only when the server names its code (paved's response
+parameter, or the message marker of `paved.kserve.wire.ERROR_CODE_MARKER`).
 
 What the tensor interface cannot carry is refused with InvalidRequestError, never faked:
 token-id prompts, prompt logprobs, max_tokens=0 scoring. Chat prompts and `tokenize` need the
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -39,6 +44,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from paved.engine.protocol import (
     ChatPrompt,
     ChoiceDelta,
+    Constraint,
     ConstraintBackend,
     EmbedRequest,
     EmbedResult,
@@ -68,6 +74,7 @@ from paved.kserve.wire import (
     PARAM_KIND,
     PARAM_MAX_LOGPROBS,
     PARAM_MAX_MODEL_LEN,
+    error_code_of,
     parameters_from_options,
 )
 
@@ -118,11 +125,14 @@ def _status_error(e: grpc.aio.AioRpcError, target: str, deadline: str = "") -> E
 
 
 def _inband_error(response: service_pb2.ModelStreamInferResponse, target: str) -> EngineError:
-    """An error a stream delivered in-band. paved's server names its status code; Triton's does
-    not, and its errors are then reported as engine failures rather than guessed at."""
-    message = response.error_message
+    """An error a stream delivered in-band. paved's server names its status code in a response
+    parameter; Triton drops a model's code, so a model behind it names the code with
+    `wire.ERROR_CODE_MARKER` at the start of its message. Errors naming no code are engine
+    failures: never guessed at from their text."""
+    code, message = error_code_of(response.error_message)
     params = response.infer_response.parameters
-    code = params[ERROR_CODE_PARAMETER].string_param if ERROR_CODE_PARAMETER in params else ""
+    if ERROR_CODE_PARAMETER in params:
+        code = params[ERROR_CODE_PARAMETER].string_param
     if code == "INVALID_ARGUMENT":
         return InvalidRequestError(message)
     if code == "NOT_FOUND":
@@ -132,6 +142,54 @@ def _inband_error(response: service_pb2.ModelStreamInferResponse, target: str) -
             return EngineOverloadedError(message)
         return EngineUnavailableError(message)
     return EngineError(f"remote KServe server {target}: {message}")
+
+
+# xgrammar's C++ errors start with "[HH:MM:SS] /path/file.cc:LINE: ": not the user's business.
+_XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _xgrammar_refusal(constraint: Constraint) -> str | None:
+    """Why xgrammar cannot parse `constraint`, or None (it parses, or xgrammar is not installed
+    here and the remote alone decides). Blocking: the first call imports xgrammar (~3 s).
+
+    The parses the remote vLLM's own check runs first (vllm.v1.structured_output.
+    backend_xgrammar.validate_xgrammar_grammar): a spec that fails here fails there, and is
+    refused before it travels, since Triton's stream carries no status code for the remote's
+    refusal. vLLM's further policy (schema features it declines) is the remote's to report."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    kind, value = constraint.kind, constraint.value
+    try:
+        if kind == "regex":
+            if "\x00" in value:
+                return "the regex must not contain a NUL character"
+            xgrammar.Grammar.from_regex(value)
+        elif kind == "grammar":
+            # vLLM's rule (grammar_is_likely_lark): EBNF when any line defines a rule with ::=.
+            lines = (re.sub(r"(#|//).*$", "", line) for line in value.split("\n"))
+            if any("::=" in line for line in lines):
+                xgrammar.Grammar.from_ebnf(value)
+            else:
+                xgrammar.Grammar.from_lark(value)
+        elif kind == "choice":
+            if not value:
+                return "choice needs at least one string"
+        elif kind == "json_schema":
+            xgrammar.Grammar.from_json_schema(json.dumps(value))
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends for any bad spec
+        return _XGRAMMAR_LOCATION.sub("", str(e)).strip()
+    return None
+
+
+async def _check_constraint(constraint: Constraint | None) -> None:
+    """InvalidRequestError for an xgrammar constraint that does not parse."""
+    if constraint is None or constraint.backend != "xgrammar" or constraint.kind == "json_object":
+        return
+    reason = await asyncio.to_thread(_xgrammar_refusal, constraint)
+    if reason is not None:
+        raise InvalidRequestError(f"the {constraint.kind} constraint cannot be compiled: {reason}")
 
 
 def _tensor(request: service_pb2.ModelInferRequest, name: str, datatype: str, value: Any) -> None:
@@ -478,6 +536,7 @@ class KServeEngine:
         if s.max_tokens == 0:
             raise InvalidRequestError("max_tokens=0 (prompt scoring) is not supported by the KServe engine")
         params = parameters_from_options(s)
+        await _check_constraint(s.constraint)
         prompt_ids = None
         if self._tokenizer is not None and (s.max_tokens is None or request.echo):
             prompt_ids = self._tokenizer.encode(

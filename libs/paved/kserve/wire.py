@@ -10,6 +10,7 @@ the `paved.*` model parameters and the in-band error code are paved's own additi
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from paved.engine.protocol import Constraint, InvalidRequestError, SamplingOptions
@@ -23,6 +24,28 @@ PARAM_KIND = "paved.kind"
 # Response parameter naming the status code of an in-band stream error: Triton's stream
 # protocol carries none, and the client needs it to tell a bad request from an outage.
 ERROR_CODE_PARAMETER = "paved_error_code"
+
+# The same code where a server cannot set response parameters on an error: Triton (2.51
+# measured) sends a Python-backend model's `TritonError(message, code)` on ModelStreamInfer as
+# `error_message` alone, code and parameters dropped. A model behind Triton that wants its error
+# answered as a client error starts the message with this marker and a gRPC status name:
+# "[paved_error_code=INVALID_ARGUMENT] the grammar does not parse". Only the marker is read,
+# never the text after it.
+ERROR_CODE_MARKER = re.compile(r"\[paved_error_code=([A-Z_]+)\] ")
+
+
+def marked_error(code: str, message: str) -> str:
+    """`message` carrying `code` (a gRPC status name) for clients that read ERROR_CODE_MARKER."""
+    return f"[{ERROR_CODE_PARAMETER}={code}] {message}"
+
+
+def error_code_of(message: str) -> tuple[str, str]:
+    """(the status name a message is marked with, or "", the message without its marker)."""
+    match = ERROR_CODE_MARKER.match(message)
+    if match is None:
+        return "", message
+    return match.group(1), message[match.end() :]
+
 
 # The `sampling_parameters` key (top level or in `extra_args`) of a paved constraint spec.
 PAVED_CONSTRAINT = "paved_constraint"

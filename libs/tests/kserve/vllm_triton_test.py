@@ -325,3 +325,26 @@ def test_constraints_the_remote_cannot_take_are_refused(client):
             max_tokens=4,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}},
         )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_remote_refuses_is_a_400_not_a_500(triton, client, stream):
+    """Two refusals, each a 400 with an OpenAI error body: a regex that does not parse is
+    refused before it travels (the engine parses it with xgrammar, as vLLM's check does); a
+    schema xgrammar parses but vLLM declines (integer multipleOf) is refused by vLLM inside
+    Triton, whose stream carries the model's marked message and no status code."""
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": stream}
+    with pytest.raises(openai.BadRequestError) as local:
+        client.chat.completions.create(**kwargs, extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert local.value.status_code == 400
+    assert "regex constraint cannot be compiled" in local.value.body["message"]
+
+    _, log = triton
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}, "required": ["n"]}
+    with pytest.raises(openai.BadRequestError) as remote:
+        client.chat.completions.create(
+            **kwargs, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        )
+    message = remote.value.body["message"]
+    assert "not supported by xgrammar" in message and "paved_error_code" not in message
+    assert "request refused by vLLM" in log.read_text(errors="replace")

@@ -63,7 +63,16 @@ class _InvalidRequest(ValueError):
     """The request itself is wrong: answered with INVALID_ARG and the reason."""
 
 
+# Triton's ModelStreamInfer answer carries an error's message only (its code is dropped), so a
+# client error also names its status at the start of the message, in the form paved's
+# KServeEngine reads (paved.kserve.wire.ERROR_CODE_MARKER); without it the frontend could only
+# answer 500. Written out here: the model imports nothing of paved.
+_MARKED = {"INVALID_ARG": "INVALID_ARGUMENT"}
+
+
 def _error(message, code_name):
+    if code_name in _MARKED:
+        message = f"[paved_error_code={_MARKED[code_name]}] {message}"
     code = getattr(pb_utils.TritonError, code_name, None)
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
@@ -120,6 +129,13 @@ class TritonPythonModel:
         from vllm.sampling_params import SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        try:
+            from vllm.exceptions import VLLMClientError
+        except ImportError:  # a vLLM before its client/server error split: ValueError alone
+            VLLMClientError = ValueError
+        # What vLLM's admission raises for a request it refuses (a grammar xgrammar rejects, a
+        # prompt past the context): its own API server answers these with 400.
+        self._refusals = (ValueError, TypeError, VLLMClientError)
         self._sampling_params = SamplingParams
         self._structured_params = StructuredOutputsParams
         self.cancelled_count = 0
@@ -255,6 +271,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         state = {"sender": sender, "cancelled": False}
         vllm_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
+        got_any = False
         try:
             try:
                 prompt, stream, prepend, params, wanted = self._parse(request)
@@ -265,7 +282,6 @@ class TritonPythonModel:
             # which); the latest of each is kept here.
             choices = [None] * params.n
             seen = {i: (0, 0) for i in range(params.n)}
-            got_any = False
             async for output in self._engine.generate(prompt, params, vllm_id):
                 got_any = True
                 seen["prompt_tokens"] = len(output.prompt_token_ids or [])
@@ -296,6 +312,11 @@ class TritonPythonModel:
                     self._response(choices, seen, prompt if prepend else "", True, wanted), flags=_FINAL
                 )
         except Exception as e:  # noqa: BLE001 - every failure still ends the client's stream
+            if isinstance(e, self._refusals) and not got_any:
+                # Refused at admission, before any output: the request's fault, not the server's.
+                self.logger.log_info(f"[vllm_model] request refused by vLLM: {type(e).__name__}: {e}")
+                sender.send(pb_utils.InferenceResponse(error=_error(str(e), "INVALID_ARG")), flags=_FINAL)
+                return
             self.logger.log_error(f"[vllm_model] request failed: {traceback.format_exc()}")
             response = pb_utils.InferenceResponse(error=_error(f"Error generating stream: {e}", "INTERNAL"))
             if _stream_started(state):
