@@ -161,9 +161,12 @@ def _parser() -> argparse.ArgumentParser:
     # Resumable streams and the Responses API (docs/gateway.md, "Responses API and resumable streams").
     p.add_argument(
         "--resumable-streams",
-        action="store_true",
-        help="chat completions streams become resumable (an id: per event, x-paved-stream-id, "
-        "GET /v1/chat/completions/streams/ID with Last-Event-ID)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="chat completions streams are resumable (on by default: an id: per SSE event, the "
+        "stream's id in x-paved-stream-id, GET /v1/chat/completions/streams/ID with Last-Event-ID "
+        "resumes, and a client that leaves does not abort the generation for --stream-grace); "
+        "--no-resumable-streams forwards them as they come and aborts on disconnect",
     )
     p.add_argument(
         "--stream-grace",
@@ -212,7 +215,16 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=15.0,
         metavar="S",
-        help="a generating replica's lease: a response whose replica died fails after it",
+        help="a generating replica's lease (default 15): when it lapses (the replica died) another "
+        "replica continues a background response where it stopped; any other response ends failed",
+    )
+    p.add_argument(
+        "--responses-max-takeovers",
+        type=int,
+        default=3,
+        metavar="N",
+        help="times a background response is continued after its replica died before it ends "
+        "failed (default 3; 0: never continued)",
     )
     batch_service.add_arguments(p)
     return p
@@ -264,6 +276,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     for name in ("stream_max_events", "streams_per_tenant", "responses_per_tenant"):
         if not 1 <= getattr(args, name) <= 10_000_000:
             p.error(f"--{name.replace('_', '-')} must be in [1, 10000000]")
+    if not 0 <= args.responses_max_takeovers <= 100:
+        p.error("--responses-max-takeovers must be in [0, 100]")
     for name in ("stream_retention", "responses_retention", "responses_lease"):
         if not 1 <= getattr(args, name) <= 366 * 86400:
             p.error(f"--{name.replace('_', '-')} must be in [1, 31622400] seconds")
@@ -415,6 +429,7 @@ def _responses(
         store=responses,
         streams=events.LiveStreams(log, grace_s=args.stream_grace),
         resumable_chat=args.resumable_streams,
+        max_takeovers=args.responses_max_takeovers,
     )
 
 

@@ -388,6 +388,71 @@ class ResponseStream:
         self._finish_reason: str | None = None
         self._usage: dict[str, Any] | None = None
         self.done = False
+        # Output deltas a previous replica already emitted (`resumed`): counted as output
+        # tokens, one per delta (paved's engines send one token per chunk; an estimate where a
+        # backend sends more).
+        self.prior_tokens = 0
+
+    @classmethod
+    def resumed(cls, parsed: ParsedRequest, response_id: str, events: list[dict[str, Any]]) -> ResponseStream:
+        """The state after `events` (the events another replica emitted, from sequence number
+        0, in order): feeding it the rest of the generation continues the same sequence, the
+        same output item and the same text. ValueError when the events are not a gap-free
+        sequence from 0 of events this class emits."""
+        run = cls(parsed, response_id, queued=parsed.background)
+        for event in events:
+            run._replay(event)
+        return run
+
+    def _replay(self, event: dict[str, Any]) -> None:
+        if event.get("sequence_number") != self.seq + 1:
+            raise ValueError(f"event {self.seq + 1} is missing")
+        self.seq += 1
+        kind = event.get("type")
+        if kind in TERMINAL_EVENTS or kind in ("response.created", "response.queued", "response.in_progress"):
+            snapshot = event["response"]
+            self.response = {**snapshot, "output": list(self.response["output"])}
+            self.done = kind in TERMINAL_EVENTS
+            if self.done:
+                self.response = dict(snapshot)
+        elif kind == "response.output_item.added":
+            item, index = dict(event["item"]), int(event["output_index"])
+            if index != len(self.response["output"]):
+                raise ValueError("output items out of order")
+            self.response["output"].append(item)
+            if item.get("type") == "message":
+                self._message = {"id": item["id"], "_index": index}
+            else:
+                self._calls[len(self._calls)] = {
+                    "id": item["id"], "call_id": item.get("call_id"), "name": item.get("name") or "",
+                    "arguments": "", "output_index": index,
+                }  # fmt: skip
+        elif kind == "response.output_text.delta":
+            self._text.append(str(event["delta"]))
+            self.prior_tokens += 1
+        elif kind == "response.function_call_arguments.delta":
+            for state in self._calls.values():
+                if state["id"] == event.get("item_id"):
+                    state["arguments"] += str(event["delta"])
+            self.prior_tokens += 1
+        elif kind == "response.output_item.done":
+            index = int(event["output_index"])
+            self.response["output"][index] = dict(event["item"])
+            if self._message is not None and self._message["_index"] == index:
+                self._message["closed"] = True
+
+    @property
+    def text(self) -> str:
+        """The output text so far."""
+        return "".join(self._text)
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self._calls)
+
+    def hit_limit(self) -> None:
+        """End as max_output_tokens does (the budget was spent before a continuation)."""
+        self._finish_reason = "length"
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.seq += 1
@@ -546,6 +611,10 @@ class ResponseStream:
             )
         usage = self._usage or {}
         prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        if self.prior_tokens:
+            # A continuation's prompt held the output a previous replica emitted: that part is
+            # output, as if one replica had generated it all.
+            prompt, completion = max(prompt - self.prior_tokens, 0), completion + self.prior_tokens
         self.response["usage"] = {
             "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},

@@ -2,14 +2,19 @@
 state file and one Redis), in front of a paved frontend on the simulated engine: the official
 `openai` client's create / retrieve / cancel / streaming / background polling, a stream cut
 mid-way and resumed from the OTHER replica (exactly the original events, no gap, no
-duplicate), background responses surviving a SIGKILL of the replica that created them,
-Last-Event-ID resume of a chat stream, cross-tenant reads refused, and the stores' bounds."""
+duplicate), a background response continued by another replica after a SIGKILL of the one
+generating it (a follower's sequence contiguous across the takeover), Last-Event-ID resume of a
+chat stream (resumable by default; the SDK parses it), cross-tenant reads refused, and the
+stores' bounds. Without processes: the response store's takeover claims and their bound, and
+ResponseStream.resumed continuing a sequence exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import signal
+import threading
 import time
 
 import httpx
@@ -18,6 +23,9 @@ import pytest
 from gateway_proc import GatewayProcess, write_routes
 from servers import ServerProcess
 
+from paved.gateway.access.state import GatewayStore
+from paved.gateway.responses.store import ResponseStore, StoreBounds
+from paved.http import openai_responses as oai
 from paved.testing.redis import redis_server
 
 MODEL = "tiny"
@@ -26,7 +34,7 @@ TERMINAL = {"completed", "incomplete", "failed", "cancelled"}
 
 def _gateway(routes, state, redis, admin, tmp, *extra: str) -> GatewayProcess:
     return GatewayProcess(
-        routes, "--state", state, "--redis", redis, "--resumable-streams", "--stream-grace", "20",
+        routes, "--state", state, "--redis", redis, "--stream-grace", "20",
         "--responses-lease", "2", "--streams-per-tenant", "50", *extra, admin_key=admin, state_dir=tmp,
     )  # fmt: skip
 
@@ -52,7 +60,7 @@ def fleet(tmp_path_factory):
             yield {
                 "gateways": gateways,
                 "keys": keys,
-                "spawn": lambda: _gateway(routes, state, redis, admin, tmp),
+                "spawn": lambda *extra: _gateway(routes, state, redis, admin, tmp, *extra),
             }
     finally:
         for gw in gateways:
@@ -189,24 +197,53 @@ def test_background_polling_cancel_and_cross_tenant(fleet):
     assert _wait_status(client, long.id, {"cancelled"}).status == "cancelled"
 
 
-def test_background_response_outlives_a_sigkill_of_its_replica(fleet):
-    _, b = fleet["gateways"]
+def test_background_response_is_continued_after_a_sigkill_of_its_replica(fleet):
+    a, b = fleet["gateways"]
+    key = fleet["keys"]["acme"]
     victim = fleet["spawn"]()
+    followed: list = []
     try:
-        client = _client(victim, fleet["keys"]["acme"])
+        client = _client(victim, key)
         finished = client.responses.create(model=MODEL, input="Short", max_output_tokens=4, background=True)
         _wait_status(client, finished.id, {"completed", "incomplete"})
         running = client.responses.create(model=MODEL, input="Long", max_output_tokens=1500, background=True)
-        assert _wait_status(client, running.id, {"in_progress"}).status == "in_progress"
+
+        def follow() -> None:
+            # From the log on another replica, across the takeover, to the terminal event.
+            followed.extend(_client(b, key).responses.retrieve(running.id, stream=True))
+
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        deadline = time.monotonic() + 60
+        while not any(e.type == "response.output_text.delta" for e in list(followed)):
+            assert time.monotonic() < deadline, "no output before the kill"
+            time.sleep(0.05)
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(timeout=10)
+        deltas_at_kill = sum(e.type == "response.output_text.delta" for e in list(followed))
     finally:
         victim.stop()
-    other = _client(b, fleet["keys"]["acme"])
+    other = _client(b, key)
     assert other.responses.retrieve(finished.id).status in ("completed", "incomplete")
-    # Its lease (2 s here) lapses: it ends failed, saying why.
-    failed = _wait_status(other, running.id, {"failed"})
-    assert failed.status == "failed" and "stopped" in failed.error.message
+    follower.join(timeout=120)
+    assert not follower.is_alive()
+    # One sequence, no gap, no duplicate, ending in the terminal event; more text after the kill.
+    assert [e.sequence_number for e in followed] == list(range(len(followed)))
+    assert followed[-1].type in ("response.completed", "response.incomplete")
+    assert [e.type for e in followed].count("response.in_progress") == 1
+    deltas = [e.delta for e in followed if e.type == "response.output_text.delta"]
+    assert len(deltas) > deltas_at_kill
+    done = _wait_status(other, running.id, {"completed", "incomplete"})
+    assert done.status in ("completed", "incomplete") and done.error is None
+    assert done.output_text == "".join(deltas)
+    assert len(done.output) == 1  # the continuation went on in the same message
+    assert 0 < done.usage.output_tokens <= 1500
+    # A reader starting afresh on the first replica replays the same sequence.
+    auth = {"authorization": f"Bearer {key}"}
+    replay = httpx.get(f"{a.url}/v1/responses/{running.id}?stream=true", headers=auth, timeout=60)
+    replayed = [json.loads(e.split(b"data: ")[1]) for _, e in _sse(replay)]
+    assert [e["sequence_number"] for e in replayed] == list(range(len(followed)))
+    assert replayed[-1]["response"]["output"][0]["content"][0]["text"] == done.output_text
 
 
 def test_chat_stream_resumes_with_last_event_id_on_the_other_replica(fleet):
@@ -260,3 +297,117 @@ def test_stream_bounds_per_tenant(fleet):
         httpx.get(f"{a.url}/v1/chat/completions/streams/{ids[-1]}", headers=auth, timeout=60).status_code
         == 200
     )
+
+
+def test_chat_streams_are_resumable_by_default_and_the_sdk_parses_them(fleet):
+    a, _ = fleet["gateways"]
+    client = _client(a, fleet["keys"]["acme"])
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True
+    )
+    assert raw.headers["x-paved-stream-id"].startswith("chatstream_")
+    chunks = list(raw.parse())
+    assert chunks and "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_no_resumable_streams_forwards_chat_streams_as_before(fleet):
+    plain = fleet["spawn"]("--no-resumable-streams")
+    try:
+        auth = {"authorization": f"Bearer {fleet['keys']['acme']}"}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "stream": True,
+        }
+        r = httpx.post(f"{plain.url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200 and "x-paved-stream-id" not in r.headers
+        events = _sse(r)
+        assert events[-1][1].endswith(b"data: [DONE]")
+        assert all(ident is None for ident, _ in events)
+    finally:
+        plain.stop()
+
+
+def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_number_of_times(tmp_path):
+    async def scenario() -> None:
+        db = GatewayStore(f"sqlite:///{tmp_path / 'gw.db'}")
+        bounds = StoreBounds(lease_s=30)
+        first, second, third = (ResponseStore(db, bounds, owner) for owner in ("one", "two", "three"))
+        await first.start()
+        job = {"key_id": "k", "request": {}, "chat": {}, "headers": [], "base": []}
+        await first.create("acme", {"id": "resp_bg", "status": "queued"}, [], True, job)
+        await first.create("acme", {"id": "resp_fg", "status": "in_progress"}, [], True)
+        assert await first.sweep(2) == []  # leases held: nothing to claim
+
+        def lapse() -> None:
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql("UPDATE gateway_responses SET lease_until = 0")
+
+        lapse()
+        found = await second.get("acme", "resp_bg")
+        assert found is not None and found.lapsed and found.status == "queued"
+        claims = [await second.sweep(2), await third.sweep(2)]
+        assert [[c.id for c in claim] for claim in claims] == [["resp_bg"], []]
+        assert claims[0][0].job == job and claims[0][0].takeovers == 1
+        # Not background: nothing could continue it, it failed.
+        fg = await first.get("acme", "resp_fg")
+        assert fg is not None and fg.status == "failed" and "stopped" in fg.body["error"]["message"]
+        # The old owner finds it taken and writes nothing more; the new one renews it.
+        assert await first.renew("resp_bg") == "taken"
+        assert await first.finish("resp_bg", "completed", {"id": "resp_bg"}, []) is False
+        assert await second.renew("resp_bg") == "renewed"
+        lapse()
+        assert [c.takeovers for c in await third.sweep(2)] == [2]
+        lapse()
+        assert await second.sweep(2) == []  # the bound: 2 takeovers, then it ends failed
+        spent = await second.get("acme", "resp_bg")
+        assert spent is not None and spent.status == "failed"
+        assert "stopped 3 times" in spent.body["error"]["message"]
+        assert await third.renew("resp_bg") == "ended"
+
+    asyncio.run(scenario())
+
+
+def _chunks(text: str) -> list[dict]:
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    pieces = [{"choices": [{"index": 0, "delta": {"content": c}}]} for c in text]
+    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": len(text)}}
+    return [role, *pieces, end, usage]
+
+
+def test_a_resumed_response_stream_continues_the_same_sequence_and_message():
+    parsed = oai.parse_request({"model": MODEL, "input": "x", "background": True})
+    text = "hello world"
+    whole = oai.ResponseStream(parsed, "resp_x", queued=True)
+    events = [*whole.start(), *whole.running()]
+    for chunk in _chunks(text):
+        events.extend(whole.feed(chunk))
+    events.extend(whole.finish())
+    cut_points = [i for i, e in enumerate(events) if e["type"] == "response.output_text.delta"]
+    for cut in (2, 3, *cut_points[:3], cut_points[-1] + 1):
+        replayed = json.loads(json.dumps(events[:cut]))  # as the log gives them back
+        resumed = oai.ResponseStream.resumed(parsed, "resp_x", replayed)
+        emitted = "".join(e["delta"] for e in replayed if e["type"] == "response.output_text.delta")
+        assert resumed.text == emitted and resumed.seq == cut - 1 and not resumed.has_calls
+        rest: list[dict] = []
+        # What a continuation's chat stream gives: the rest of the text; its prompt held the
+        # emitted part.
+        remaining = text[len(emitted) :]
+        for chunk in _chunks(remaining)[1:-1]:
+            rest.extend(resumed.feed(chunk))
+        resumed.feed(
+            {"choices": [], "usage": {"prompt_tokens": 5 + len(emitted), "completion_tokens": len(remaining)}}
+        )
+        rest.extend(resumed.finish())
+        assert [e["sequence_number"] for e in rest] == list(range(cut, cut + len(rest)))
+        assert rest[-1]["type"] == "response.completed"
+        unnamed = [{k: v for k, v in item.items() if k != "id"} for item in resumed.response["output"]]
+        assert unnamed == [{k: v for k, v in item.items() if k != "id"} for item in whole.response["output"]]
+        if emitted:  # the same message went on
+            assert resumed.response["output"][0]["id"] == whole.response["output"][0]["id"]
+        usage = resumed.response["usage"]
+        assert (usage["input_tokens"], usage["output_tokens"]) == (5, len(text))
+    with pytest.raises(ValueError):
+        oai.ResponseStream.resumed(parsed, "resp_x", [events[0], events[2]])

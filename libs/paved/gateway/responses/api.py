@@ -11,6 +11,13 @@ may stop it:
   readers keep a heartbeat in the log);
 - a background response: only `cancel` (on any replica: the owner's lease renewal sees it).
 
+A background response whose replica died (its lease lapsed) is continued by the replica whose
+sweep claims it (`_take_over`): it replays the events already in the log to rebuild the
+response, asks the chat path for the rest (the partial output as a final assistant message with
+vLLM's `continue_final_message`, or without it where the backend refuses that extension; from
+the start when nothing was output yet), for the same tenant, and appends to the same log with
+the next sequence numbers. A follower sees one sequence; the stored output is the emitted one.
+
 Invariants:
 - An id names a response or stream of one tenant; any other tenant gets the 404 an unknown id
   gets.
@@ -34,7 +41,7 @@ from starlette.routing import Route
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.responses.events import LiveStream, LiveStreams, StreamTrimmed
-from paved.gateway.responses.store import ACTIVE, ResponseStore
+from paved.gateway.responses.store import ACTIVE, Claimed, ResponseStore, failed_body
 from paved.http import openai_responses as oai
 from paved.http.errors import error_body
 from paved.http.json_body import JSONBodyError, parse_json
@@ -49,9 +56,12 @@ logger = logging.getLogger("paved.gateway.responses")
 STREAM_HEADER = "x-paved-stream-id"
 CHAT_PATH = "/v1/chat/completions"
 _NOT_FOUND = "no response with that id (it may have expired or been deleted)"
+_CANNOT_CONTINUE = "the gateway replica generating this response stopped, and it could not be continued"
 _EVENTS_GONE = "the events of this response are no longer kept (they expired or the event store was lost)"
 # The client headers a chat request made in-process keeps (auth, priority, tracing).
 _PASSED = (b"authorization", b"x-paved-priority", b"traceparent", b"x-request-id", b"x-paved-conversation")
+# The vLLM extension a continuation asks for; a backend without it names it in its 400.
+_EXTENSION = b"continue_final_message"
 
 
 class _Chat:
@@ -72,10 +82,12 @@ async def run_chat(
     abort: asyncio.Event,
     chat: _Chat,
     on_event: Callable[[bytes], Awaitable[None] | None],
+    principal: Principal | None = None,
 ) -> None:
     """POST `body` to the gateway's own chat path as a client with `headers` would, with no
     client: `abort` set is that client leaving. SSE events go to `on_event` whole (without
-    their blank line); a non-stream answer's body is kept in `chat.body`."""
+    their blank line); a non-stream answer's body is kept in `chat.body`. `principal`: the
+    caller is already known (a takeover has no Authorization to send)."""
     delivered = False
 
     async def receive() -> dict[str, Any]:
@@ -120,7 +132,7 @@ async def run_chat(
         "headers": [(b"content-type", b"application/json"), *headers],
     }  # fmt: skip
     try:
-        response = await proxy.forward(Request(scope, receive), "chat", CHAT_PATH)
+        response = await proxy.forward(Request(scope, receive), "chat", CHAT_PATH, principal=principal)
         await response(scope, receive, send)
     finally:
         if not chat.started.done():
@@ -155,12 +167,16 @@ class ResponsesAPI:
         store: ResponseStore,
         streams: LiveStreams,
         resumable_chat: bool = False,
+        max_takeovers: int = 3,
     ):
         self.proxy = proxy
         self.authenticator = authenticator
         self.store = store
         self.streams = streams
         self.resumable_chat = resumable_chat
+        self.max_takeovers = max_takeovers
+        # Set by a read that found a lapsed lease: the sweep runs at once, not a lease later.
+        self._wake = asyncio.Event()
         # This replica's running generations by response id: a local cancel stops one at once.
         self._running: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -184,11 +200,17 @@ class ResponsesAPI:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(self.store.bounds.lease_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.store.bounds.lease_s / 2)
+            self._wake.clear()
             try:
-                await self.store.sweep()
+                claimed = await self.store.sweep(self.max_takeovers)
             except Exception as e:  # noqa: BLE001 - the next round retries
                 logger.warning("could not sweep stored responses: %s", e)
+                continue
+            for one in claimed:
+                logger.info("continuing response %s (takeover %d)", one.id, one.takeovers)
+                self._spawn(self._take_over(one))
 
     def routes(self) -> list[Route]:
         return [
@@ -250,7 +272,16 @@ class ResponsesAPI:
         logged = parsed.store and (parsed.stream or parsed.background)
         live = await self.streams.create(response_id, tenant) if logged else None
         if parsed.store:
-            await self.store.create(tenant, dict(run.response), parsed.input_items, logged)
+            # What another replica needs to continue it if this one dies (never the key itself).
+            spec = None
+            if parsed.background:
+                passed = [(k, v) for k, v in _passed_headers(request) if k != b"authorization"]
+                spec = {
+                    "key_id": principal.key_id, "request": body, "chat": parsed.chat_body(),
+                    "base": [*parsed.history, *parsed.input_messages],
+                    "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in passed],
+                }  # fmt: skip
+            await self.store.create(tenant, dict(run.response), parsed.input_items, logged, spec)
         abort = asyncio.Event()
         self._running[response_id] = abort
         job = _Job(self, parsed, run, live, abort, _passed_headers(request), tenant)
@@ -284,6 +315,76 @@ class ResponsesAPI:
             headers={"cache-control": "no-cache", STREAM_HEADER: stream_id},
         )
 
+    # ---- takeover of a response whose replica died ---------------------------------------
+    async def _take_over(self, claimed: Claimed) -> None:
+        """Continue a background response this replica claimed after its owner's lease lapsed:
+        the same tenant, the same stream, the next sequence numbers."""
+        job, response_id = claimed.job, claimed.id
+        abort = asyncio.Event()
+        self._running[response_id] = abort
+        try:
+            parsed = oai.parse_request(job["request"])
+            run = oai.ResponseStream.resumed(parsed, response_id, await self._logged_events(response_id))
+        except (oai.ResponsesError, ValueError, KeyError, TypeError, StreamTrimmed, GatewayError) as e:
+            logger.warning("response %s cannot be continued: %s", response_id, e)
+            await self.store.finish(
+                response_id,
+                "failed",
+                failed_body(claimed.body, _CANNOT_CONTINUE + " (its events were lost)"),
+                [],
+            )
+            self._running.pop(response_id, None)
+            return
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in job["headers"]]
+        principal = await self.store.principal(job["key_id"])
+        taking = _Job(
+            self, parsed, run, None, abort, headers, claimed.tenant, log_id=response_id, principal=principal,
+            base=job["base"],
+        )  # fmt: skip
+        bodies = None if run.done else self._continuation(job["chat"], run, taking)
+        if principal is None:
+            taking.error = _CANNOT_CONTINUE + " (the API key that created it was revoked or expired)"
+        if run.done:
+            # The log ended before the owner stored the outcome: store it, change nothing else.
+            await taking._end()
+            self._running.pop(response_id, None)
+            return
+        await taking.run(bodies)
+
+    @staticmethod
+    def _continuation(chat: dict[str, Any], run: oai.ResponseStream, job: _Job) -> list[bytes]:
+        """The chat bodies that generate the rest of `run`'s output (first choice first)."""
+        text = run.text
+        if run.has_calls:
+            job.error = _CANNOT_CONTINUE + " in the middle of a function call"
+            return []
+        if text and chat.get("response_format"):
+            job.error = _CANNOT_CONTINUE + " in the middle of a structured output"
+            return []
+        body = dict(chat)
+        if isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] -= run.prior_tokens
+            if body["max_tokens"] < 1:
+                run.hit_limit()
+                return []
+        if not text:
+            return [json.dumps(body, ensure_ascii=False).encode()]
+        body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        extended = {**body, "continue_final_message": True, "add_generation_prompt": False}
+        return [json.dumps(b, ensure_ascii=False).encode() for b in (extended, body)]
+
+    async def _logged_events(self, stream_id: str) -> list[dict[str, Any]]:
+        """Every event of a stream in the log, parsed; GatewayError when the log lost it."""
+        if await self.streams.log.info(stream_id) is None:
+            raise GatewayError(404, _EVENTS_GONE)
+        events: list[dict[str, Any]] = []
+        after = -1
+        while batch := await self.streams.log.read(stream_id, after, 0):
+            for seq, data, _ in batch:
+                events.append(_event_of(data))
+                after = seq
+        return events
+
     # ---- retrieve, cancel, delete, input items ----------------------------------------------
     async def _stored(self, request: Request) -> tuple[Principal, Any]:
         principal = await self._principal(request)
@@ -294,6 +395,8 @@ class ResponsesAPI:
 
     async def retrieve(self, request: Request) -> Response:
         principal, found = await self._stored(request)
+        if found.lapsed:
+            self._wake.set()
         query = request.query_params
         if query.get("stream") not in ("true", "1"):
             return JSONResponse(found.body)
@@ -476,7 +579,11 @@ class ResponsesAPI:
 
 
 class _Job:
-    """One response's generation: runs the chat path, translates its events, records them."""
+    """One response's generation: runs the chat path, translates its events, records them.
+
+    Its events go to `live` (a stream this replica created), else straight to the log under
+    `log_id` (a takeover: the stream was created by a replica that died), else to the local
+    queue (`store: false`)."""
 
     def __init__(
         self,
@@ -487,25 +594,52 @@ class _Job:
         abort: asyncio.Event,
         headers: list[tuple[bytes, bytes]],
         tenant: str,
+        *,
+        log_id: str | None = None,
+        principal: Principal | None = None,
+        base: list[dict[str, Any]] | None = None,
     ):
         self.api, self.parsed, self.run_, self.live, self.abort = api, parsed, run, live, abort
-        self.headers, self.tenant = headers, tenant
+        self.headers, self.tenant, self.log_id, self.principal = headers, tenant, log_id, principal
+        # The conversation before this response's output (stored for previous_response_id).
+        self.base = base if base is not None else [*parsed.history, *parsed.input_messages]
         self.chat = _Chat()
         self.error: str | None = None
         # Without a log (store: false) the client's own stream reads from here.
         self._local: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # A takeover's events not yet appended to the log.
+        self._unwritten: list[tuple[int, bytes, bool]] = []
         self.cancelled = False
-        self._started = False
+        # Another replica took this response over (our lease lapsed): we write nothing more.
+        self.taken = False
+        # A continued response that was already in progress emits no second response.in_progress.
+        self._started = run.response["status"] == "in_progress" and log_id is not None
 
     def _emit(self, events: list[dict[str, Any]]) -> None:
         for event in events:
             data = oai.sse(event)
+            end = event["type"] in oai.TERMINAL_EVENTS
             if self.live is not None:
-                self.api.streams.push(self.live, data, end=event["type"] in oai.TERMINAL_EVENTS)
+                self.api.streams.push(self.live, data, end=end)
+            elif self.log_id is not None:
+                self._unwritten.append((event["sequence_number"], data, end))
             else:
                 self._local.put_nowait(data)
-        if self.run_.done and self.live is None:
+        if self.run_.done and self.live is None and self.log_id is None:
             self._local.put_nowait(None)
+
+    async def _write(self) -> None:
+        """A takeover's events into the log, in order, before the next chunk is read (the
+        backpressure of a rare path; a LiveStream's flusher batches them on the usual one)."""
+        if self.log_id is None or not self._unwritten:
+            return
+        batch, self._unwritten = self._unwritten, []
+        try:
+            await self.api.streams.log.append(
+                self.log_id, [(seq, data) for seq, data, _ in batch], batch[-1][2]
+            )
+        except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the response
+            logger.warning("could not write stream %s to the event log: %s", self.log_id, e)
 
     async def local_events(self) -> AsyncIterator[bytes]:
         while True:
@@ -532,25 +666,40 @@ class _Job:
             return
         self._emit(self.run_.feed(chunk))
 
-    async def run(self) -> None:
+    async def run(self, bodies: list[bytes] | None = None) -> None:
+        """Generate, then store the outcome. `bodies`: chat bodies to try in turn, the next
+        only when the backend refused the one before it as an unknown extension (a
+        continuation with vLLM's continue_final_message, then without it); default: the
+        request's own body; none: nothing is left to generate (or `self.error` says why not)."""
         api, store, response_id = self.api, self.api.store, self.run_.response["id"]
         lease: asyncio.Task[None] | None = None
         try:
-            self._emit(self.run_.start())
+            if self.run_.seq < 0:
+                self._emit(self.run_.start())
+            await self._write()
             if self.parsed.store:
                 lease = asyncio.create_task(self._keep_lease(response_id))
-            body = json.dumps(self.parsed.chat_body(), ensure_ascii=False).encode()
+            if bodies is None:
+                bodies = [json.dumps(self.parsed.chat_body(), ensure_ascii=False).encode()]
 
-            def on_event(event: bytes) -> None:
+            def on_event(event: bytes) -> Awaitable[None]:
                 if self.run_.response["status"] != "in_progress" or not self._started:
                     self._started = True
                     self._emit(self.run_.running())
                     if self.parsed.store:
                         api._spawn(store.set_status(response_id, "in_progress", dict(self.run_.response)))
                 self._on_event(event)
+                return self._write()
 
-            await run_chat(api.proxy, self.headers, body, self.abort, self.chat, on_event)
-            if self.chat.status != 200:
+            for i, body in enumerate(bodies):
+                if self.error is not None:
+                    break
+                if i:
+                    self.chat = _Chat()
+                await run_chat(api.proxy, self.headers, body, self.abort, self.chat, on_event, self.principal)
+                if not (i + 1 < len(bodies) and self.chat.status == 400 and _EXTENSION in self.chat.body):
+                    break
+            if bodies and self.error is None and self.chat.status != 200:
                 self.error = _chat_error(self.chat)
         except Exception as e:  # noqa: BLE001 - the response must still end
             logger.warning("response %s failed: %s", response_id, e)
@@ -558,27 +707,36 @@ class _Job:
         finally:
             if lease is not None:
                 lease.cancel()
-            self.cancelled = self.abort.is_set()
-            self._emit(
-                self.run_.finish(error=None if self.cancelled else self.error, cancelled=self.cancelled)
-            )
-            if self.live is not None:
-                await api.streams.flushed(self.live)
-            if self.parsed.store:
-                messages = [*self.parsed.history, *self.parsed.input_messages, *self.run_.output_messages()]
-                with contextlib.suppress(Exception):
-                    await store.finish(
-                        response_id, self.run_.response["status"], self.run_.response, messages
-                    )
             api._running.pop(response_id, None)
+            if self.taken:
+                logger.warning("response %s was taken over by another replica; this one stops", response_id)
+            else:
+                await self._end()
+
+    async def _end(self) -> None:
+        """The terminal event into the log, then the final status into the store."""
+        self.cancelled = self.abort.is_set()
+        self._emit(self.run_.finish(error=None if self.cancelled else self.error, cancelled=self.cancelled))
+        await self._write()
+        if self.live is not None:
+            await self.api.streams.flushed(self.live)
+        if self.parsed.store:
+            messages = [*self.base, *self.run_.output_messages()]
+            with contextlib.suppress(Exception):
+                await self.api.store.finish(
+                    self.run_.response["id"], self.run_.response["status"], self.run_.response, messages
+                )
 
     async def _keep_lease(self, response_id: str) -> None:
-        """Renew the lease; a response cancelled or deleted on another replica stops here."""
+        """Renew the lease; a response cancelled or deleted on another replica, or taken over
+        by one after a lapse, stops here."""
         period = max(0.2, min(1.0, self.api.store.bounds.lease_s / 3))
         while True:
             await asyncio.sleep(period)
             try:
-                if not await self.api.store.renew(response_id):
+                renewed = await self.api.store.renew(response_id)
+                if renewed != "renewed":
+                    self.taken = renewed == "taken"
                     self.abort.set()
                     return
             except GatewayError as e:
@@ -606,6 +764,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], abort: as
 
 def _stream_headers(stream_id: str) -> dict[str, str]:
     return {"cache-control": "no-cache", "x-accel-buffering": "no", STREAM_HEADER: stream_id}
+
+
+def _event_of(data: bytes) -> dict[str, Any]:
+    """The event of one SSE frame `oai.sse` wrote."""
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: "):
+            value = json.loads(line[6:])
+            if isinstance(value, dict):
+                return value
+    raise ValueError("an event without data")
 
 
 def _one_event(event: dict[str, Any]) -> Response:

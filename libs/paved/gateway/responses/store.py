@@ -5,8 +5,12 @@ Invariants:
 - A response is read, cancelled or deleted only by its tenant; another tenant's id, an expired
   one and an unknown one are the same None (the caller answers one 404).
 - A response in `queued` / `in_progress` is held by one replica's lease (`owner`,
-  `lease_until`), renewed while it generates. A lease that lapsed (the replica died) ends the
-  response `failed` the next time any replica reads or sweeps it.
+  `lease_until`), renewed while it generates; only the owner renews, moves or finishes it. A
+  background response keeps its job (`gateway_response_jobs`: the key id it runs for, the
+  request, the chat body, the passed headers) while active: when its lease lapses (the replica
+  died) `sweep` hands it to exactly one live replica (a conditional update claims it), which
+  continues it; after `max_takeovers` claims it ends `failed` instead. A lapsed response
+  without a job (not background: its client's connection died with the replica) ends `failed`.
 - At most `max_per_tenant` responses per tenant are kept (the oldest finished ones go first)
   and each expires `retention_s` after it was created.
 """
@@ -20,9 +24,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from paved.gateway.access.state import GatewayStore
+from paved.gateway.types import Principal
 
 ACTIVE = ("queued", "in_progress")
 LEASE_LOST = "the gateway replica generating this response stopped before it finished"
+TAKEOVERS_SPENT = (
+    "the gateway replicas generating this response stopped {n} times; it was not continued again"
+)
 
 _metadata = sa.MetaData()
 responses_table = sa.Table(
@@ -40,6 +48,15 @@ responses_table = sa.Table(
     sa.Column("input_items", sa.JSON, nullable=False),
     sa.Column("messages", sa.JSON, nullable=False),
 )
+# A separate table (not columns of the one above): a database made before takeovers existed
+# gains it through create_tables, with no migration.
+jobs_table = sa.Table(
+    "gateway_response_jobs",
+    _metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("takeovers", sa.Integer, nullable=False),
+    sa.Column("job", sa.JSON, nullable=False),
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,18 @@ class StoreBounds:
     max_per_tenant: int = 10_000
     retention_s: float = 30 * 24 * 3600.0
     lease_s: float = 15.0
+
+
+@dataclass
+class Claimed:
+    """A background response this replica now holds the lease of, to continue it: `job` is
+    what `create` stored (key_id, request, chat, headers, base), `takeovers` counts this one."""
+
+    id: str
+    tenant: str
+    body: dict[str, Any]
+    job: dict[str, Any]
+    takeovers: int
 
 
 @dataclass
@@ -58,17 +87,24 @@ class StoredResponse:
     body: dict[str, Any]
     input_items: list[dict[str, Any]]
     messages: list[dict[str, Any]]
+    lease_until: float = 0.0
+
+    @property
+    def lapsed(self) -> bool:
+        """Active with a lease that lapsed: its replica stopped (a sweep hands it over)."""
+        return self.status in ACTIVE and self.lease_until < time.time()
 
 
 def _row(row: Any) -> StoredResponse:
     return StoredResponse(
         id=row.id, tenant=row.tenant, status=row.status, streamed=bool(row.streamed), body=row.body,
-        input_items=row.input_items, messages=row.messages,
+        input_items=row.input_items, messages=row.messages, lease_until=row.lease_until,
     )  # fmt: skip
 
 
-def _failed(body: dict[str, Any]) -> dict[str, Any]:
-    return {**body, "status": "failed", "error": {"code": "server_error", "message": LEASE_LOST}}
+def failed_body(body: dict[str, Any], message: str = LEASE_LOST) -> dict[str, Any]:
+    """A response object ended `failed` with a server_error saying `message`."""
+    return {**body, "status": "failed", "error": {"code": "server_error", "message": message}}
 
 
 class ResponseStore:
@@ -81,12 +117,24 @@ class ResponseStore:
         await self._store.create_tables(_metadata)
 
     async def create(
-        self, tenant: str, body: dict[str, Any], items: list[dict[str, Any]], streamed: bool
+        self,
+        tenant: str,
+        body: dict[str, Any],
+        items: list[dict[str, Any]],
+        streamed: bool,
+        job: dict[str, Any] | None = None,
     ) -> None:
-        await self._store.run(self._create_sync, tenant, body, items, streamed)
+        """Store a new response, leased to this replica; `job` (background responses): what
+        another replica needs to continue it if this one dies."""
+        await self._store.run(self._create_sync, tenant, body, items, streamed, job)
 
     def _create_sync(
-        self, tenant: str, body: dict[str, Any], items: list[dict[str, Any]], streamed: bool
+        self,
+        tenant: str,
+        body: dict[str, Any],
+        items: list[dict[str, Any]],
+        streamed: bool,
+        job: dict[str, Any] | None,
     ) -> None:
         t = responses_table
         now = time.time()
@@ -102,6 +150,8 @@ class ResponseStore:
             )
             if over:
                 conn.execute(t.delete().where(t.c.id.in_([r[0] for r in over])))
+            if job is not None:
+                conn.execute(jobs_table.insert().values(id=body["id"], takeovers=0, job=job))
             conn.execute(
                 t.insert().values(
                     id=body["id"], tenant=tenant, status=body["status"], created_at=now,
@@ -110,6 +160,19 @@ class ResponseStore:
                     messages=[],
                 )
             )  # fmt: skip
+
+    async def principal(self, key_id: str) -> Principal | None:
+        """Who a takeover runs as: the key that created the response, while it is neither
+        revoked nor expired (else None)."""
+        found = await self._store.lookup(key_id)
+        if found is None:
+            return None
+        info, tenant, _ = found
+        if info.revoked_at is not None or (
+            info.expires_at is not None and info.expires_at.timestamp() <= time.time()
+        ):
+            return None
+        return Principal(key_id=info.key_id, key_name=info.name, tenant=tenant, key_limits=info.limits)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._store.run(self._get_sync, tenant, response_id)
@@ -125,12 +188,16 @@ class ResponseStore:
                 return None
             found = _row(row)
             if row.status in ACTIVE and row.lease_until < now:
-                found.body, found.status = _failed(row.body), "failed"
-                conn.execute(
-                    t.update()
-                    .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.lease_until < now)
-                    .values(status="failed", body=found.body)
-                )
+                has_job = conn.execute(
+                    sa.select(jobs_table.c.id).where(jobs_table.c.id == response_id)
+                ).first()
+                if has_job is None:
+                    found.body, found.status = failed_body(row.body), "failed"
+                    conn.execute(
+                        t.update()
+                        .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.lease_until < now)
+                        .values(status="failed", body=found.body)
+                    )
             return found
 
     async def set_status(self, response_id: str, status: str, body: dict[str, Any]) -> bool:
@@ -156,29 +223,33 @@ class ResponseStore:
         if messages is not None:
             values["messages"] = messages
         with self._store.engine.begin() as conn:
-            done = conn.execute(
-                t.update().where(t.c.id == response_id, t.c.status.in_(ACTIVE)).values(**values)
-            ).rowcount
-            if not done and messages is not None:
+            ours = sa.and_(t.c.id == response_id, t.c.owner == self.owner)
+            done = conn.execute(t.update().where(ours, t.c.status.in_(ACTIVE)).values(**values)).rowcount
+            if messages is not None:
                 # Cancelled meanwhile: keep the cancellation, store what was generated.
-                conn.execute(t.update().where(t.c.id == response_id).values(messages=messages))
+                ended = done or conn.execute(t.update().where(ours).values(messages=messages)).rowcount
+                if ended:  # (another owner's job stays: it is still generating)
+                    conn.execute(jobs_table.delete().where(jobs_table.c.id == response_id))
             return bool(done)
 
-    async def renew(self, response_id: str) -> bool:
-        """Extend our lease; False when the response is no longer active (cancelled or deleted
-        on some replica): the generation stops."""
+    async def renew(self, response_id: str) -> str:
+        """Extend our lease: "renewed"; "ended" when the response is no longer active
+        (cancelled or deleted on some replica: the generation stops and ends it); "taken" when
+        it lapsed and another replica took it over (the generation stops and writes nothing
+        more: the new owner continues the same stream)."""
         return await self._store.run(self._renew_sync, response_id)
 
-    def _renew_sync(self, response_id: str) -> bool:
+    def _renew_sync(self, response_id: str) -> str:
         t = responses_table
         with self._store.engine.begin() as conn:
-            return bool(
-                conn.execute(
-                    t.update()
-                    .where(t.c.id == response_id, t.c.status.in_(ACTIVE))
-                    .values(lease_until=time.time() + self.bounds.lease_s, owner=self.owner)
-                ).rowcount
-            )
+            if conn.execute(
+                t.update()
+                .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.owner == self.owner)
+                .values(lease_until=time.time() + self.bounds.lease_s)
+            ).rowcount:
+                return "renewed"
+            row = conn.execute(sa.select(t.c.status, t.c.owner).where(t.c.id == response_id)).first()
+        return "taken" if row is not None and row.status in ACTIVE else "ended"
 
     async def cancel(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._store.run(self._cancel_sync, tenant, response_id)
@@ -205,24 +276,46 @@ class ResponseStore:
     def _delete_sync(self, tenant: str, response_id: str) -> bool:
         t = responses_table
         with self._store.engine.begin() as conn:
-            return bool(conn.execute(t.delete().where(t.c.id == response_id, t.c.tenant == tenant)).rowcount)
+            gone = conn.execute(t.delete().where(t.c.id == response_id, t.c.tenant == tenant)).rowcount
+            if gone:
+                conn.execute(jobs_table.delete().where(jobs_table.c.id == response_id))
+            return bool(gone)
 
-    async def sweep(self) -> int:
-        """End every response whose lease lapsed (its replica died); drop expired ones."""
-        return await self._store.run(self._sweep_sync)
+    async def sweep(self, max_takeovers: int = 0) -> list[Claimed]:
+        """Drop expired responses; claim for this replica every background response whose
+        lease lapsed and that was taken over fewer than `max_takeovers` times (the caller
+        continues each one returned); end the other lapsed ones `failed`."""
+        return await self._store.run(self._sweep_sync, max_takeovers)
 
-    def _sweep_sync(self) -> int:
-        t = responses_table
+    def _sweep_sync(self, max_takeovers: int) -> list[Claimed]:
+        t, j = responses_table, jobs_table
         now = time.time()
+        claimed: list[Claimed] = []
         with self._store.engine.begin() as conn:
             conn.execute(t.delete().where(t.c.expires_at < now))
+            conn.execute(j.delete().where(j.c.id.not_in(sa.select(t.c.id))))
             rows = list(
-                conn.execute(sa.select(t.c.id, t.c.body).where(t.c.status.in_(ACTIVE), t.c.lease_until < now))
+                conn.execute(
+                    sa.select(t.c.id, t.c.tenant, t.c.body, j.c.takeovers, j.c.job)
+                    .select_from(t.outerjoin(j, j.c.id == t.c.id))
+                    .where(t.c.status.in_(ACTIVE), t.c.lease_until < now)
+                )
             )
             for row in rows:
-                conn.execute(
-                    t.update()
-                    .where(t.c.id == row.id, t.c.status.in_(ACTIVE), t.c.lease_until < now)
-                    .values(status="failed", body=_failed(row.body))
-                )
-            return len(rows)
+                lapsed = sa.and_(t.c.id == row.id, t.c.status.in_(ACTIVE), t.c.lease_until < now)
+                if row.job is not None and row.takeovers < max_takeovers:
+                    # Conditional: of the replicas sweeping at once, exactly one claims it.
+                    if conn.execute(
+                        t.update()
+                        .where(lapsed)
+                        .values(owner=self.owner, lease_until=now + self.bounds.lease_s)
+                    ).rowcount:
+                        conn.execute(j.update().where(j.c.id == row.id).values(takeovers=row.takeovers + 1))
+                        claimed.append(Claimed(row.id, row.tenant, row.body, row.job, row.takeovers + 1))
+                    continue
+                message = LEASE_LOST if row.job is None else TAKEOVERS_SPENT.format(n=row.takeovers + 1)
+                if conn.execute(
+                    t.update().where(lapsed).values(status="failed", body=failed_body(row.body, message))
+                ).rowcount:
+                    conn.execute(j.delete().where(j.c.id == row.id))
+        return claimed
