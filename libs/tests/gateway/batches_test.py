@@ -138,10 +138,19 @@ class _FakeLines:
         self.states[lease.line_no] = state
         return True
 
-    async def settle_many(self, owner, outcomes):
+    async def settle_many(self, owner, outcomes, tokens=None, now=0.0):
         for lease, state, _, _ in outcomes:
             self.states[lease.line_no] = state
         return [True] * len(outcomes)
+
+    async def token_use(self, now):
+        return {}
+
+    async def retired(self, cutoff, limit):
+        return []
+
+    async def prune_token_use(self, now):
+        pass
 
     async def batch_states(self, ids):
         return {"batch_x": (self.status, 1e12)}

@@ -148,19 +148,28 @@ def _stream(body: IO[bytes]) -> Iterator[bytes]:
 def _s3(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """`call` with boto's errors as ObjectStoreUnavailable (the client's own retries and
     deadlines have run by then)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     try:
         return call(*args, **kwargs)
-    except ClientError as e:
-        raise ObjectStoreUnavailable("S3 " + str(e.response.get("Error", {}).get("Code", "error"))) from e
-    except (BotoCoreError, OSError) as e:
-        # boto3's transfer manager raises S3UploadFailedError (neither of boto's bases).
-        raise ObjectStoreUnavailable("S3 " + type(e).__name__) from e
     except Exception as e:
-        if type(e).__module__.startswith(("boto3", "botocore", "s3transfer", "urllib3")):
-            raise ObjectStoreUnavailable("S3 " + type(e).__name__) from e
-        raise
+        if not type(e).__module__.startswith(
+            ("boto3", "botocore", "s3transfer", "urllib3")
+        ) and not isinstance(e, OSError):
+            raise
+        raise ObjectStoreUnavailable("S3 " + _s3_cause(e)) from e
+
+
+def _s3_cause(e: BaseException) -> str:
+    """S3's error code (NoSuchBucket, AccessDenied, ...) where the error or what it wraps has
+    one (boto3's upload wraps it in S3UploadFailedError), else the exception's type."""
+    seen: BaseException | None = e
+    while seen is not None:
+        code = (
+            getattr(seen, "response", {}).get("Error", {}).get("Code") if hasattr(seen, "response") else None
+        )
+        if code:
+            return str(code)
+        seen = seen.__cause__ or seen.__context__
+    return type(e).__name__
 
 
 def s3_client(endpoint_url: str | None, region: str | None = None) -> Any:

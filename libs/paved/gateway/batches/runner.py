@@ -4,10 +4,19 @@ Each tick it (1) commits the answers gathered since the last one (one transactio
 the leases of the lines it holds, (3) abandons the lines of batches that were cancelled or ran
 past their window, (4) leases more lines while the batch's model has headroom: `concurrency` to
 run plus half as many ahead, so that a line that ends starts the next one at once, between
-ticks, and (5) finalizes batches whose lines are all answered (or that were cancelled or
-expired): the output and error files are written to the object store and published with the
-final status. A batch whose lines ran out is finalized by the tick after this replica's last
-answer for it is committed, not at the next once-a-second maintenance round.
+ticks, (5) writes the answers it committed into output chunks in the object store, and (6)
+finalizes batches whose lines are all answered (or that were cancelled or expired): the
+committed chunks are concatenated into the output and error files, published with the final
+status. A batch whose lines ran out is finalized by the tick after this replica's last answer
+for it is committed, not at the next once-a-second maintenance round. Every `sweep_s` it also
+deletes finished batches older than `retention_s` (see `_sweep`).
+
+Chunks: the output lines this replica committed are kept in memory per batch (at most
+4 x `chunk_lines`; past that they wait in their rows for the finalizer) and written as one
+chunk every `chunk_lines` lines or `chunk_s` seconds, one chunk write at a time, off the tick.
+The finalizer chunks whatever is still in rows (lines of a dead replica, the last few), so the
+files are assembled from the object store alone and the database never holds a batch's whole
+output; a restart re-does only lines that were never settled (store.py has the invariants).
 
 A line is sent through the gateway's own request path (`OpenAIProxy.forward` with the batch
 creator's principal), so the same router, limits, orchestration (templates, exact cache) and
@@ -16,7 +25,10 @@ the model always go first. On top of that a line is only leased when the model h
 nobody waits in the model's queue on this replica, the router's fresh engine gauges do not read
 every backend full (`Router.saturated`), this replica runs fewer than `concurrency` lines, and
 the tenant's batch tokens in the last minute on this replica are under `token_share` of its
-tokens/min limit.
+tokens/min limit. Those tokens are counted over every replica: each group of answers commits
+its tokens with it (`batch_token_use` in the shared state database) and each maintenance round
+reads the tenants' sums back, so N replicas together stay under the share (between two reads a
+replica adds what it answered itself).
 
 Invariants: a line's outcome is committed only under its current lease (paved.gateway.batches
 .store), so a replica killed mid-batch loses nothing (its leases expire after `lease_s` and
@@ -44,7 +56,7 @@ from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 
 from paved.gateway.batches.objects import ObjectStore
-from paved.gateway.batches.store import BatchStore, Lease, new_id, output_line
+from paved.gateway.batches.store import SETTLED, BatchStore, Chunk, Lease, chunk_prefix, new_id, output_line
 from paved.gateway.errors import GatewayError
 from paved.gateway.types import Principal
 
@@ -76,11 +88,19 @@ class RunnerConfig:
     # Lines this replica runs at once, over every batch.
     concurrency: int = 32
     max_attempts: int = 20
-    # Of a tenant's tokens/min limit, what its batches may use (per replica).
+    # Of a tenant's tokens/min limit, what its batches may use (all replicas together).
     token_share: float = 0.5
     stats_every_s: float = 5.0
     # Abandoning lines of cancelled / expired batches and finalizing finished ones: this often.
     maintenance_s: float = 1.0
+    # An output chunk is written every `chunk_lines` committed lines or `chunk_s` seconds.
+    chunk_lines: int = 1000
+    chunk_s: float = 10.0
+    # Finished batches (and their output / error files) are deleted this long after finishing,
+    # checked every `sweep_s`, at most `sweep_batches` per sweep.
+    retention_s: float = 30 * 24 * 3600.0
+    sweep_s: float = 60.0
+    sweep_batches: int = 20
 
 
 class BatchMetrics:
@@ -134,9 +154,17 @@ class BatchRunner:
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._principals: dict[str, tuple[float, Principal | None]] = {}
-        # Per tenant: (when, tokens) of its batch answers in the last minute, and their sum.
-        self._tokens: dict[str, deque[tuple[float, int]]] = {}
-        self._token_sums: dict[str, int] = {}
+        # Batch tokens per tenant: last minute over all replicas as last read (`_shared`),
+        # answered here since that read (`_local`), answered here and not yet committed.
+        self._shared_tokens: dict[str, float] = {}
+        self._local_tokens: dict[str, int] = {}
+        self._pending_tokens: dict[str, int] = {}
+        # Committed output lines not yet in a chunk, per batch: (line_no, state, line); when
+        # the first of them came; the chunk being written.
+        self._chunk_buf: dict[str, list[tuple[int, str, str]]] = {}
+        self._chunk_since: dict[str, float] = {}
+        self._chunk_task: asyncio.Task[bool] | None = None
+        self._swept = 0.0
         # Lines leased ahead, started the moment a running line ends (see _lease).
         self._ready: deque[tuple[dict[str, Any], Lease]] = deque()
         # Batches whose last lease came back short: finalized as soon as this replica holds
@@ -169,6 +197,10 @@ class BatchRunner:
             await asyncio.gather(*(t for t, _ in self._tasks.values()), return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._flush()
+        if self._chunk_task is not None:
+            # Uncommitted, the chunk is ignored: its lines are still in their rows.
+            self._chunk_task.cancel()
+            await asyncio.gather(self._chunk_task, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._release(list(self._ready))
 
@@ -204,9 +236,15 @@ class BatchRunner:
         if maintain:
             self._maintained = now
             await self._abandon(now)
+            self._shared_tokens = await self.store.token_use(now)
+            self._local_tokens = dict(self._pending_tokens)
         await self._lease(now)
+        self._chunk(now)
         if maintain or drained:
             await self._finalize(now)
+        if maintain and (now - self._swept >= cfg.sweep_s or now < self._swept):
+            self._swept = now
+            await self._sweep(now)
         if now - self._stats_at >= cfg.stats_every_s:
             self._stats_at = now
             await self._stats(now)
@@ -303,18 +341,12 @@ class BatchRunner:
         cached = self._principals.get(batch["key_id"])
         principal = cached[1] if cached is not None else None
         tpm = principal.tenant.limits.tokens_per_min if principal is not None else None
-        return tpm is None or self._tokens_used(batch["tenant"], now) < tpm * self.config.token_share
+        return tpm is None or self.tokens_used(batch["tenant"]) < tpm * self.config.token_share
 
-    def _tokens_used(self, tenant: str, now: float) -> int:
-        """The tenant's batch tokens answered on this replica in the last minute."""
-        window = self._tokens.get(tenant)
-        if not window:
-            return 0
-        total = self._token_sums.get(tenant, 0)
-        while window and window[0][0] < now - 60:
-            total -= window.popleft()[1]
-        self._token_sums[tenant] = total
-        return total
+    def tokens_used(self, tenant: str) -> float:
+        """The tenant's batch tokens in the last minute, over every replica: the shared count
+        as of the last maintenance round plus what this replica answered since."""
+        return self._shared_tokens.get(tenant, 0.0) + self._local_tokens.get(tenant, 0)
 
     async def _principal(self, key_id: str, now: float) -> Principal | None:
         cached = self._principals.get(key_id)
@@ -354,18 +386,33 @@ class BatchRunner:
         self._outcomes.append((lease, state, line, 0.0, tenant, model))
 
     async def _flush(self) -> None:
-        """Commit the answers gathered since the last tick, in one transaction."""
-        if not self._outcomes:
+        """Commit the answers gathered since the last tick, and their tokens, in one
+        transaction; the output lines committed go to the batch's next chunk."""
+        if not self._outcomes and not self._pending_tokens:
             return
         batch, self._outcomes = self._outcomes, []
+        tokens, self._pending_tokens = self._pending_tokens, {}
+        now = self.clock()
         try:
-            ours = await self.store.settle_many(self.owner, [(o[0], o[1], o[2], o[3]) for o in batch])
+            ours = await self.store.settle_many(
+                self.owner, [(o[0], o[1], o[2], o[3]) for o in batch], tokens=tokens, now=now
+            )
         except BaseException:
-            self._outcomes = batch + self._outcomes  # the database was unreachable: next tick
+            # The database was unreachable: next tick.
+            self._outcomes = batch + self._outcomes
+            for tenant, n in tokens.items():
+                self._pending_tokens[tenant] = self._pending_tokens.get(tenant, 0) + n
             raise
-        for (_, state, _, _, tenant, model), kept in zip(batch, ours, strict=True):
-            if kept:
-                self.metrics.lines.labels(tenant, model, "retried" if state == "pending" else state).inc()
+        most = 4 * self.config.chunk_lines
+        for (lease, state, line, _, tenant, model), kept in zip(batch, ours, strict=True):
+            if not kept:
+                continue
+            self.metrics.lines.labels(tenant, model, "retried" if state == "pending" else state).inc()
+            if state in SETTLED and line is not None:
+                buf = self._chunk_buf.setdefault(lease.batch_id, [])
+                if len(buf) < most:  # else the finalizer chunks it from its row
+                    self._chunk_since.setdefault(lease.batch_id, now)
+                    buf.append((lease.line_no, state, line))
 
     async def _send(self, batch: dict[str, Any], lease: Lease) -> tuple[int, str, Any, float | None]:
         now = self.clock()
@@ -399,16 +446,94 @@ class BatchRunner:
         if response.status_code == 200 and isinstance(answer, dict):
             usage = answer.get("usage")
             used = usage.get("total_tokens") if isinstance(usage, dict) else None
-            if isinstance(used, int):
+            if isinstance(used, int) and used > 0:
                 tenant = batch["tenant"]
-                self._tokens.setdefault(tenant, deque()).append((now, used))
-                self._token_sums[tenant] = self._token_sums.get(tenant, 0) + used
+                self._pending_tokens[tenant] = self._pending_tokens.get(tenant, 0) + used
+                self._local_tokens[tenant] = self._local_tokens.get(tenant, 0) + used
         retry_after = response.headers.get("retry-after")
         try:
             wait = float(retry_after) if retry_after is not None else None
         except ValueError:
             wait = None
         return response.status_code, response.headers.get("x-request-id", request_id), answer, wait
+
+    # -- output chunks ---------------------------------------------------------------------
+
+    def _chunk(self, now: float) -> None:
+        """Start writing the next chunk of committed output lines (one write at a time, off
+        the tick): a batch with `chunk_lines` of them, or with any waiting `chunk_s`."""
+        if self._chunk_task is not None and not self._chunk_task.done():
+            return
+        cfg = self.config
+        for batch_id, buf in self._chunk_buf.items():
+            if len(buf) >= cfg.chunk_lines or now - self._chunk_since[batch_id] >= cfg.chunk_s:
+                lines, rest = buf[: cfg.chunk_lines], buf[cfg.chunk_lines :]
+                if rest:
+                    self._chunk_buf[batch_id] = rest
+                    self._chunk_since[batch_id] = now
+                else:
+                    del self._chunk_buf[batch_id]
+                    del self._chunk_since[batch_id]
+                self._chunk_task = asyncio.ensure_future(self._write_chunk_logged(batch_id, lines))
+                return
+
+    async def _write_chunk_logged(self, batch_id: str, lines: list[tuple[int, str, str]]) -> bool:
+        try:
+            return await self.write_chunk(batch_id, lines)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The lines keep their results in their rows: the finalizer chunks them.
+            logger.exception("batch %s: an output chunk could not be written", batch_id)
+            return False
+
+    async def write_chunk(self, batch_id: str, lines: list[tuple[int, str, str]]) -> bool:
+        """Write these settled lines as one chunk object, then commit it (store.commit_chunk);
+        False, and the object deleted, when another runner chunked some of them first."""
+        chunk_id = new_id("chunk")
+        key = f"{chunk_prefix(batch_id)}chunks/{chunk_id}"
+        fd, path = tempfile.mkstemp(prefix="paved-chunk-")
+
+        def write() -> tuple[int, int, int, int]:
+            out_lines = out_bytes = err_lines = err_bytes = 0
+            with os.fdopen(fd, "wb") as f:
+                # Output lines first, then error lines: the chunk splits at `out_bytes`.
+                for _, state, line in lines:
+                    if state == "done":
+                        data = line.encode() + b"\n"
+                        f.write(data)
+                        out_lines, out_bytes = out_lines + 1, out_bytes + len(data)
+                for _, state, line in lines:
+                    if state != "done":
+                        data = line.encode() + b"\n"
+                        f.write(data)
+                        err_lines, err_bytes = err_lines + 1, err_bytes + len(data)
+            return out_lines, out_bytes, err_lines, err_bytes
+
+        try:
+            counts = await asyncio.to_thread(write)
+            await self.objects.put_file(key, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        chunk = Chunk(chunk_id, key, *counts)
+        if await self.store.commit_chunk(batch_id, chunk, [n for n, _, _ in lines], self.clock()):
+            return True
+        with contextlib.suppress(Exception):
+            await self.objects.delete(key)
+        return False
+
+    async def _chunk_rest(self, batch_id: str) -> None:
+        """Chunk every settled line of the batch still holding its output in its row."""
+        self._chunk_buf.pop(batch_id, None)  # they are in the rows too: read from there
+        self._chunk_since.pop(batch_id, None)
+        lost = 0
+        while rows := await self.store.unchunked(batch_id, self.config.chunk_lines):
+            if not await self.write_chunk(batch_id, rows):
+                # Another runner chunked some of these lines meanwhile: read again.
+                lost += 1
+                if lost > 10:
+                    raise RuntimeError(f"batch {batch_id}: lost 10 chunk races in a row")
 
     # -- finalization ----------------------------------------------------------------------
 
@@ -424,23 +549,19 @@ class BatchRunner:
             await self._write_files(batch, final)
 
     async def _write_files(self, batch: dict[str, Any], final: str) -> None:
+        """Concatenate the batch's committed chunks into its output and error files (one chunk
+        streamed at a time: memory stays bounded whatever the batch's size) and publish them."""
         batch_id, tenant = batch["id"], batch["tenant"]
+        await self._chunk_rest(batch_id)
+        chunks = await self.store.chunks(batch_id)
+        counts = {
+            "output": (sum(c.out_lines for c in chunks), sum(c.out_bytes for c in chunks)),
+            "error": (sum(c.err_lines for c in chunks), sum(c.err_bytes for c in chunks)),
+        }
         tmpdir = tempfile.mkdtemp(prefix="paved-batch-")
         try:
             paths = {kind: os.path.join(tmpdir, kind) for kind in ("output", "error")}
-
-            def write() -> dict[str, tuple[int, int]]:
-                counts = {"output": [0, 0], "error": [0, 0]}
-                with open(paths["output"], "wb") as out, open(paths["error"], "wb") as err:
-                    for state, line in self.store.results(batch_id):
-                        kind = "output" if state == "done" else "error"
-                        data = line.encode() + b"\n"
-                        (out if kind == "output" else err).write(data)
-                        counts[kind][0] += 1
-                        counts[kind][1] += len(data)
-                return {k: (v[0], v[1]) for k, v in counts.items()}
-
-            counts = await asyncio.to_thread(write)
+            await asyncio.to_thread(_concatenate, self.objects, chunks, paths["output"], paths["error"])
             now = self.clock()
             files = []
             ids: dict[str, str | None] = {"output": None, "error": None}
@@ -472,10 +593,28 @@ class BatchRunner:
                 batch_id, self.owner, final, now, files, ids["output"], ids["error"], done, failed
             ):
                 logger.info("batch %s %s: %d done, %d failed", batch_id, final, done, failed)
+                # Published: the chunks are read no more (any a crash leaves here go with the
+                # batch at retention).
+                with contextlib.suppress(Exception):
+                    await self.objects.delete_prefix(chunk_prefix(batch_id))
         finally:
             for name in os.listdir(tmpdir):
                 os.unlink(os.path.join(tmpdir, name))
             os.rmdir(tmpdir)
+
+    # -- retention -------------------------------------------------------------------------
+
+    async def _sweep(self, now: float) -> None:
+        """Delete up to `sweep_batches` batches finished more than `retention_s` ago: their
+        objects first (idempotent), then their rows, so a crash in between orphans nothing;
+        any replica may sweep at the same time (store.delete_batch). Old token counts too."""
+        for batch in await self.store.retired(now - self.config.retention_s, self.config.sweep_batches):
+            for key in batch["keys"]:
+                await self.objects.delete(key)
+            await self.objects.delete_prefix(chunk_prefix(batch["id"]))
+            if await self.store.delete_batch(batch["id"], batch["file_ids"]):
+                logger.info("batch %s deleted: past its retention", batch["id"])
+        await self.store.prune_token_use(now)
 
     async def _stats(self, now: float) -> None:
         seen: set[tuple[str, ...]] = set()
@@ -490,6 +629,21 @@ class BatchRunner:
         for tenant, model, _ in self._stats_keys | seen:
             self.metrics.queue_age.labels(tenant, model).set(ages.get((tenant, model), 0.0))
         self._stats_keys = seen
+
+
+def _concatenate(objects: ObjectStore, chunks: list[Chunk], output: str, error: str) -> None:
+    """Each chunk's first `out_bytes` bytes to `output`, the rest to `error` (blocking)."""
+    with open(output, "wb") as out, open(error, "wb") as err:
+        for chunk in chunks:
+            left = chunk.out_bytes
+            for data in objects.open_read(chunk.object_key):
+                if left > 0:
+                    head = data[:left]
+                    out.write(head)
+                    left -= len(head)
+                    data = data[len(head) :]
+                if data:
+                    err.write(data)
 
 
 def _request(path: str, headers: list[tuple[bytes, bytes]], payload: bytes) -> Request:

@@ -99,7 +99,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-token-share",
         type=float,
         default=0.5,
-        help="of a tenant's tokens/min, the share its batches may use (default 0.5)",
+        help="of a tenant's tokens/min, the share its batches may use, counted over all replicas "
+        "in the state database (default 0.5)",
+    )
+    g.add_argument(
+        "--batch-retention",
+        type=float,
+        default=30 * 24 * 3600.0,
+        help="seconds a finished batch and its output / error files are kept (default 30 days)",
+    )
+    g.add_argument(
+        "--batch-chunk-lines",
+        type=int,
+        default=1000,
+        help="output lines per chunk written to the file store while a batch runs (default 1000)",
+    )
+    g.add_argument(
+        "--batch-chunk-seconds",
+        type=float,
+        default=10.0,
+        help="the longest a finished line waits for its output chunk (default 10)",
     )
     g.add_argument("--batch-window", type=float, default=24 * 3600.0, help=argparse.SUPPRESS)
     g.add_argument("--no-batch-runner", action="store_true", help="serve the API, run no batch lines here")
@@ -114,6 +133,10 @@ def check_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> Non
         p.error("--batch-lease and --batch-window must be positive")
     if not 0 < args.batch_token_share <= 1:
         p.error("--batch-token-share must be in (0, 1]")
+    if not args.batch_retention > 0:
+        p.error("--batch-retention must be positive")
+    if args.batch_chunk_lines < 1 or not args.batch_chunk_seconds > 0:
+        p.error("--batch-chunk-lines must be at least 1 and --batch-chunk-seconds positive")
     if args.files_s3_endpoint and not args.files_s3_bucket:
         p.error("--files-s3-endpoint needs --files-s3-bucket")
 
@@ -140,7 +163,12 @@ def from_arguments(args: argparse.Namespace, accounts: GatewayStore, proxy: Open
         objects=objects,
         limits=Limits(max_lines=args.batch_max_lines, max_bytes=args.batch_max_bytes),
         runner=RunnerConfig(
-            concurrency=args.batch_concurrency, lease_s=args.batch_lease, token_share=args.batch_token_share
+            concurrency=args.batch_concurrency,
+            lease_s=args.batch_lease,
+            token_share=args.batch_token_share,
+            retention_s=args.batch_retention,
+            chunk_lines=args.batch_chunk_lines,
+            chunk_s=args.batch_chunk_seconds,
         ),
         run=not args.no_batch_runner,
         window_s=args.batch_window,

@@ -15,9 +15,22 @@ Invariants callers rely on:
 - A line's result is committed only by the holder of its current lease (`owner` and `attempt`
   match): a runner whose lease expired and was taken over cannot write, so each line gets
   exactly one result, and a result once committed is never redone.
-- A batch is finalized by one runner at a time (a finalize lease on the batch row); the files
-  it writes are derived from committed line rows only, with ids fixed by the batch id, so a
-  finalization redone after a crash writes the same files.
+- Output is written in chunks: a settled line's output line waits in its row (`result`) until
+  a runner writes it into a chunk object (`batches/<batch id>/chunks/<chunk id>`) and then
+  commits, in ONE transaction, the chunk's manifest row (`batch_chunks`) and `result = NULL` on
+  exactly those lines, conditionally on each still holding its result. So a line's output is in
+  its row or in exactly one committed chunk, never both, never neither: a chunk object written
+  but not committed (a crash, or a runner that lost a race for the same lines) has no manifest
+  row and is ignored; its lines keep their results and go into a later chunk.
+- A batch is finalized by one runner at a time (a finalize lease on the batch row); it chunks
+  the lines still holding results, then concatenates the committed chunks into the output and
+  error files, with ids fixed by the batch id, so a finalization redone after a crash writes
+  the same files. `finish` publishes them only if no line is open or unchunked.
+- Retention: a finished batch older than the retention is deleted with its line rows, manifest
+  rows and output/error file rows (`delete_batch`, idempotent; the caller deletes the objects
+  first, so nothing is orphaned by a crash in between).
+- `batch_token_use` counts each tenant's batch tokens per minute over all replicas (committed
+  with the answers that used them): the tenant token share is enforced across replicas.
 - Times are UNIX seconds (floats), as the OpenAI objects carry them.
 """
 
@@ -99,7 +112,33 @@ lines_table = sa.Table(
     sa.Index("batch_lines_state", "batch_id", "state", "line_no"),
 )
 
+# One row per committed chunk of a batch's output: the object holds `out_bytes` bytes of output
+# lines (`out_lines` of them) followed by `err_bytes` bytes of error-file lines.
+chunks_table = sa.Table(
+    "batch_chunks",
+    metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("chunk_id", sa.String(64), primary_key=True),
+    sa.Column("object_key", sa.String(255), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("out_lines", sa.Integer, nullable=False),
+    sa.Column("out_bytes", sa.BigInteger, nullable=False),
+    sa.Column("err_lines", sa.Integer, nullable=False),
+    sa.Column("err_bytes", sa.BigInteger, nullable=False),
+)
+
+# Batch tokens per tenant and minute (UNIX seconds // 60), summed over every replica.
+token_use_table = sa.Table(
+    "batch_token_use",
+    metadata,
+    sa.Column("tenant", sa.String(63), primary_key=True),
+    sa.Column("minute", sa.Integer, primary_key=True),
+    sa.Column("tokens", sa.BigInteger, nullable=False),
+)
+
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+FINISHED = ("completed", "failed", "expired", "cancelled")
+SETTLED = ("done", "failed")
 _INSERT_CHUNK = 500
 
 
@@ -115,6 +154,27 @@ class Lease:
     body: dict[str, Any]
     attempt: int
     queued_at: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A committed chunk of a batch's output (a `batch_chunks` row)."""
+
+    chunk_id: str
+    object_key: str
+    out_lines: int
+    out_bytes: int
+    err_lines: int
+    err_bytes: int
+
+
+def chunk_prefix(batch_id: str) -> str:
+    """The object-store folder of a batch's chunks (every object under it is the batch's)."""
+    return f"batches/{batch_id}/"
+
+
+class _Conflict(Exception):
+    """Rolls a chunk's commit back: another runner committed some of its lines first."""
 
 
 def _not_found(kind: str, ident: str) -> GatewayError:
@@ -423,14 +483,22 @@ class BatchStore:
         return ours
 
     async def settle_many(
-        self, owner: str, outcomes: list[tuple[Lease, str, str | None, float]]
+        self,
+        owner: str,
+        outcomes: list[tuple[Lease, str, str | None, float]],
+        tokens: dict[str, int] | None = None,
+        now: float = 0.0,
     ) -> list[bool]:
         """`settle` for many lines in one transaction (the runner commits its answers in groups:
-        one write per group, not per line); per line, whether the lease was still ours."""
+        one write per group, not per line); per line, whether the lease was still ours.
+        `tokens`: batch tokens per tenant the answers used, added to the minute of `now` in the
+        same transaction (see `token_use`)."""
 
         def go() -> list[bool]:
             out = []
             with self._engine.begin() as c:
+                if tokens:
+                    self._add_tokens(c, tokens, int(now // 60))
                 for lease, state, result, next_at in outcomes:
                     res = c.execute(
                         lines_table.update()
@@ -551,23 +619,89 @@ class BatchStore:
 
         return await self._store.run(go)
 
-    def results(self, batch_id: str) -> Iterator[tuple[str, str]]:
-        """(state, output line) of every line, in input order, read in pages (blocking: call
-        from a worker thread)."""
-        last = -1
-        while True:
+    # -- output chunks ---------------------------------------------------------------------
+
+    async def unchunked(self, batch_id: str, limit: int) -> list[tuple[int, str, str]]:
+        """(line_no, state, output line) of up to `limit` settled lines whose output is in no
+        committed chunk yet, in input order."""
+
+        def go() -> list[tuple[int, str, str]]:
             with self._engine.connect() as c:
                 rows = c.execute(
                     sa.select(lines_table.c.line_no, lines_table.c.state, lines_table.c.result)
-                    .where(lines_table.c.batch_id == batch_id, lines_table.c.line_no > last)
+                    .where(
+                        lines_table.c.batch_id == batch_id,
+                        lines_table.c.state.in_(SETTLED),
+                        lines_table.c.result.is_not(None),
+                    )
                     .order_by(lines_table.c.line_no)
-                    .limit(2000)
+                    .limit(limit)
                 ).all()
-            if not rows:
-                return
-            for line_no, state, result in rows:
-                last = line_no
-                yield state, result or ""
+            return [(r[0], r[1], r[2]) for r in rows]
+
+        return await self._store.run(go)
+
+    async def commit_chunk(self, batch_id: str, chunk: Chunk, line_nos: list[int], now: float) -> bool:
+        """Record `chunk` in the manifest and take its lines' results out of their rows, in one
+        transaction; False (nothing changed) when any of the lines no longer holds its result
+        (another runner chunked it first): the caller deletes its object."""
+
+        def go() -> None:
+            with self._engine.begin() as c:
+                taken = 0
+                for i in range(0, len(line_nos), _INSERT_CHUNK):
+                    part = line_nos[i : i + _INSERT_CHUNK]
+                    taken += c.execute(
+                        lines_table.update()
+                        .where(
+                            lines_table.c.batch_id == batch_id,
+                            lines_table.c.line_no.in_(part),
+                            lines_table.c.state.in_(SETTLED),
+                            lines_table.c.result.is_not(None),
+                        )
+                        .values(result=None)
+                    ).rowcount
+                if taken != len(line_nos):
+                    raise _Conflict
+                c.execute(
+                    chunks_table.insert().values(
+                        batch_id=batch_id,
+                        chunk_id=chunk.chunk_id,
+                        object_key=chunk.object_key,
+                        created_at=now,
+                        out_lines=chunk.out_lines,
+                        out_bytes=chunk.out_bytes,
+                        err_lines=chunk.err_lines,
+                        err_bytes=chunk.err_bytes,
+                    )
+                )
+
+        try:
+            await self._store.run(go)
+        except _Conflict:
+            return False
+        return True
+
+    async def chunks(self, batch_id: str) -> list[Chunk]:
+        """The batch's committed chunks, oldest first."""
+
+        def go() -> list[Chunk]:
+            with self._engine.connect() as c:
+                rows = c.execute(
+                    sa.select(
+                        chunks_table.c.chunk_id,
+                        chunks_table.c.object_key,
+                        chunks_table.c.out_lines,
+                        chunks_table.c.out_bytes,
+                        chunks_table.c.err_lines,
+                        chunks_table.c.err_bytes,
+                    )
+                    .where(chunks_table.c.batch_id == batch_id)
+                    .order_by(chunks_table.c.created_at, chunks_table.c.chunk_id)
+                ).all()
+            return [Chunk(*r) for r in rows]
+
+        return await self._store.run(go)
 
     async def finish(
         self,
@@ -601,12 +735,142 @@ class BatchStore:
                 )
                 if res.rowcount == 0:
                     return False
+                unchunked = c.execute(
+                    sa.select(sa.func.count()).where(
+                        lines_table.c.batch_id == batch_id,
+                        sa.or_(
+                            lines_table.c.state.in_(("pending", "leased")),
+                            lines_table.c.result.is_not(None),
+                        ),
+                    )
+                ).scalar_one()
+                if unchunked:
+                    raise _Conflict  # a line was reopened or rechunked since: not published
+                c.execute(chunks_table.delete().where(chunks_table.c.batch_id == batch_id))
                 for f in files:
                     c.execute(files_table.delete().where(files_table.c.id == f["id"]))
                     c.execute(files_table.insert().values(**f))
                 return True
 
+        try:
+            return await self._store.run(go)
+        except _Conflict:
+            return False
+
+    # -- the tenant token share, over every replica -------------------------------------------
+
+    def _add_tokens(self, c: sa.Connection, tokens: dict[str, int], minute: int) -> None:
+        rows = [{"tenant": t, "minute": minute, "tokens": n} for t, n in sorted(tokens.items()) if n > 0]
+        if not rows:
+            return
+        if self._pg:
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            pq = pg_insert(token_use_table)
+            c.execute(
+                pq.on_conflict_do_update(
+                    index_elements=["tenant", "minute"],
+                    set_={"tokens": token_use_table.c.tokens + pq.excluded.tokens},
+                ),
+                rows,
+            )
+            return
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        sq = sqlite_insert(token_use_table)
+        c.execute(
+            sq.on_conflict_do_update(
+                index_elements=["tenant", "minute"],
+                set_={"tokens": token_use_table.c.tokens + sq.excluded.tokens},
+            ),
+            rows,
+        )
+
+    async def token_use(self, now: float) -> dict[str, float]:
+        """Each tenant's batch tokens over the last minute, all replicas together: this minute's
+        count plus the previous minute's, weighted by the part of it still inside the window."""
+        minute = int(now // 60)
+        weight = 1.0 - (now - minute * 60) / 60
+
+        def go() -> dict[str, float]:
+            with self._engine.connect() as c:
+                rows = c.execute(
+                    sa.select(
+                        token_use_table.c.tenant, token_use_table.c.minute, token_use_table.c.tokens
+                    ).where(token_use_table.c.minute >= minute - 1)
+                ).all()
+            out: dict[str, float] = {}
+            for tenant, m, n in rows:
+                out[tenant] = out.get(tenant, 0.0) + (n if m >= minute else n * weight)
+            return out
+
         return await self._store.run(go)
+
+    # -- retention -------------------------------------------------------------------------
+
+    async def retired(self, cutoff: float, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` finished batches that finished before `cutoff`, with the object keys
+        of their output and error files (`keys`)."""
+        finished_at = sa.func.coalesce(
+            batches_table.c.completed_at, batches_table.c.cancelled_at, batches_table.c.expired_at
+        )
+
+        def go() -> list[dict[str, Any]]:
+            with self._engine.connect() as c:
+                rows = c.execute(
+                    sa.select(
+                        batches_table.c.id, batches_table.c.output_file_id, batches_table.c.error_file_id
+                    )
+                    .where(batches_table.c.status.in_(FINISHED), finished_at < cutoff)
+                    .order_by(finished_at)
+                    .limit(limit)
+                ).all()
+                out = []
+                for batch_id, output_id, error_id in rows:
+                    ids = [i for i in (output_id, error_id) if i]
+                    keys = (
+                        [
+                            r[0]
+                            for r in c.execute(
+                                sa.select(files_table.c.object_key).where(files_table.c.id.in_(ids))
+                            )
+                        ]
+                        if ids
+                        else []
+                    )
+                    out.append({"id": batch_id, "file_ids": ids, "keys": keys})
+            return out
+
+        return await self._store.run(go)
+
+    async def delete_batch(self, batch_id: str, file_ids: list[str]) -> bool:
+        """Delete a retired batch's rows: lines, chunks, its output/error files, the batch.
+        Idempotent; on PostgreSQL a batch another replica is deleting is skipped (SKIP LOCKED)."""
+
+        def go() -> bool:
+            with self._engine.begin() as c:
+                q = sa.select(batches_table.c.id).where(
+                    batches_table.c.id == batch_id, batches_table.c.status.in_(FINISHED)
+                )
+                if self._pg:
+                    q = q.with_for_update(skip_locked=True)
+                if c.execute(q).first() is None:
+                    return False
+                c.execute(lines_table.delete().where(lines_table.c.batch_id == batch_id))
+                c.execute(chunks_table.delete().where(chunks_table.c.batch_id == batch_id))
+                if file_ids:
+                    c.execute(files_table.delete().where(files_table.c.id.in_(file_ids)))
+                c.execute(batches_table.delete().where(batches_table.c.id == batch_id))
+                return True
+
+        return await self._store.run(go)
+
+    async def prune_token_use(self, now: float) -> None:
+        def go() -> None:
+            with self._engine.begin() as c:
+                c.execute(token_use_table.delete().where(token_use_table.c.minute < int(now // 60) - 2))
+
+        await self._store.run(go)
 
     async def line_stats(self) -> list[tuple[str, str, str, int, float | None]]:
         """(tenant, model, state, lines, oldest queued_at) over active batches: the metrics."""
