@@ -511,6 +511,25 @@ class Controller:
                 if waking:
                     m["waking"] = True
                 m["versions"] = sorted(set(sleeping[model_id]))
+        # The other models of a kserve package that is a Triton model repository: each routed
+        # under its own name to the replicas of the package versions that hold it, with the
+        # package's route (strategy, weights, options, scale-to-zero marks), as Triton serves a
+        # repository's models side by side. The gateway's KServe forwarders look routes up by
+        # model name, so without these only model_id would be reachable through it.
+        for name, owner in repository_models(deployments).items():
+            holding = {
+                d.spec.version for d in deployments if d.spec.model_id == owner and name in _models_of(d)
+            }
+            route = {
+                **models[owner],
+                "alias": name,
+                "backends": [dict(b) for b in models[owner]["backends"] if b["version"] in holding],
+            }
+            if "versions" in route:
+                route["versions"] = [v for v in route["versions"] if v in holding]
+                if not route["versions"]:
+                    continue
+            models[name] = route
         # Any other model whose every replica is gone keeps an entry only if it has backends
         # (the gateway answers an unknown model 404, and a routed one without health 503).
         table = {"models": [m for m in models.values() if m["backends"] or m.get("scaled_to_zero")]}
@@ -729,6 +748,13 @@ class Controller:
         "woke": {"model@version": {region: replicas}}}."""
         deployments = await self.store.list_deployments(model_id=model_id)
         if not deployments:
+            # Another model of a repository package wakes the package (routes_table routes it).
+            owner = repository_models(
+                [d for d in await self.store.list_deployments() if d.state != "deleted"]
+            ).get(model_id)
+            if owner is not None:
+                deployments = await self.store.list_deployments(model_id=owner)
+        if not deployments:
             raise NotFound(f"no deployment of model {model_id}", code="model_not_found")
         woke: dict[str, dict[str, int]] = {}
         sleepers = [
@@ -772,6 +798,28 @@ class Controller:
                 else "waking"
             )
         return {"model": model_id, "state": state, "woke": woke}
+
+
+def _models_of(d: Deployment) -> list[str]:
+    """The models a kserve deployment's replicas serve (its fingerprint's "models"; none
+    recorded for another kind, or for a deployment fingerprinted before they were)."""
+    fingerprint = d.fingerprint or {}
+    models = fingerprint.get("models") if fingerprint.get("kind") == "kserve" else None
+    return [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
+
+
+def repository_models(deployments: list[Deployment]) -> dict[str, str]:
+    """Model name -> the model_id of the repository package serving it, for every model of a
+    kserve package other than its model_id. A name that is some deployment's model_id stays
+    that deployment's alias; a name two packages hold goes to the smaller model_id (one
+    route per name, the same whichever control plane publishes)."""
+    aliases = {d.spec.model_id for d in deployments}
+    owners: dict[str, str] = {}
+    for d in sorted(deployments, key=lambda d: d.spec.model_id):
+        for name in _models_of(d):
+            if name not in aliases:
+                owners.setdefault(name, d.spec.model_id)
+    return owners
 
 
 def effective_desired(d: Deployment, desired_by_region: dict[str, int], region: str) -> int:

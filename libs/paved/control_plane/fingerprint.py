@@ -10,11 +10,14 @@ from the package's model.json (validated by paved.launcher.package), without fet
      "max_model_len": engine_args.max_model_len or None,
      "kserve": engine_args.kserve (declared KServe tensor specs) or None,
      "resources": {"tensor_parallel_size", "pipeline_parallel_size", "gpus"}: what a replica
-       needs (engine_args' vLLM parallel sizes; gpus = their product, 0 for a classic model)}
+       needs (engine_args' vLLM parallel sizes; gpus = their product, 0 for a classic model),
+     "models" (kserve packages only): the models a replica serves, sorted (the model id alone
+       for a model directory, every model of a model repository)}
 
 "resources" is recorded for the drivers (a Kubernetes pod's nvidia.com/gpu) and is not part of
 the comparison: a client cannot observe how many GPUs serve it, so changing it never blocks a
-rollout.
+rollout. Nor is "models": the control plane routes each of them to the package's replicas, and
+a model added or removed is already a change of the "kserve" field (its config's hash).
 
 A "kserve" package has no tokenizer (its tokenizer and chat template fields are None); its
 "kserve" field is engine_args.kserve when declared, else what states its tensors: the manifest
@@ -55,7 +58,7 @@ from paved.launcher.package import (
 from paved.launcher.storage import Downloader, TransferError, local_path, parse_s3_uri
 
 FIELDS = ("kind", "tokenizer_sha256", "chat_template_sha256", "max_model_len", "kserve")
-_NOT_COMPARED = frozenset({"resources"})
+_NOT_COMPARED = frozenset({"resources", "models"})
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _SMALL = 16 << 20
 
@@ -108,6 +111,7 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
             "max_model_len": None,
             "kserve": declared or shape,
             "resources": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpus": 0},
+            "models": _kserve_models(package),
         }
     kind = engine_args.get("kind", "generate")
     if kind not in ("generate", "embed"):
@@ -124,6 +128,13 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
         "kserve": declared,
         "resources": _resources(engine_args),
     }
+
+
+def _kserve_models(package: ModelPackage) -> list[str]:
+    try:
+        return package.kserve_models()
+    except ValueError:  # not a kserve layout (a tokenizer-less package of another mode)
+        return [package.model_id]
 
 
 def _resources(engine_args: dict[str, Any]) -> dict[str, int]:

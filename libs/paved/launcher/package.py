@@ -24,7 +24,7 @@ Its weights are either one model directory (a Triton config, `config.json` or `c
 at the top, whose `name` is the package's model_id, and the model file; `--model-dir`) or a
 whole Triton model repository (`<model>/config.pbtxt` and `<model>/<version>/...` per model;
 `--model-repository`), in which case model_id must be one of its models: the one the control
-plane probes and routes by (`kserve_layout`).
+plane probes (`kserve_layout`); the control plane routes every one of them (`kserve_models`).
 """
 
 from __future__ import annotations
@@ -162,9 +162,17 @@ class ModelPackage(BaseModel):
         """What a kserve package's weights are: "model" (a Triton config at the top: one model
         directory) or "repository" (no config at the top, `<model>/config.*` for each model,
         model_id one of them); ValueError when neither."""
+        return self._kserve_models()[0]
+
+    def kserve_models(self) -> list[str]:
+        """The models a kserve package serves, sorted: [model_id] for a model directory, every
+        model folder of a repository (model_id among them); ValueError as kserve_layout."""
+        return self._kserve_models()[1]
+
+    def _kserve_models(self) -> tuple[Literal["model", "repository"], list[str]]:
         paths = {f.path for f in self.weights.files}
         if any(name in paths for name in KSERVE_CONFIGS):
-            return "model"
+            return "model", [self.model_id]
         models = sorted(
             {p.split("/")[0] for p in paths if p.count("/") == 1 and p.split("/")[1] in KSERVE_CONFIGS}
         )
@@ -178,7 +186,7 @@ class ModelPackage(BaseModel):
                 f"model_id {self.model_id!r} is not a model of the repository ({models}): the control "
                 "plane probes and routes the package by it"
             )
-        return "repository"
+        return "repository", models
 
     def _artifacts(self) -> list[tuple[str, Artifact]]:
         out = [("weights", self.weights)]
