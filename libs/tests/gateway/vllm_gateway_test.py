@@ -1,8 +1,11 @@
 """The gateway in front of two real paved frontends running vLLM (the tiny model fixture; one
 also serves all-MiniLM-L6-v2 embeddings and the XGBoost fixture on KServe): the official
 `openai` client and `tritonclient` through the gateway with one key, structured outputs,
-prompt tokens counted with the model's own tokenizer, prefix affinity, and a disconnect that
-returns vLLM's running count to 0."""
+prompt tokens counted with the model's own tokenizer, prefix affinity, a disconnect that
+returns vLLM's running count to 0, and a Files + Batches batch and /v1/responses (plain,
+streamed, background) whose json_schema answers all validate. The module's gateway serves the
+batch and Responses APIs with their defaults (state and files beside its SQLite file, events in
+the database), so they share the module's two engines."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import secrets
 import time
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -244,3 +248,121 @@ def test_a_client_that_leaves_aborts_the_vllm_request(fleet):
         time.sleep(0.2)
     ran = _metric(backend.url, "vllm:generation_tokens_total", 'model_name="tiny"') - generated[backend.url]
     assert ran < 4 * 900 / 2, f"{ran} tokens: the request ran on after the client left"
+
+
+def _schema(tag: str) -> dict:
+    """A small, fully bounded schema (a digit, one of two labels, a boolean: about twenty
+    tokens) whose labels are unique to `tag`: an answer validates only against its own line's
+    schema, so a batch that paired an answer with another line's custom_id fails too."""
+    return {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+            "label": {"enum": [f"{tag}-yes", f"{tag}-no"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "label", "ok"],
+        "additionalProperties": False,
+    }
+
+
+def _validates(text: str | None, schema: dict) -> None:
+    assert text, "no answer text"
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_batch_with_json_schema_answers_through_the_real_model(client):
+    """Files + Batches with the official client: every line's answer comes from vLLM under its
+    own line's `response_format` json_schema, and every custom_id is in the output once."""
+    schemas = {f"line-{i}": _schema(f"t{i}") for i in range(6)}
+    lines = [
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"describe item {custom_id}"}],
+                "max_tokens": 48,
+                "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}},
+            },
+        }
+        for custom_id, schema in schemas.items()
+    ]
+    uploaded = client.files.create(
+        file=("items.jsonl", b"".join(json.dumps(x).encode() + b"\n" for x in lines)), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    counts = batch.request_counts
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (6, 6, 0)
+    assert batch.error_file_id is None and batch.output_file_id
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines() if x.strip()]
+    assert sorted(x["custom_id"] for x in out) == sorted(schemas)
+    for line in out:
+        assert line["error"] is None and line["response"]["status_code"] == 200, line
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", line
+        _validates(choice["message"]["content"], schemas[line["custom_id"]])
+
+
+def _json_format(schema: dict) -> dict:
+    return {"format": {"type": "json_schema", "name": "item", "schema": schema, "strict": True}}
+
+
+def test_responses_json_schema_answers_through_the_real_model(client):
+    """`text.format` json_schema on /v1/responses reaches vLLM's structured outputs: the plain
+    answer, the streamed one (typed events numbered without a gap, the deltas adding up to the
+    final text) and a background one polled to completion all validate."""
+    schema = _schema("plain")
+    plain = client.responses.create(
+        model="tiny", input="describe an item", text=_json_format(schema), max_output_tokens=48, temperature=0
+    )
+    assert plain.status == "completed", plain
+    _validates(plain.output_text, schema)
+
+    schema = _schema("streamed")
+    events = list(
+        client.responses.create(
+            model="tiny",
+            input="describe another item",
+            text=_json_format(schema),
+            max_output_tokens=48,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text
+    _validates(final.output_text, schema)
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+    schema = _schema("background")
+    started = client.responses.create(
+        model="tiny",
+        input="describe a third item",
+        text=_json_format(schema),
+        max_output_tokens=48,
+        temperature=0,
+        background=True,
+    )
+    assert started.background and started.status in ("queued", "in_progress"), started
+    deadline = time.monotonic() + 120
+    got = started
+    while got.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"background response still {got.status}"
+        time.sleep(0.2)
+        got = client.responses.retrieve(started.id)
+    assert got.status == "completed", got
+    _validates(got.output_text, schema)
