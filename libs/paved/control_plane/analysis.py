@@ -16,7 +16,13 @@ counted from zero (it had no answers yet); one whose counters went down was rese
 restart, and is counted from zero too (Prometheus' `increase` does the same).
 
 Errors are 5xx answers plus retried attempts (a failing backend whose requests the gateway
-saved by retrying is still failing); 4xx and 499 (client went away) are the caller's.
+saved by retrying is still failing). A backend's push-back (`paved_gateway_pushback_total`: 503s
+with error code `overloaded`, a full engine queue, which the gateway's flow control holds and
+retries) is neither an error nor a request: a saturated version is not rolled back for being
+busy (all push-back and nothing else is a window with no requests: inconclusive), while one
+answering plain 503s (an engine down, the simulated engine's `fail_after`) still is. 4xx and
+499 (client went away) are the caller's, and so are the gateway's own refusals (queue full,
+wait expired, every try refused), which carry no backend.
 
 Where the counters come from is a `paved.control_plane.metrics_source.MetricsSource`: the
 gateways' /metrics scraped here (the default) or the same series read from a Prometheus
@@ -174,4 +180,8 @@ class GatewayAnalyzer:
         first = _since_reset(first, last, backends)
         requests = sum(last.requests.get(b, 0.0) - first.requests.get(b, 0.0) for b in backends)
         errors = sum(last.errors.get(b, 0.0) - first.errors.get(b, 0.0) for b in backends)
+        # Counters read a moment apart (a push-back counted before its retry) must not make
+        # the window's errors negative or more than its requests.
+        requests = max(requests, 0.0)
+        errors = min(max(errors, 0.0), requests)
         return Analysis(round(requests), round(errors), _p99(first, last, backends))

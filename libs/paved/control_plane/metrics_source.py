@@ -66,8 +66,9 @@ __all__ = [
 
 REQUESTS = "paved_gateway_requests_total"
 RETRIES = "paved_gateway_retries_total"
+PUSHBACK = "paved_gateway_pushback_total"
 FIRST_BYTE_BUCKET = "paved_gateway_upstream_first_byte_seconds_bucket"
-GATEWAY_FAMILIES = (REQUESTS, RETRIES, FIRST_BYTE_BUCKET)
+GATEWAY_FAMILIES = (REQUESTS, RETRIES, PUSHBACK, FIRST_BYTE_BUCKET)
 GAUGE_FAMILIES = (WAITING, RUNNING, KV_USAGE, QUEUED, MAX_QUEUED)
 # The labels the control plane's service discovery puts on every target (prometheus.py).
 DEFAULT_GATEWAY_SELECTOR = 'paved_role="gateway"'
@@ -86,8 +87,9 @@ class GatewayCounters:
     """The gateways' cumulative counters at `at` (wall time), by backend (a replica's URL)."""
 
     at: float
-    requests: dict[str, float] = field(default_factory=dict)  # backend -> answered (+ retried)
-    errors: dict[str, float] = field(default_factory=dict)  # backend -> 5xx + retried
+    # backend -> tries answered or failed: answered + retried - pushed back
+    requests: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)  # backend -> 5xx + retried - pushed back
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # backend -> le -> count
 
     def only(self, backends: set[str]) -> dict[str, Any]:
@@ -129,8 +131,15 @@ class GatewayCounters:
 def fold_gateway_series(into: GatewayCounters, name: str, labels: dict[str, str], value: float) -> None:
     """One sample of a gateway family (its full name, `_total` / `_bucket` included) into the
     counters. Errors are 5xx answers plus retried attempts (a failing backend whose requests the
-    gateway saved by retrying is still failing); a retried attempt is a request too. 4xx and
-    499 are the caller's. Other names are ignored."""
+    gateway saved by retrying is still failing); a retried attempt is a request too. A backend's
+    push-back (a 503 `overloaded`: its queue is full; the gateway holds and retries such a
+    request) is neither: the gateway counts each one in `paved_gateway_pushback_total` and in
+    exactly one of the retries or the 503 answers, so subtracting it from both leaves the
+    answers and the failures alone, whatever the retries' `reason` label (a gateway older than
+    the push-back series: every 503 is an error, as before). A saturated version thus neither
+    fails its analysis nor dilutes its error rate with tries that were never served. 4xx and 499
+    are the caller's; answers without a backend (the gateway's own refusals) are no backend's.
+    Other names are ignored."""
     backend = labels.get("backend", "")
     if name == REQUESTS:
         if not backend:
@@ -141,6 +150,11 @@ def fold_gateway_series(into: GatewayCounters, name: str, labels: dict[str, str]
     elif name == RETRIES:
         into.errors[backend] = into.errors.get(backend, 0.0) + value
         into.requests[backend] = into.requests.get(backend, 0.0) + value
+    elif name == PUSHBACK:
+        # Folded series by series, a backend's counts may read negative until its 5xx and
+        # retries are in; over a whole sample they are >= 0.
+        into.errors[backend] = into.errors.get(backend, 0.0) - value
+        into.requests[backend] = into.requests.get(backend, 0.0) - value
     elif name == FIRST_BYTE_BUCKET and "le" in labels:
         le = float(labels["le"])
         buckets = into.buckets.setdefault(backend, {})

@@ -73,10 +73,21 @@ class GatewayMetrics:
             ("backend",),
             registry=r,
         )
+        # reason: "overloaded" (the backend pushed back: 503 with error code overloaded) or
+        # "error" (anything else: connect errors, resets, other 5xx, a 503 unavailable).
         self.retries = Counter(
             "paved_gateway_retries",
-            "Attempts moved to another backend before the first byte, by the failed backend and reason",
+            "Tries a backend did not answer that were moved to another backend or queued again, "
+            "by the backend and reason (overloaded: it pushed back; error: it failed)",
             ("backend", "reason"),
+            registry=r,
+        )
+        # Push-back is not failure: rollout analysis subtracts these from a backend's errors.
+        self.pushback = Counter(
+            "paved_gateway_pushback",
+            "Answers by which a backend pushed back (503 with error code overloaded: its queue is "
+            "full), whether retried, queued again or passed on, by backend",
+            ("backend",),
             registry=r,
         )
         self.stream_errors = Counter(

@@ -27,6 +27,11 @@ Invariants:
   when the client left mid-stream, and with None (full refund) when nothing was generated.
 - Every `Router.begin` has one `Router.end`; `ok=False` only for failures of the backend
   (connect errors, timeouts, resets, 5xx other than 503 backpressure).
+- Every try that reached a backend is counted once against it: in `paved_gateway_requests_total`
+  when its answer is passed on, else in `paved_gateway_retries_total` (reason `overloaded` or
+  `error`); a push-back (503 `overloaded`, `is_pushback`) is also counted in
+  `paved_gateway_pushback_total`. Answers the gateway makes itself (every try failed, a queue
+  refusal) carry no backend.
 - Every granted queue slot is released exactly once, when the answer or stream has ended (or
   the request failed); a client that leaves while queued leaves the queue (499).
 - `paved_gateway_held_requests{model}` goes up once and down once per request held for a model
@@ -88,6 +93,12 @@ _DONE = b"data: [DONE]"
 # What is kept of one streamed answer to cache or record it (a longer one is just forwarded).
 MAX_CAPTURE_BYTES = 1 << 20
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# The OpenAI error code of a backend pushing back (a 503 that is not a failure; see is_pushback).
+PUSHBACK_CODE = "overloaded"
+# A refused try's body is read to classify it: error bodies are small and come with the headers,
+# so a longer or slower one is treated as a failure rather than holding the request up.
+_MAX_REFUSAL_BYTES = 16 << 10
+_REFUSAL_READ_S = 1.0
 
 
 @dataclass
@@ -367,6 +378,7 @@ class OpenAIProxy:
             if attempt == 0:
                 self.metrics.stage.labels("route").observe(time.perf_counter() - t_route)
                 log["route_ms"] = _ms(t_route, time.perf_counter())
+            log["attempts"] = attempt + 1
             backend = pick.backend
             body["model"] = backend.upstream_model
             try:
@@ -402,7 +414,7 @@ class OpenAIProxy:
                     excluded.add(backend.id)
                     # A connect that times out is a full accept queue (a burst), not a dead one.
                     no_room = no_room and isinstance(e, aiohttp.ConnectionTimeoutError)
-                self.metrics.retries.labels(backend.id, type(e).__name__).inc()
+                self._count_unanswered(backend.id, pushed_back=False)
                 logger.warning("backend %s failed before answering (%s); trying another", backend.id, e)
                 last_error = GatewayError(
                     502,
@@ -412,31 +424,29 @@ class OpenAIProxy:
                 continue
             first_byte = time.perf_counter()
             self.metrics.first_byte.labels(backend.id).observe(first_byte - sent)
-            log["backend"], log["first_byte_ms"], log["attempts"] = (
-                backend.id,
-                _ms(sent, first_byte),
-                attempt + 1,
-            )
             last = attempt + 1 == self.config.max_attempts
-            if upstream.status == 503 and slot is not None and no_room and last:
-                # The last backend tried had no room either: wait in the queue for room.
-                upstream.close()
-                self.router.end(backend.id, ok=True)
-                in_flight.dec()
-                raise _NoRoom
-            if upstream.status in _RETRYABLE and not last:
-                no_room = no_room and upstream.status == 503
+            # The last backend tried had no room either: wait in the queue for room.
+            requeue = upstream.status == 503 and slot is not None and no_room and last
+            if requeue or (upstream.status in _RETRYABLE and not last):
+                pushed_back = upstream.status == 503 and is_pushback(503, await _refusal_body(upstream))
                 upstream.close()
                 self.router.end(backend.id, ok=upstream.status == 503)
                 in_flight.dec()
+                self._count_unanswered(backend.id, pushed_back=pushed_back)
+                if requeue:
+                    raise _NoRoom
+                no_room = no_room and upstream.status == 503
                 excluded.add(backend.id)
-                self.metrics.retries.labels(backend.id, str(upstream.status)).inc()
                 last_error = GatewayError(
                     upstream.status,
                     f"the model's backend answered {upstream.status}",
                     code="upstream_unavailable",
                 )
                 continue
+            # Only the backend whose answer is passed on is the request's backend: a 503 the
+            # gateway sends itself after every try (or from its queue) is its own answer, and
+            # each refused try is already counted by `_count_unanswered`.
+            log["backend"], log["first_byte_ms"] = backend.id, _ms(sent, first_byte)
             if call.stream and upstream.status == 200:
                 return self._stream(call, upstream, pick, reservation, in_flight, slot)
             return await self._whole(call, upstream, pick, reservation, in_flight, slot)
@@ -489,6 +499,8 @@ class OpenAIProxy:
             if slot is not None:
                 slot.release(completed=ok and upstream.status != 503)
         used = None
+        if upstream.status == 503 and is_pushback(503, data):
+            self.metrics.pushback.labels(backend.id).inc()
         if upstream.status == 200:
             usage = _usage_of(data)
             if usage is not None:
@@ -644,6 +656,15 @@ class OpenAIProxy:
             log["completion_tokens"] = completion
         return total
 
+    def _count_unanswered(self, backend_id: str, *, pushed_back: bool) -> None:
+        """One try a backend did not answer the client (moved to another backend or queued
+        again). Every push-back is counted twice, in `paved_gateway_pushback_total` and in
+        either this (`reason="overloaded"`) or `paved_gateway_requests_total{status="503"}`
+        (passed on): rollout analysis subtracts it from the errors (control_plane.metrics_source)."""
+        self.metrics.retries.labels(backend_id, "overloaded" if pushed_back else "error").inc()
+        if pushed_back:
+            self.metrics.pushback.labels(backend_id).inc()
+
     def _count(self, log: dict[str, Any], status: int) -> None:
         self.metrics.requests.labels(
             log.get("tenant", ""), log.get("model", ""), log.get("backend", ""), str(status)
@@ -716,6 +737,37 @@ class _GuardedStream(StreamingResponse):
 
 def _discard(_: object) -> None:
     """A body read in the instant its client left: nothing holds a resource."""
+
+
+def is_pushback(status: int, body: bytes) -> bool:
+    """Whether an upstream answer is push-back rather than a failure: a 503 whose OpenAI error
+    code is `overloaded`, as paved's frontend (a full engine queue), its launcher gate and its
+    body limit answer (with Retry-After). Any other 5xx, including a 503 `unavailable` (an
+    engine down, or the simulated engine's fail_after), is the backend failing."""
+    if status != 503 or not body or len(body) > _MAX_REFUSAL_BYTES:
+        return False
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    error = data.get("error") if isinstance(data, dict) else None
+    return isinstance(error, dict) and error.get("code") == PUSHBACK_CODE
+
+
+async def _refusal_body(upstream: aiohttp.ClientResponse) -> bytes:
+    """The body of an answer the gateway will not pass on (to classify it), or b"" when it is
+    larger than an error body or does not arrive within `_REFUSAL_READ_S`."""
+    body = b""
+    try:
+        async with asyncio.timeout(_REFUSAL_READ_S):
+            while len(body) <= _MAX_REFUSAL_BYTES:
+                chunk = await upstream.content.read(_MAX_REFUSAL_BYTES + 1 - len(body))
+                if not chunk:
+                    return body
+                body += chunk
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        pass
+    return b""
 
 
 async def _read_whole(upstream: aiohttp.ClientResponse, timeout_s: float) -> bytes:
