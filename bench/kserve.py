@@ -37,7 +37,10 @@ import time
 
 import numpy as np
 
+from bench.kserve_drive import drive
+
 FEATURES = 32
+INPUT = "input__0"  # //models/xgb's input tensor
 
 
 def _runfile_dir(path: str) -> str:
@@ -87,46 +90,6 @@ def _serve(root: str, conn) -> None:
         conn.send(stats)
 
     asyncio.run(main())
-
-
-# ---- client ---------------------------------------------------------------------------------
-async def _drive(url: str, model: str, x: np.ndarray, expected: np.ndarray, concurrency: int, total: int):
-    """`total` single-row requests from `concurrency` workers; returns (seconds, latencies).
-
-    A lean KServe v2 client (the raw gRPC stub, requests serialized once up front) so that on a
-    small machine the load generator is cheaper than the server it measures; tritonclient
-    spends several hundred microseconds of CPU per call, which would cap both configurations
-    at the client's own rate.
-    """
-    import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
-    requests = []
-    for i in range(len(x)):
-        request = service_pb2.ModelInferRequest(model_name=model)
-        request.inputs.add(name="input__0", datatype="FP32", shape=[1, FEATURES])
-        request.raw_input_contents.append(x[i : i + 1].tobytes())
-        requests.append(request)
-    latencies: list[float] = []
-    next_index = 0
-    async with grpc.aio.insecure_channel(url) as channel:
-        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
-
-        async def worker() -> None:
-            nonlocal next_index
-            while next_index < total:
-                i = next_index % len(x)
-                next_index += 1
-                start = time.perf_counter()
-                response = await infer(requests[i])
-                latencies.append(time.perf_counter() - start)
-                scores = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
-                if not np.array_equal(scores, expected[i]):
-                    raise AssertionError(f"{model}: row {i} differs from in-process predict")
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - start, latencies
 
 
 def _in_process_latency(booster, x: np.ndarray, repeats: int) -> float:
@@ -198,8 +161,10 @@ def measure(source: str, args: argparse.Namespace) -> dict:
         async def run() -> dict:
             out: dict = {}
             for model in ("batched", "unbatched"):  # warm up both paths
-                await _drive(url, model, x, expected, c, 400)
-            _, latencies = await _drive(url, "batched", x, expected, 1, max(args.requests // 8, 200))
+                await drive(url, model, x, expected, c, 400, input_name=INPUT)
+            _, latencies = await drive(
+                url, "batched", x, expected, 1, max(args.requests // 8, 200), input_name=INPUT
+            )
             out["grpc_p50_us"] = statistics.median(latencies) * 1e6
             out["grpc_p99_us"] = float(np.percentile(latencies, 99) * 1e6)
             # Interleaved, so drifting background load on a shared machine hits both alike.
@@ -207,7 +172,9 @@ def measure(source: str, args: argparse.Namespace) -> dict:
             p99s: dict[str, list[float]] = {"batched": [], "unbatched": []}
             for _ in range(args.repeats):
                 for model in rates:
-                    seconds, latencies = await _drive(url, model, x, expected, c, args.requests)
+                    seconds, latencies = await drive(
+                        url, model, x, expected, c, args.requests, input_name=INPUT
+                    )
                     rates[model].append(args.requests / seconds)
                     p99s[model].append(float(np.percentile(latencies, 99) * 1e3))
             for model in rates:

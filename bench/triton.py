@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.kserve_drive import drive
 from libs.tests.kserve.triton_server import paved_kserve_server, triton_server
 
 FEATURES = 32
@@ -141,39 +142,6 @@ def write_repository(root: Path, booster: Path, outputs: int) -> None:
     )
 
 
-async def drive(url: str, model: str, x: np.ndarray, expected: np.ndarray, concurrency: int, total: int):
-    """`total` one-row requests from `concurrency` workers; returns (seconds, latencies)."""
-    import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
-    requests = []
-    for i in range(len(x)):
-        request = service_pb2.ModelInferRequest(model_name=model)
-        request.inputs.add(name="INPUT", datatype="FP32", shape=[1, FEATURES])
-        request.raw_input_contents.append(x[i : i + 1].tobytes())
-        requests.append(request)
-    latencies: list[float] = []
-    next_index = 0
-    async with grpc.aio.insecure_channel(url) as channel:
-        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
-
-        async def worker() -> None:
-            nonlocal next_index
-            while next_index < total:
-                i = next_index % len(x)
-                next_index += 1
-                start = time.perf_counter()
-                response = await infer(requests[i], timeout=60)
-                latencies.append(time.perf_counter() - start)
-                got = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
-                if not np.array_equal(got, expected[i]):
-                    raise AssertionError(f"{model} at {url}: row {i} differs from the in-process answer")
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - start, latencies
-
-
 def _expected(x: np.ndarray, booster_file: Path) -> dict[str, np.ndarray]:
     import xgboost
 
@@ -208,14 +176,18 @@ def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.
 
     async def run() -> dict:
         for server, model in pairs:  # warm-up: first requests, stubs' imports, batcher threads
-            await drive(urls[server], model, x, expected[model], c, 200)
+            await drive(urls[server], model, x, expected[model], c, 200, input_name="INPUT")
         samples: dict = {p: {"c1": [], "rps": [], "p99c": []} for p in pairs}
         for _ in range(args.repeats):
             for pair in pairs:
                 server, model = pair
-                _, latencies = await drive(urls[server], model, x, expected[model], 1, args.requests_c1)
+                _, latencies = await drive(
+                    urls[server], model, x, expected[model], 1, args.requests_c1, input_name="INPUT"
+                )
                 samples[pair]["c1"].extend(latencies)
-                seconds, latencies = await drive(urls[server], model, x, expected[model], c, args.requests)
+                seconds, latencies = await drive(
+                    urls[server], model, x, expected[model], c, args.requests, input_name="INPUT"
+                )
                 samples[pair]["rps"].append(args.requests / seconds)
                 samples[pair]["p99c"].append(float(np.percentile(latencies, 99)))
         out = {}
