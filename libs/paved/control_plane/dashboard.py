@@ -14,13 +14,21 @@ Invariants:
   deadline, shared by concurrent polls for `GAUGE_TTL_S`; the audit is read incrementally (new
   ids only, a bounded number of pages per call) into a fixed-size tail.
 - A replica or gateway that cannot be read is reported with its error, never a failed summary.
+- Batches come from each gateway's read-only `GET /admin/v1/batches` (paved.gateway.batches.admin),
+  called with the gateways' admin key, which is sent nowhere else and never logged nor shown
+  (an error names the URL and the HTTP status only). At most BATCHES_SHOWN per gateway, a bounded
+  body, one call per gateway per BATCHES_TTL_S; gateways sharing one database list the same
+  batches, which the summary shows once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import time
+import urllib.parse
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -53,6 +61,9 @@ ROLLOUTS_SHOWN = 20
 GAUGE_TTL_S = 1.0  # polls within this share one scrape of each replica
 SCRAPE_TIMEOUT_S = 1.5
 _CACHE_HITS = ("exact", "semantic")
+BATCHES_SHOWN = 50  # per gateway and in the summary, newest first
+BATCHES_TTL_S = 2.0  # polls within this share one listing per gateway (each is a few SQL queries)
+MAX_BATCHES_BYTES = 1 << 20  # a listing of BATCHES_SHOWN rows is a few tens of KiB
 
 
 class _AuditTail:
@@ -159,6 +170,89 @@ def _merge_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def gateway_origin(url: str) -> str:
+    """`scheme://host[:port]` of a gateway URL (its admin API is at that origin's /admin/v1;
+    a path or query, as a --gateway-metrics URL has, is dropped); ValueError unless `url` is
+    http(s)://HOST[:PORT][...]."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"gateway URL {url!r:.200}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"gateway URL {url!r:.200}: expected http(s)://HOST:PORT")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a request count must be a non-negative integer, not {value!r:.40}")
+    return value
+
+
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"a time must be a number, not {value!r:.40}")
+    return float(value)
+
+
+def _text(value: Any, most: int = 256) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, not {value!r:.40}")
+    return value[:most]
+
+
+def parse_gateway_batches(body: Any) -> list[dict[str, Any]]:
+    """The rows of one gateway's `GET /admin/v1/batches` answer, each with its progress:
+    `done` = (completed + failed) / total (1.0 for an empty batch), `completed_share` and
+    `failed_share` the two parts of it (what the page's bar draws). ValueError on any other shape
+    (the gateway is then reported with that error)."""
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        raise ValueError("not a list of batches")
+    rows = []
+    for b in body["data"][:BATCHES_SHOWN]:
+        if not isinstance(b, dict) or not isinstance(b.get("request_counts"), dict):
+            raise ValueError("a batch without request_counts")
+        counts = b["request_counts"]
+        total, completed, failed = (_count(counts.get(k)) for k in ("total", "completed", "failed"))
+        settled = min(total, completed + failed)
+        rows.append(
+            {
+                "id": _text(b.get("id"), 64),
+                "tenant": _text(b.get("tenant"), 63),
+                "model": _text(b.get("model")),
+                "endpoint": _text(b.get("endpoint"), 64),
+                "status": _text(b.get("status"), 16),
+                "total": total,
+                "completed": completed,
+                "failed": failed,
+                "done": settled / total if total else 1.0,
+                "completed_share": min(completed, total) / total if total else 0.0,
+                "failed_share": (settled - min(completed, total)) / total if total else 0.0,
+                "created_at": _seconds(b.get("created_at")),
+                "finished_at": _seconds(b.get("finished_at")),
+                "age_s": _seconds(b.get("age_s")),
+            }
+        )
+    return rows
+
+
+def merge_batches(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every gateway's batches once (gateways sharing a database list the same ones: the row
+    read with the most lines settled is kept), newest first, at most BATCHES_SHOWN."""
+    by_id: dict[str, dict[str, Any]] = {}
+    for rows in parts:
+        for r in rows:
+            seen = by_id.get(r["id"])
+            if seen is None or r["completed"] + r["failed"] > seen["completed"] + seen["failed"]:
+                by_id[r["id"]] = r
+    newest = sorted(by_id.values(), key=lambda r: (r["created_at"] or 0.0, r["id"]), reverse=True)
+    return newest[:BATCHES_SHOWN]
+
+
 def traffic_split(routes: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Per alias and region: each version's backends, weight and share of the region's traffic
     (the gateway picks backends in proportion to their weights while a rollout splits); a model
@@ -219,15 +313,21 @@ def dashboard_router(
     *,
     gateway_metrics: list[str] | tuple[str, ...] = (),
     prometheus_url: str | None = None,
+    gateway_admin: list[str] | tuple[str, ...] = (),
+    gateway_admin_key: str | None = None,
 ) -> APIRouter:
     """`prometheus_url`: where paved's recorded series are (the control plane's
-    --prometheus-url); the summary then carries a graphs link per model."""
+    --prometheus-url); the summary then carries a graphs link per model. `gateway_admin`: the
+    gateways' origins (gateway_origin) whose batches the summary lists, read with
+    `gateway_admin_key`; no batches without both."""
     router = APIRouter()
     audit_tail = _AuditTail()
     gauges: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (at, gauges or error)
     gateways: dict[str, Any] = {"at": 0.0, "value": None}
     scrape_lock = asyncio.Lock()
     urls = list(gateway_metrics)
+    admin_urls = [gateway_origin(u) for u in gateway_admin] if gateway_admin_key else []
+    listed: dict[str, Any] = {"at": 0.0, "value": None}
 
     def auth(request: Request) -> None:
         try:
@@ -290,6 +390,44 @@ def dashboard_router(
         gateways.update(at=now, value=value)
         return value
 
+    async def one_listing(session: aiohttp.ClientSession, origin: str) -> dict[str, Any]:
+        url = f"{origin}/admin/v1/batches"
+        try:
+            async with session.get(
+                url,
+                params={"limit": str(BATCHES_SHOWN)},
+                headers={"Authorization": f"Bearer {gateway_admin_key}"},
+            ) as response:
+                if response.status != 200:
+                    # Only the status: the body of a refusal is the gateway's, never the key.
+                    return {"url": url, "error": f"HTTP {response.status}"}
+                body = await response.content.read(MAX_BATCHES_BYTES + 1)
+            if len(body) > MAX_BATCHES_BYTES:
+                return {"url": url, "error": "batch listing too large"}
+            return {"url": url, "batches": parse_gateway_batches(json.loads(body))}
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:  # JSONDecodeError is a ValueError
+            return {"url": url, "error": f"{type(e).__name__}: {e}"[:300]}
+
+    async def gateway_batches(now: float) -> dict[str, Any]:
+        if not admin_urls:
+            return {
+                "configured": False,
+                "message": "no gateway admin API configured (--gateway-admin or --gateway-metrics)",
+            }
+        if listed["value"] is not None and now - listed["at"] < BATCHES_TTL_S:
+            return listed["value"]
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            parts = await asyncio.gather(*(one_listing(session, u) for u in admin_urls))
+        value = {
+            "configured": True,
+            "urls": [p["url"] for p in parts],
+            "errors": [{"url": p["url"], "error": p["error"]} for p in parts if "error" in p],
+            "batches": merge_batches([p["batches"] for p in parts if "batches" in p]),
+        }
+        listed.update(at=now, value=value)
+        return value
+
     @router.get("/dashboard/api/summary", include_in_schema=False)
     async def summary(request: Request) -> JSONResponse:
         auth(request)
@@ -302,7 +440,7 @@ def dashboard_router(
             read = await asyncio.gather(
                 *(replica_gauges(r, by_id[r.deployment_id].spec.model_id, now) for r in ready)
             )
-            usage = await gateway_usage(now)
+            usage, batch_list = await asyncio.gather(gateway_usage(now), gateway_batches(now))
         live = {r.id for r in replicas}
         for stale in set(gauges) - live:
             del gauges[stale]
@@ -338,6 +476,7 @@ def dashboard_router(
             "audit": audit,
             "autoscale": [e for e in audit if e["kind"] == "autoscale"][-20:],
             "gateway": usage,
+            "batches": batch_list,
             "prometheus": _graphs(prometheus_url, {d.spec.model_id for d in deployments}),
         }
         return JSONResponse(body, headers={"Cache-Control": "no-store"})

@@ -24,7 +24,7 @@ import uvicorn
 from paved.control_plane.analysis import GatewayAnalyzer
 from paved.control_plane.api import create_app
 from paved.control_plane.controller import Controller
-from paved.control_plane.dashboard import dashboard_router
+from paved.control_plane.dashboard import dashboard_router, gateway_origin
 from paved.control_plane.driver import Driver
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.kube_driver import KubeDriver, api_client
@@ -175,6 +175,21 @@ def _parser() -> argparse.ArgumentParser:
         help="a gateway's /metrics, read for rollout analysis and the dashboard (repeatable)",
     )
     p.add_argument(
+        "--gateway-admin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a gateway (http://HOST:PORT) whose batches the dashboard lists through its read-only "
+        "GET /admin/v1/batches (repeatable; default: the origin of each --gateway-metrics URL, "
+        "where the gateway serves its admin API too)",
+    )
+    p.add_argument(
+        "--gateway-admin-key-file",
+        metavar="PATH",
+        help="file holding the gateways' admin key, sent only to --gateway-admin (default: this "
+        "control plane's own admin key; `paved up` gives both one key)",
+    )
+    p.add_argument(
         "--prometheus-file-sd",
         metavar="PATH",
         help="keep PATH a Prometheus file_sd JSON file listing the ready replicas' metrics endpoints, "
@@ -263,6 +278,10 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         admin.check,
         gateway_metrics=args.gateway_metrics,
         prometheus_url=args.prometheus_url,
+        gateway_admin=args.gateway_admin or args.gateway_metrics,
+        gateway_admin_key=(
+            load_admin_key(args.gateway_admin_key_file) if args.gateway_admin_key_file else admin_key
+        ),
     )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -371,7 +390,17 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"control plane: --gateway-metrics: {e}", file=sys.stderr)
             return 2
+    for url in args.gateway_admin:
+        try:
+            gateway_origin(url)
+        except ValueError as e:
+            print(f"control plane: --gateway-admin: {e}", file=sys.stderr)
+            return 2
     for flag, check in (
+        (
+            "--gateway-admin-key-file",
+            lambda: args.gateway_admin_key_file is None or load_admin_key(args.gateway_admin_key_file),
+        ),
         ("--metrics-source", lambda: parse_metrics_source(args.metrics_source)),
         (
             "--prometheus-url",

@@ -27,6 +27,7 @@ from paved.gateway.access.limits import make_limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
 from paved.gateway.batches import service as batch_service
+from paved.gateway.batches.admin import admin_batch_routes
 from paved.gateway.flow.flow import FlowConfig, FlowController
 from paved.gateway.forwarding.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.metrics import GatewayMetrics
@@ -489,6 +490,7 @@ async def _serve(args: argparse.Namespace) -> int:
         extra_routes.extend(gateway.responses.routes())
     batches = batch_service.from_arguments(args, gateway.store, gateway.proxy)
     extra_routes.extend(batches.api.routes())
+    extra_routes.extend(admin_batch_routes(gateway.store, gateway.admin))
     gateway.on_start.append(batches.start)
     gateway.on_stop.append(batches.stop)
     app = create_app(

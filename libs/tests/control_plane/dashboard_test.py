@@ -1,14 +1,19 @@
 """The dashboard's server side: the summary endpoint's JSON against the control-plane main over
 the simulated engine (real launchers, a real gateway following its routes, requests through it),
 the admin key on every data call, the static assets with their content types and a closed list
-of names, and the pure pieces (gateway usage parsing, the traffic split) on hand-made inputs."""
+of names, and the pure pieces (gateway usage parsing, the traffic split, the batch listing's
+parse and merge) on hand-made inputs; a batch running through that gateway, its progress in the
+gateway's admin listing (GET /admin/v1/batches: its key and input checks) and in the summary."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from fleet import first_deploy, make_fleet
@@ -16,7 +21,16 @@ from fleet import first_deploy, make_fleet
 from paved.control_plane.analysis import GatewayAnalyzer
 from paved.control_plane.api import create_app
 from paved.control_plane.controller import Controller
-from paved.control_plane.dashboard import _merge_usage, dashboard_router, parse_gateway_usage, traffic_split
+from paved.control_plane.dashboard import (
+    BATCHES_SHOWN,
+    _merge_usage,
+    dashboard_router,
+    gateway_origin,
+    merge_batches,
+    parse_gateway_batches,
+    parse_gateway_usage,
+    traffic_split,
+)
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
@@ -133,6 +147,87 @@ def test_traffic_split_is_the_weight_share_per_alias_and_region():
     assert traffic_split(None) == []
 
 
+def _batch(i: str, *, total=10, completed=0, failed=0, created_at=100.0, status="in_progress"):
+    return {
+        "id": i,
+        "object": "batch",
+        "tenant": "t",
+        "model": "tiny",
+        "endpoint": "/v1/chat/completions",
+        "status": status,
+        "request_counts": {"total": total, "completed": completed, "failed": failed},
+        "created_at": created_at,
+        "finished_at": None,
+        "age_s": 3.5,
+    }
+
+
+def test_gateway_batches_parse_into_progress_and_merge_once_newest_first():
+    (row,) = parse_gateway_batches({"object": "list", "data": [_batch("b1", completed=6, failed=2)]})
+    assert (row["id"], row["tenant"], row["status"]) == ("b1", "t", "in_progress")
+    assert (row["total"], row["completed"], row["failed"], row["age_s"]) == (10, 6, 2, 3.5)
+    assert row["done"] == pytest.approx(0.8)
+    assert row["completed_share"] == pytest.approx(0.6) and row["failed_share"] == pytest.approx(0.2)
+    (empty,) = parse_gateway_batches({"data": [_batch("b0", total=0)]})
+    assert empty["done"] == 1.0 and empty["completed_share"] == empty["failed_share"] == 0.0
+    # Counts that overshoot the total (a gateway mid-update) never draw past the bar's end.
+    (over,) = parse_gateway_batches({"data": [_batch("b9", total=4, completed=3, failed=3)]})
+    assert over["completed_share"] + over["failed_share"] == pytest.approx(1.0) and over["done"] == 1.0
+    for bad in (
+        [],
+        {"data": {}},
+        {"data": [{"id": "x"}]},
+        {"data": [_batch("x", total=-1)]},
+        {"data": [_batch("x", completed=True)]},
+        {"data": [{**_batch("x"), "id": 7}]},
+        {"data": [{**_batch("x"), "created_at": "yesterday"}]},
+    ):
+        with pytest.raises(ValueError):
+            parse_gateway_batches(bad)
+    # Two gateways on one database list the same batch: shown once, the most advanced reading kept.
+    a = parse_gateway_batches(
+        {"data": [_batch("b1", completed=1, created_at=1.0), _batch("b2", created_at=2.0)]}
+    )
+    b = parse_gateway_batches(
+        {"data": [_batch("b1", completed=5, created_at=1.0), _batch("b3", created_at=3.0)]}
+    )
+    merged = merge_batches([a, b])
+    assert [r["id"] for r in merged] == ["b3", "b2", "b1"] and merged[2]["completed"] == 5
+    many = parse_gateway_batches({"data": [_batch(f"x{i}", created_at=i) for i in range(BATCHES_SHOWN + 5)]})
+    assert len(merge_batches([many, many])) == BATCHES_SHOWN
+
+
+def test_gateway_origin_is_where_the_admin_api_is():
+    assert gateway_origin("http://127.0.0.1:8080/metrics") == "http://127.0.0.1:8080"
+    assert gateway_origin("https://gw.example:443/x?y=1") == "https://gw.example:443"
+    assert gateway_origin("http://[::1]:9/") == "http://[::1]:9"
+    for bad in ("ftp://h:1", "http://:80", "127.0.0.1:8080", "http://h:99999"):
+        with pytest.raises(ValueError):
+            gateway_origin(bad)
+
+
+def test_an_unreadable_gateway_is_an_error_in_the_summary_not_a_failed_one(tmp_path: Path):
+    store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+    driver = LocalDriver("local", port_range=(31540, 31560), work_dir=tmp_path / "work")
+    feed = RoutesFeed(store)
+    controller = Controller(store, {"local": driver}, feed, GatewayAnalyzer([]))
+    check = AdminAuth(KEY).check
+    # Port 9 (discard) on loopback: nothing listens there, the connection is refused at once.
+    dash = dashboard_router(
+        store, controller, check, gateway_admin=["http://127.0.0.1:9"], gateway_admin_key="gw-key"
+    )
+    app = create_app(store, controller, feed, check, extra_routers=[dash])
+    asyncio.run(store.start())
+    with TestClient(app) as c:
+        r = c.get("/dashboard/api/summary", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    batches = r.json()["batches"]
+    assert batches["configured"] is True and batches["batches"] == []
+    (err,) = batches["errors"]
+    assert err["url"] == "http://127.0.0.1:9/admin/v1/batches" and err["error"]
+    assert "gw-key" not in r.text
+
+
 @pytest.fixture
 def fleet(tmp_path):
     with make_fleet(tmp_path) as make:
@@ -189,3 +284,85 @@ def test_summary_over_a_fleet_on_the_simulated_engine(fleet):
     ids2 = [e["id"] for e in s2["audit"]]
     assert ids2[: len(ids)] == ids and len(set(ids2)) == len(ids2)
     assert s2["audit"][-1]["kind"] == "scale"
+
+
+# Slow decoding (8 tokens/s, lines of at most 16 tokens: ~2 s a line, 32 lines at a time): the
+# batch runs for several seconds, so its progress is seen between its start and its end.
+SLOW_SIM = "sim://tiny?tokens_per_s=8&max_num_seqs=64&max_model_len=512"
+BATCH_LINES = 192
+
+
+def _batch_file(n: int, *, too_long: int = 0) -> bytes:
+    """`n` chat lines for tiny; the last `too_long` have a prompt past the model's length, which
+    the engine refuses (400): they end failed."""
+    lines = []
+    for i in range(n):
+        content = f"question {i}" if i < n - too_long else "long " * 200
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 16}
+        lines.append({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def start_batch(gw, key: str, n: int, *, too_long: int = 0) -> str:
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, timeout=30, max_retries=0)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(_batch_file(n, too_long=too_long))), purpose="batch")
+    return client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    ).id
+
+
+def test_batch_progress_in_the_gateway_admin_listing_and_the_summary(fleet):
+    cp, gw, key = fleet(("local=31760-31799",))
+    first_deploy(cp, gw, key, engine=SLOW_SIM)
+    batch_id = start_batch(gw, key, BATCH_LINES, too_long=2)
+    admin = {"Authorization": f"Bearer {cp.admin_key}"}  # the fleet's gateway shares the key
+
+    def listing(**params):
+        r = httpx.get(gw.url + "/admin/v1/batches", params=params, headers=admin, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def running():
+        (b,) = [b for b in listing()["data"] if b["id"] == batch_id]
+        c = b["request_counts"]
+        return b if b["status"] == "in_progress" and 0 < c["completed"] + c["failed"] < c["total"] else None
+
+    b = cp.wait_for("the batch part done in the gateway's admin listing", running, timeout_s=120)
+    assert (b["tenant"], b["model"], b["endpoint"]) == ("team", "tiny", "/v1/chat/completions")
+    assert b["request_counts"]["total"] == BATCH_LINES and b["age_s"] >= 0 and b["finished_at"] is None
+    assert [x["id"] for x in listing(status="active")["data"]] == [batch_id]
+    assert listing(status="completed")["data"] == []
+    page = listing(limit="1")
+    assert len(page["data"]) == 1 and page["has_more"] is False
+
+    # The same batch in the dashboard's summary, with its progress, while it runs.
+    def summarized():
+        s = cp.api("GET", "/dashboard/api/summary")["batches"]
+        rows = [r for r in s.get("batches", []) if r["id"] == batch_id]
+        return (s, rows[0]) if rows and 0 < rows[0]["done"] < 1 else None
+
+    s, row = cp.wait_for("the running batch in the summary", summarized, timeout_s=60)
+    assert s["configured"] is True and s["errors"] == [] and row["tenant"] == "team"
+    assert row["total"] == BATCH_LINES and row["status"] == "in_progress"
+
+    # It ends completed with both counts: the lines past the model's length failed.
+    def finished():
+        (b,) = listing()["data"]
+        return b if b["status"] == "completed" else None
+
+    b = cp.wait_for("the batch completed", finished, timeout_s=180)
+    assert b["request_counts"] == {"total": BATCH_LINES, "completed": BATCH_LINES - 2, "failed": 2}
+    assert b["age_s"] is None and b["finished_at"] >= b["created_at"]
+
+    # The listing's input is checked (400, OpenAI-style), after the admin key (401 without it).
+    for params in ({"limit": "0"}, {"limit": "201"}, {"limit": "x"}, {"status": "done"}):
+        r = httpx.get(gw.url + "/admin/v1/batches", params=params, headers=admin, timeout=10)
+        assert r.status_code == 400, (params, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["param"] in ("limit", "status"), err
+        r = httpx.get(gw.url + "/admin/v1/batches", params=params, timeout=10)
+        assert r.status_code == 401, r.text
+    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}"}):
+        r = httpx.get(gw.url + "/admin/v1/batches", headers=headers, timeout=10)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["message"]

@@ -325,6 +325,52 @@
       : [el("tr", {}, el("td", { colspan: 4, text: "Nothing queued yet." }))]);
   }
 
+  function duration(s) {
+    if (typeof s !== "number") return "–";
+    if (s < 120) return Math.round(s) + " s";
+    if (s < 7200) return Math.round(s / 60) + " min";
+    return (s / 3600).toFixed(1) + " h";
+  }
+
+  // Completed (green) then failed (red) over the batch's total; the numbers are in the label.
+  function progressBar(b) {
+    const svg = document.createElementNS(SVG, "svg");
+    svg.setAttribute("viewBox", "0 0 100 10");
+    svg.setAttribute("preserveAspectRatio", "none");
+    svg.setAttribute("aria-hidden", "true");
+    const rect = (cls, x, w) => {
+      const r = document.createElementNS(SVG, "rect");
+      for (const [k, v] of Object.entries({ class: cls, x, y: 0, width: w, height: 10 })) r.setAttribute(k, String(v));
+      svg.append(r);
+    };
+    const done = b.completed_share * 100, failed = b.failed_share * 100;
+    rect("bar-rest", 0, 100);
+    rect("bar-completed", 0, done.toFixed(2));
+    rect("bar-failed", done.toFixed(2), failed.toFixed(2));
+    const settled = Math.min(b.total, b.completed + b.failed);
+    return el("div", {
+      class: "progress", role: "progressbar",
+      "aria-valuemin": 0, "aria-valuemax": b.total, "aria-valuenow": settled,
+      "aria-label": `Batch ${b.id}: ${b.completed} completed, ${b.failed} failed of ${b.total}`,
+      "data-completed": b.completed, "data-failed": b.failed, "data-total": b.total,
+    }, svg, el("span", { text: Math.floor(b.done * 100) + "%" }));
+  }
+
+  function renderBatches(g) {
+    if (!g || !g.configured) {
+      $("batches-note").textContent = "No gateway admin API configured (start the control plane with --gateway-admin URL or --gateway-metrics URL).";
+      fill("batches", [el("tr", {}, el("td", { colspan: 10, text: "No batches to show." }))]);
+      return;
+    }
+    const errs = (g.errors || []).map((e) => `${e.url}: ${e.error}`).join("; ");
+    $("batches-note").textContent = `From ${g.urls.length} gateway${g.urls.length === 1 ? "" : "s"}, newest first` + (errs ? ` (unreadable: ${errs})` : "") + ".";
+    fill("batches", g.batches.length ? g.batches.map((b) => el("tr", { "data-batch": b.id, "data-status": b.status, "data-tenant": b.tenant },
+      td(b.id), td(b.tenant), td(b.model), td(b.endpoint), stateCell(b.status), el("td", {}, progressBar(b)),
+      td(b.completed, "num"), td(b.failed, "num"), td(b.total, "num"),
+      td(b.age_s !== null ? duration(b.age_s) : (b.finished_at ? "finished " + time(b.finished_at * 1000) : "–"))))
+      : [el("tr", {}, el("td", { colspan: 10, text: "No batches yet." }))]);
+  }
+
   function renderAudit(audit) {
     fill("audit", audit.slice(-100).reverse().map((e) => el("tr", { "data-kind": e.kind },
       td(time(e.at)), td(e.kind), td(e.model_id ? `${e.model_id}${e.version ? "@" + e.version : ""}` : "–"), td(e.message))));
@@ -409,6 +455,7 @@
       once("traffic", [s.traffic, s.gateway && s.gateway.held], () => renderTraffic(s.traffic));
       once("autoscale", s.autoscale, renderAutoscale);
       once("usage", s.gateway, renderUsage);
+      once("batches", s.batches, renderBatches);
       once("audit", s.audit.length ? s.audit[s.audit.length - 1].id : 0, () => renderAudit(s.audit));
       $("routes-rev").textContent = s.routes_revision === null ? "none" : String(s.routes_revision);
       const ce = $("controller-error");
