@@ -43,7 +43,17 @@ def fleet(tmp_path_factory):
                 ],
             )
             admin = "adm-" + secrets.token_hex(16)
-            common = ["--state", state, "--files-dir", str(tmp / "files"), "--batch-lease", "3"]
+            # Small output chunks: a batch here spans several, committed by both replicas.
+            common = [
+                "--state",
+                state,
+                "--files-dir",
+                str(tmp / "files"),
+                "--batch-lease",
+                "3",
+                "--batch-chunk-lines",
+                "25",
+            ]
             for _ in range(2):
                 gateways.append(GatewayProcess(routes, *common, admin_key=admin, state_dir=tmp))
             yield {"gateways": gateways, "frontend": frontend, "tmp": tmp, "routes": routes, "admin": admin}
@@ -406,6 +416,9 @@ def test_replica_killed_mid_batch_the_other_finishes_each_line_once(fleet):
     out = _lines(client, done.output_file_id)
     ids = [x["custom_id"] for x in out]
     assert len(ids) == len(set(ids)) == 400 and done.error_file_id is None
+    # The chunks the output was assembled from (some written by the killed replica, perhaps
+    # one it wrote and never committed) went once the files were published.
+    assert not (fleet["tmp"] / "files" / "batches" / batch.id).exists()
     expected = client.chat.completions.create(**lines[7]["body"]).choices[0].message.content
     assert {x["custom_id"]: x for x in out}["k-7"]["response"]["body"]["choices"][0]["message"][
         "content"

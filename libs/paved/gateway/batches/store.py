@@ -497,8 +497,6 @@ class BatchStore:
         def go() -> list[bool]:
             out = []
             with self._engine.begin() as c:
-                if tokens:
-                    self._add_tokens(c, tokens, int(now // 60))
                 for lease, state, result, next_at in outcomes:
                     res = c.execute(
                         lines_table.update()
@@ -517,6 +515,10 @@ class BatchStore:
                         )
                     )
                     out.append(res.rowcount > 0)
+                if tokens:
+                    # Last: every replica's answers for the tenant add to this one row, held
+                    # locked from here to the commit only.
+                    self._add_tokens(c, tokens, int(now // 60))
             return out
 
         return await self._store.run(go)
