@@ -1,12 +1,14 @@
 """The batch runner's output chunks, retention and shared token share, over a real store
-(BatchStore on SQLite, files in a local directory) with the line's request path stubbed.
+(BatchStore on SQLite and on PostgreSQL 15, files in a local directory) with the line's
+request path stubbed.
 
 - Output is written in chunks as lines finish, each recorded in the manifest; the files are the
   chunks' concatenation, each custom_id exactly once, and no result is left in the rows.
 - A chunk object written but never committed (the runner killed between the two) is ignored:
   another runner re-chunks its lines; a runner that loses a chunk race deletes its object.
 - Retention: a finished batch past it is deleted with its rows, chunks and output / error
-  files by the sweep; a younger one, or one still running, is kept.
+  files by the sweep; a younger one, or one still running, is kept. Two replicas sweeping at
+  once delete each batch once, without errors.
 - The tenant token share is counted in the shared database: what one replica's batch used
   closes the share for another replica of the same tenant.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +32,7 @@ from paved.gateway.batches.objects import LocalObjectStore
 from paved.gateway.batches.runner import BatchMetrics, BatchRunner, RunnerConfig
 from paved.gateway.batches.store import BatchStore, chunks_table, files_table, lines_table
 from paved.gateway.types import Limits, Principal, Tenant
+from paved.testing.postgres import create_database, postgres_server
 
 T0 = 1_000_000.0
 
@@ -104,10 +108,21 @@ def _read(objects: LocalObjectStore, key: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in b"".join(objects.open_read(key)).decode().splitlines()]
 
 
-@pytest.fixture
-def env(tmp_path: Path):
+@pytest.fixture(scope="module")
+def postgres():
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def env(request, tmp_path: Path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'gw.sqlite'}"
+    else:
+        url = create_database(request.getfixturevalue("postgres"), "b" + secrets.token_hex(6))
+
     async def make() -> tuple[GatewayStore, BatchStore, LocalObjectStore]:
-        accounts = GatewayStore(f"sqlite:///{tmp_path / 'gw.sqlite'}")
+        accounts = GatewayStore(url)
         await accounts.start()
         store = BatchStore(accounts)
         await store.start()
@@ -294,6 +309,42 @@ def test_the_token_share_is_counted_over_every_replica(env):
         clock.now += 121.0
         await b.tick()
         assert b.tokens_used("acme") < 100
+        await a.stop()
+        await b.stop()
+
+    asyncio.run(go())
+
+
+def test_two_replicas_sweeping_at_once_delete_each_batch_once(env, tmp_path):
+    async def go() -> None:
+        accounts, store, objects = await env()
+        clock = Clock()
+        a = _runner(store, objects, clock, retention_s=60.0, sweep_batches=3)
+        b = _runner(store, objects, clock, retention_s=60.0, sweep_batches=3)
+        ids = [f"batch_{i}" for i in range(6)]
+        for batch_id in ids:
+            await _new_batch(store, batch_id, 3, clock.now)
+        for batch_id in ids:
+            await _drain(a, clock, batch_id, store)
+        clock.now += 3600
+        deleted: list[str] = []
+        real = store.delete_batch
+
+        async def counted(batch_id, file_ids):
+            gone = await real(batch_id, file_ids)
+            if gone:
+                deleted.append(batch_id)
+            return gone
+
+        store.delete_batch = counted  # type: ignore[method-assign]
+        for _ in range(3):  # 3 per sweep each: two rounds of both clear the 6
+            await asyncio.gather(a._sweep(clock.now), b._sweep(clock.now))
+        assert sorted(deleted) == ids  # each once
+        with accounts.engine.connect() as c:
+            for table in (lines_table, chunks_table, files_table):
+                assert c.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
+        # No object is left: output files and chunk folders alike.
+        assert [p for p in (tmp_path / "files").rglob("*") if p.is_file()] == []
         await a.stop()
         await b.stop()
 
