@@ -1,15 +1,18 @@
 """Resumable streams across gateway replicas (issue 26).
 
-Two gateway mains share one SQLite state file and one Redis, with --resumable-streams, in front
-of one paved frontend on the simulated engine. `--streams` (200) chat streams run at once on
-replica A; half are cut at a random event and resumed on replica B with Last-Event-ID. Each
-resumed stream's ids must continue exactly where the cut left them:
+Two gateway mains share one SQLite state file and one Redis (`--log db`: the database only, no
+Redis), with resumable streams, in front of one paved frontend on the simulated engine.
+`--streams` (200) chat streams run at once on replica A; half are cut at a random event and
+resumed on replica B with Last-Event-ID. Each resumed stream's ids must continue exactly where
+the cut left them:
 
 - resume_gap_events: ids missing between the cut and the resume (goal 0);
 - duplicate_events: ids received twice (goal 0);
 - resume_latency_p99_ms: from sending the resume request to its first event;
 - streaming_overhead_ratio: tokens/s of `--streams` uncut streams through a gateway with
-  resumable streams on, over the same through a gateway with them off (goal >= 0.9).
+  resumable streams on, over the same through a gateway with them off (--no-resumable-streams)
+  (goal >= 0.9): `--rounds` rounds, on and off alternating in each (so a machine's load drifting
+  meets both alike), totals over totals; `round_ratios` lists each round's.
 
 `--json`: the last line is one JSON object.
 """
@@ -95,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tokens-per-s", type=int, default=100, help="the simulated engine's rate per stream")
     p.add_argument("--seed", type=int, default=26)
+    p.add_argument("--rounds", type=int, default=3, help="on/off throughput rounds (default 3)")
+    p.add_argument(
+        "--log", choices=("redis", "db"), default="redis", help="where the event log is (default redis)"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if not 2 <= args.streams <= 2000 or not 8 <= args.max_tokens <= 4096:
-        p.error("--streams in [2, 2000], --max-tokens in [8, 4096]")
+    if not 2 <= args.streams <= 2000 or not 8 <= args.max_tokens <= 4096 or not 1 <= args.rounds <= 20:
+        p.error("--streams in [2, 2000], --max-tokens in [8, 4096], --rounds in [1, 20]")
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="resume-bench-"))
     engine = f"sim://tiny?tokens_per_s={args.tokens_per_s}&max_num_seqs={args.streams * 2}"
@@ -109,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             backends = [{"url": frontend.url, "version": "v1"}]
             routes = write_routes(tmp / "routes.json", [{"alias": "tiny", "backends": backends}])
             admin = "adm-" + secrets.token_hex(16)
-            common = ["--state", f"sqlite:///{tmp / 'gw.sqlite'}", "--redis", redis, "--queue-size", "0"]
+            common = ["--state", f"sqlite:///{tmp / 'gw.sqlite'}", "--queue-size", "0"]
+            if args.log == "redis":
+                common += ["--redis", redis]
             for resumable in (True, True, False):
-                extra = ["--resumable-streams"] if resumable else []
+                extra = ["--resumable-streams"] if resumable else ["--no-resumable-streams"]
                 gateways.append(GatewayProcess(routes, *common, *extra, admin_key=admin, state_dir=tmp))
             a, b, off = gateways
             a.tenant("bench", models=["tiny"])
@@ -136,19 +145,24 @@ def main(argv: list[str] | None = None) -> int:
                         latencies.append(result["latency"] * 1000)
                 latencies.sort()
                 p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else None
-                on = await _throughput(a.url, key, body, args.streams)
-                plain = await _throughput(off.url, key, body, args.streams)
-                on2 = await _throughput(a.url, key, body, args.streams)
-                plain2 = await _throughput(off.url, key, body, args.streams)
+                on: list[float] = []
+                plain: list[float] = []
+                for i in range(args.rounds):
+                    # Which goes first alternates too: a round's second run finds a warmer machine.
+                    for which in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                        url, into = (a.url, on) if which == "on" else (off.url, plain)
+                        into.append(await _throughput(url, key, body, args.streams))
                 return {
                     "streams": args.streams,
                     "cut_and_resumed": sum(cuts),
                     "resume_gap_events": gaps,
                     "duplicate_events": dups,
                     "resume_latency_p99_ms": round(p99, 2) if p99 is not None else None,
-                    "tokens_per_s_resumable": round((on + on2) / 2, 1),
-                    "tokens_per_s_plain": round((plain + plain2) / 2, 1),
-                    "streaming_overhead_ratio": round((on + on2) / (plain + plain2), 3),
+                    "log": args.log,
+                    "tokens_per_s_resumable": round(sum(on) / len(on), 1),
+                    "tokens_per_s_plain": round(sum(plain) / len(plain), 1),
+                    "streaming_overhead_ratio": round(sum(on) / sum(plain), 3),
+                    "round_ratios": [round(x / y, 3) for x, y in zip(on, plain, strict=True)],
                 }
 
             try:

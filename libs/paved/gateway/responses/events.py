@@ -4,13 +4,17 @@ replicas share, and followed live from any of them.
 Two logs implement `EventLog`: `RedisEventLog` (one Redis stream per stream, entry id `0-(seq+1)`,
 trimmed to `max_events` and expiring `retention_s` after its last write) and `SqlEventLog`
 (the gateway's database, for a deployment without Redis; followers poll it). `LiveStreams` is
-one replica's side: the streams it generates, held in memory for its own readers, written to
-the log in batches by one flusher per stream (so a token costs the generation no round trip).
+one replica's side: the streams it generates, held in memory for its own readers, and one
+flusher per replica that writes every stream's new events to the log together, at most once
+per `flush_interval_s` (one round trip per flush, not one per token).
 
 Invariants:
 - A stream's events have consecutive sequence numbers from 0 and are appended in order by one
   writer (the replica generating it); a reader gets each once, in order, with no gap: a resume
-  point older than what the log still keeps raises StreamTrimmed rather than skipping.
+  point older than what the log still keeps raises StreamTrimmed rather than skipping, and a
+  log refuses an append that would leave a hole.
+- A reader on the generating replica gets an event only once the log holds it (or once the log
+  has failed for that stream), so whatever a client was sent can be resumed from any replica.
 - The last event of a stream is marked final; a reader stops after it, and a reader resuming
   at or past it gets that final event again (so it learns how the stream ended).
 - Per tenant at most `max_streams_per_tenant` streams are kept (the oldest go first), each at
@@ -38,6 +42,13 @@ logger = logging.getLogger("paved.gateway.responses")
 READ_BLOCK_S = 1.0
 _POLL_S = 0.05
 _BATCH = 512
+# How often one replica writes its streams' new events to the log, at most: under load a
+# flush carries several events of every stream at once; alone, an event waits at most this.
+FLUSH_INTERVAL_S = 0.01
+
+# Per stream in an append: the sequence number the log now ends at, or one of these.
+GONE = -2  # the stream is no longer in the log (deleted, evicted by the tenant's cap, expired)
+HOLE = -3  # the append starts after the log's end: refused, so the log never has a gap
 
 
 @dataclass(frozen=True)
@@ -59,9 +70,28 @@ class StreamInfo:
     reader_at: float
 
 
+@dataclass(frozen=True)
+class Append:
+    """New events of one stream (consecutive sequence numbers); `ended`: its last is final.
+    Appending events the log already holds again is harmless (they are skipped), so a failed
+    append can be retried as it was."""
+
+    stream_id: str
+    events: list[tuple[int, bytes]]
+    ended: bool
+
+
 class EventLog(Protocol):
     async def open(self, stream_id: str, tenant: str) -> None: ...
-    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> None: ...
+    async def append_many(self, appends: list[Append]) -> list[int]:
+        """All `appends` in one round trip; per append, the last sequence number the log now
+        holds for that stream, or GONE / HOLE."""
+        ...
+
+    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
+        """One stream's append_many."""
+        ...
+
     async def info(self, stream_id: str) -> StreamInfo | None: ...
     async def read(self, stream_id: str, after: int, wait_s: float) -> list[tuple[int, bytes, bool]]: ...
     async def touch(self, stream_id: str) -> None: ...
@@ -89,6 +119,7 @@ class RedisEventLog:
             socket_connect_timeout=timeout_s,
             max_connections=4096,
         )
+        self._append_sha: str | None = None
 
     async def open(self, stream_id: str, tenant: str) -> None:
         async with _unavailable_as_503():
@@ -113,23 +144,34 @@ class RedisEventLog:
             for old in await self._redis.zpopmin(by_age, extra):
                 await self.delete(old[0].decode())
 
-    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> None:
-        key, meta = f"pvd:es:{stream_id}", f"pvd:em:{stream_id}"
+    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
+        return (await self.append_many([Append(stream_id, events, ended)]))[0]
+
+    async def append_many(self, appends: list[Append]) -> list[int]:
+        from redis.exceptions import NoScriptError
+
+        if not appends:
+            return []
+        if self._append_sha is None:
+            self._append_sha = await self._redis.script_load(_APPEND_LUA)
+        try:
+            return await self._append_many(appends)
+        except NoScriptError:
+            # Redis restarted (or its scripts were flushed): the script again, then the same
+            # appends (idempotent, so the ones that went through before are skipped).
+            self._append_sha = await self._redis.script_load(_APPEND_LUA)
+            return await self._append_many(appends)
+
+    async def _append_many(self, appends: list[Append]) -> list[int]:
         ttl = int(self.bounds.retention_s) + 1
         async with self._redis.pipeline(transaction=False) as p:
-            for i, (seq, data) in enumerate(events):
-                fields: dict[str, Any] = {"d": data}
-                if ended and i == len(events) - 1:
-                    fields["e"] = b"1"
-                p.xadd(key, fields, id=f"0-{seq + 1}", maxlen=self.bounds.max_events, approximate=False)
-            mapping: dict[str, Any] = {"last": events[-1][0]} if events else {}
-            if ended:
-                mapping["ended"] = 1
-            if mapping:
-                p.hset(meta, mapping=mapping)
-            p.expire(key, ttl)
-            p.expire(meta, ttl)
-            await p.execute()
+            for a in appends:
+                args: list[Any] = [self.bounds.max_events, ttl, 1 if a.ended else 0]
+                for seq, data in a.events:
+                    args.append(seq)
+                    args.append(data)
+                p.evalsha(self._append_sha, 2, f"pvd:es:{a.stream_id}", f"pvd:em:{a.stream_id}", *args)
+            return [int(r) for r in await p.execute()]
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         async with _unavailable_as_503():
@@ -144,6 +186,7 @@ class RedisEventLog:
         )
 
     async def read(self, stream_id: str, after: int, wait_s: float) -> list[tuple[int, bytes, bool]]:
+        """The events after `after` (at most a batch), waiting up to `wait_s` for one."""
         client = self._blocking if wait_s > 0 else self._redis
         block = max(1, int(min(wait_s, READ_BLOCK_S) * 1000)) if wait_s > 0 else None
         got = await client.xread({f"pvd:es:{stream_id}": f"0-{after + 1}"}, count=_BATCH, block=block)
@@ -152,8 +195,7 @@ class RedisEventLog:
             for entry_id, fields in entries:
                 seq = int(entry_id.split(b"-")[1]) - 1
                 out.append((seq, fields[b"d"], fields.get(b"e") == b"1"))
-        if out and out[0][0] != after + 1:
-            raise StreamTrimmed
+        _check_contiguous(out, after)
         return out
 
     async def touch(self, stream_id: str) -> None:
@@ -165,6 +207,44 @@ class RedisEventLog:
     async def close(self) -> None:
         await self._redis.aclose()
         await self._blocking.aclose()
+
+
+# One stream's append, atomic in Redis: events the log has are skipped (a retried append), one
+# that would leave a hole is refused, and a stream that is gone is not brought back.
+# KEYS: events, meta. ARGV: max_events, ttl, ended (0/1), then seq, data pairs.
+_APPEND_LUA = """
+local last = redis.call('HGET', KEYS[2], 'last')
+if not last then return -2 end
+last = tonumber(last)
+local n = #ARGV
+for i = 4, n, 2 do
+  local seq = tonumber(ARGV[i])
+  if seq == last + 1 then
+    if ARGV[3] == '1' and i == n - 1 then
+      redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], '0-' .. (seq + 1), 'd', ARGV[i + 1], 'e', '1')
+    else
+      redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], '0-' .. (seq + 1), 'd', ARGV[i + 1])
+    end
+    last = seq
+  elseif seq > last + 1 then
+    return -3
+  end
+end
+if ARGV[3] == '1' then
+  redis.call('HSET', KEYS[2], 'last', last, 'ended', 1)
+else
+  redis.call('HSET', KEYS[2], 'last', last)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return last
+"""
+
+
+def _check_contiguous(events: list[tuple[int, bytes, bool]], after: int) -> None:
+    """Raise StreamTrimmed unless `events` continue `after` one by one (a trimmed log)."""
+    if events and (events[0][0] != after + 1 or events[-1][0] != after + len(events)):
+        raise StreamTrimmed
 
 
 @contextlib.asynccontextmanager
@@ -238,38 +318,66 @@ class SqlEventLog:
                 )
             )  # fmt: skip
 
-    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> None:
-        await self._store.run(self._append_sync, stream_id, events, ended)
+    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
+        return (await self.append_many([Append(stream_id, events, ended)]))[0]
 
-    def _append_sync(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> None:
+    async def append_many(self, appends: list[Append]) -> list[int]:
+        if not appends:
+            return []
+        return await self._store.run(self._append_many_sync, appends)
+
+    def _append_many_sync(self, appends: list[Append]) -> list[int]:
+        """One transaction for every stream's new events: all of them or none."""
+        meta, t = _meta_table, _events_table
+        expires = time.time() + self.bounds.retention_s
         with self._store.engine.begin() as conn:
-            if events:
-                last_i = len(events) - 1
-                conn.execute(
-                    _events_table.insert(),
-                    [
-                        {
-                            "stream_id": stream_id,
-                            "seq": seq,
-                            "data": data,
-                            "final": ended and i == last_i,
-                        }
-                        for i, (seq, data) in enumerate(events)
-                    ],
+            ids = list({a.stream_id for a in appends})
+            lasts = {
+                r.id: int(r.last)
+                for r in conn.execute(sa.select(meta.c.id, meta.c.last).where(meta.c.id.in_(ids)))
+            }
+            rows: list[dict[str, Any]] = []
+            updates: list[dict[str, Any]] = []
+            trims: list[dict[str, Any]] = []
+            out: list[int] = []
+            for a in appends:
+                last = lasts.get(a.stream_id)
+                if last is None:
+                    out.append(GONE)
+                    continue
+                new = [(seq, data) for seq, data in a.events if seq > last]
+                if new and new[0][0] != last + 1:
+                    out.append(HOLE)
+                    continue
+                final_i = len(new) - 1 if a.ended else -1
+                rows.extend(
+                    {"stream_id": a.stream_id, "seq": seq, "data": data, "final": i == final_i}
+                    for i, (seq, data) in enumerate(new)
                 )
-                last = events[-1][0]
+                last = new[-1][0] if new else last
+                lasts[a.stream_id] = last
+                updates.append({"b_id": a.stream_id, "b_last": last, "b_ended": a.ended, "b_exp": expires})
+                if last >= self.bounds.max_events:
+                    trims.append({"b_id": a.stream_id, "b_below": last - self.bounds.max_events})
+                out.append(last)
+            if rows:
+                conn.execute(t.insert(), rows)
+            if updates:
                 conn.execute(
-                    _events_table.delete().where(
-                        _events_table.c.stream_id == stream_id,
-                        _events_table.c.seq <= last - self.bounds.max_events,
-                    )
+                    meta.update()
+                    .where(meta.c.id == sa.bindparam("b_id"))
+                    .values(last=sa.bindparam("b_last"), ended=sa.bindparam("b_ended"),
+                            expires_at=sa.bindparam("b_exp")),
+                    updates,
+                )  # fmt: skip
+            if trims:
+                conn.execute(
+                    t.delete().where(
+                        t.c.stream_id == sa.bindparam("b_id"), t.c.seq <= sa.bindparam("b_below")
+                    ),
+                    trims,
                 )
-            values: dict[str, Any] = {"expires_at": time.time() + self.bounds.retention_s}
-            if events:
-                values["last"] = events[-1][0]
-            if ended:
-                values["ended"] = True
-            conn.execute(_meta_table.update().where(_meta_table.c.id == stream_id).values(**values))
+        return out
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         return await self._store.run(self._info_sync, stream_id)
@@ -290,8 +398,7 @@ class SqlEventLog:
             if rows or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_POLL_S)
-        if rows and rows[0][0] != after + 1:
-            raise StreamTrimmed
+        _check_contiguous(rows, after)
         return rows
 
     def _read_sync(self, stream_id: str, after: int) -> list[tuple[int, bytes, bool]]:
@@ -328,76 +435,135 @@ class SqlEventLog:
 
 @dataclass
 class LiveStream:
-    """A stream this replica generates: its events in memory (for its own readers) and the
-    ones not yet written to the log."""
+    """A stream this replica generates: its events in memory, for its own readers.
+
+    `events[:durable]` may be read: the log holds them, or the log has failed for this stream
+    (`unlogged`) and they are delivered from memory only. `events[logged:]` are not yet written."""
 
     id: str
     tenant: str
-    events: list[tuple[int, bytes]] = field(default_factory=list)
+    events: list[bytes] = field(default_factory=list)
     ended: bool = False
     readers: int = 0
+    durable: int = 0
+    logged: int = 0
+    unlogged: bool = False
     # Set when the last local reader leaves (the generation's owner decides on a grace).
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set (and replaced) on every push: each reader waits on the one current when it caught up.
+    # Set (and replaced) when `durable` grows: each reader waits on the one current when it
+    # caught up.
     _notify: asyncio.Event = field(default_factory=asyncio.Event)
-    _pending: list[tuple[int, bytes]] = field(default_factory=list)
-    _flusher: asyncio.Task[None] | None = None
+    # Set once the stream ended and every event is durable (and a lost log forgot it).
+    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+    _forgetting: bool = False
 
     @property
     def next_seq(self) -> int:
         return len(self.events)
 
+    def _advance(self, durable: int) -> None:
+        if durable > self.durable:
+            self.durable = durable
+            self._notify.set()
+            self._notify = asyncio.Event()
+        if self.ended and self.durable == len(self.events) and not self._forgetting:
+            self._drained.set()
+
 
 class LiveStreams:
-    """This replica's generating streams, over the shared log."""
+    """This replica's generating streams, over the shared log. One flusher task writes the new
+    events of every stream at once, at most once per `flush_interval_s`, one flush at a time
+    (so a stream's appends reach the log in order)."""
 
-    def __init__(self, log: EventLog, grace_s: float = 30.0):
+    def __init__(self, log: EventLog, grace_s: float = 30.0, flush_interval_s: float = FLUSH_INTERVAL_S):
         self.log = log
         self.grace_s = grace_s
+        self.flush_interval_s = flush_interval_s
         self._live: dict[str, LiveStream] = {}
+        # Streams with events not yet written, in the order they got them.
+        self._dirty: dict[str, LiveStream] = {}
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
 
     async def create(self, stream_id: str, tenant: str) -> LiveStream:
         await self.log.open(stream_id, tenant)
         live = LiveStream(stream_id, tenant)
-        live._flusher = asyncio.create_task(self._flush(live))
         self._live[stream_id] = live
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop())
         return live
 
     def push(self, live: LiveStream, data: bytes, *, end: bool = False) -> int:
         """Append one event (its sequence number is the next one); `end`: the stream's last."""
         if live.ended:
             raise RuntimeError("stream already ended")
-        seq = live.next_seq
-        live.events.append((seq, data))
-        live._pending.append((seq, data))
+        seq = len(live.events)
+        live.events.append(data)
         if end:
             live.ended = True
-        live._changed.set()
-        live._notify.set()
-        live._notify = asyncio.Event()
+        if live.unlogged:
+            live._advance(len(live.events))
+        else:
+            self._dirty[live.id] = live
+            self._wake.set()
         return seq
 
     async def flushed(self, live: LiveStream) -> None:
-        """Every event pushed so far (the stream has ended) is in the log."""
-        if live._flusher is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(live._flusher)
+        """Every event pushed so far (the stream has ended) is in the log, or will never be."""
+        await live._drained.wait()
         self._live.pop(live.id, None)
 
-    async def _flush(self, live: LiveStream) -> None:
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_flush = -self.flush_interval_s
         while True:
-            await live._changed.wait()
-            live._changed.clear()
-            batch, live._pending = live._pending, []
-            ended = live.ended
-            if batch or ended:
-                try:
-                    await self.log.append(live.id, batch, ended)
-                except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the stream
-                    logger.warning("could not write stream %s to the event log: %s", live.id, e)
-            if ended and not live._pending:
-                return
+            await self._wake.wait()
+            # Let the events of a few milliseconds gather: one write carries them all.
+            wait = last_flush + self.flush_interval_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._wake.clear()
+            last_flush = loop.time()
+            dirty, self._dirty = list(self._dirty.values()), {}
+            try:
+                await self._flush(dirty)
+            except Exception:  # the flusher must outlive any one flush: writers wait on it
+                logger.exception("event log flush failed")
+                for live in dirty:
+                    live.unlogged = True
+                    live._advance(len(live.events))
+
+    async def _flush(self, dirty: list[LiveStream]) -> None:
+        streams: list[LiveStream] = []
+        appends: list[Append] = []
+        for live in dirty:
+            if live.unlogged:
+                continue
+            upto = len(live.events)
+            events = [(seq, live.events[seq]) for seq in range(live.logged, upto)]
+            streams.append(live)
+            appends.append(Append(live.id, events, live.ended and upto == len(live.events)))
+        try:
+            results = await self.log.append_many(appends)
+        except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the stream
+            logger.warning("could not write %d streams to the event log: %s", len(streams), e)
+            results = [HOLE] * len(streams)
+        lost: list[LiveStream] = []
+        for live, result in zip(streams, results, strict=True):
+            if result >= 0:
+                live.logged = result + 1
+                live._advance(live.logged)
+                continue
+            # The log lost this stream (or refused a hole): its readers here get the rest from
+            # memory; elsewhere the stream is gone (a clear 404), never resumed with a gap.
+            live.unlogged = live._forgetting = True
+            live._advance(len(live.events))
+            lost.append(live)
+        for live in lost:
+            with contextlib.suppress(Exception):
+                await self.log.delete(live.id)
+            live._forgetting = False
+            live._advance(len(live.events))
 
     def local(self, stream_id: str) -> LiveStream | None:
         return self._live.get(stream_id)
@@ -405,7 +571,7 @@ class LiveStreams:
     async def follow(self, stream_id: str, after: int) -> AsyncIterator[bytes]:
         """The events after `after`, then live ones until the final one; from memory when this
         replica generates the stream, else from the log. A resume at or past the end gets the
-        final event again."""
+        final event again. A chunk yielded may hold several whole events."""
         live = self._live.get(stream_id)
         if live is not None:
             async for data in self._follow_local(live, after):
@@ -422,10 +588,14 @@ class LiveStreams:
             if live.ended and position >= live.next_seq:
                 position = live.next_seq - 1
             while True:
-                while position < live.next_seq:
-                    yield live.events[position][1]
-                    position += 1
-                if live.ended:
+                durable = live.durable
+                if position < durable:
+                    # Whatever piled up since the last wake goes out as one write.
+                    chunk = b"".join(live.events[position:durable])
+                    position = durable
+                    yield chunk
+                    continue
+                if live.ended and position >= live.next_seq:
                     return
                 await live._notify.wait()
         finally:

@@ -1,0 +1,369 @@
+"""The resumable streams' event log in the database, without Redis: on a real PostgreSQL 15 and
+on SQLite, each.
+
+Without processes (two replicas = two GatewayStores on one database, each with its own
+SqlEventLog and LiveStreams): append and replay from N, a follower on the other replica live
+until the final event, a resume past the end gets the final event again, a local reader gets
+an event only once the log holds it, the per-tenant cap, the per-stream bound (StreamTrimmed,
+never a gap), retention (an expired stream is gone and swept), appends that are retried,
+that would leave a hole or that reach a stream gone; a log that fails costs the stream its
+resumability, not its delivery.
+
+With processes: two gateway mains sharing the database and no Redis, in front of a paved
+frontend on the simulated engine: a chat stream cut mid-way on one and resumed with
+Last-Event-ID on the other (no gap, no duplicate, the same events as a full replay), a
+Responses stream resumed with starting_after on the other, and the clear 404s of a stream
+expired and of a resume point trimmed away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from gateway_proc import GatewayProcess, write_routes
+from servers import ServerProcess
+
+from paved.gateway.access.state import GatewayStore
+from paved.gateway.responses import events as ev
+from paved.testing.postgres import create_database, postgres_server
+
+MODEL = "tiny"
+_db_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pg_server() -> Iterator[str]:
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path) -> str:
+    """A fresh database per test: a SQLite file, or a new database on the module's server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'gw.sqlite'}"
+    return create_database(request.getfixturevalue("pg_server"), f"ev_{next(_db_names)}")
+
+
+class _Replica:
+    """One gateway replica's side of the log: its own store (connection pool), log and streams."""
+
+    def __init__(self, url: str, bounds: ev.LogBounds):
+        self.store = GatewayStore(url)
+        self.log = ev.SqlEventLog(self.store, bounds)
+        self.streams = ev.LiveStreams(self.log, grace_s=5, flush_interval_s=0.002)
+
+    async def start(self) -> None:
+        await self.store.start()
+        await self.log.start()
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+async def _replicas(url: str, bounds: ev.LogBounds | None = None) -> tuple[_Replica, _Replica]:
+    bounds = bounds or ev.LogBounds()
+    a, b = _Replica(url, bounds), _Replica(url, bounds)
+    await a.start()
+    await b.start()
+    return a, b
+
+
+def _event(seq: int, text: str = "t") -> bytes:
+    return b"id: %d\ndata: %s\n\n" % (seq, text.encode())
+
+
+def _ids(chunks: list[bytes]) -> list[int]:
+    """The ids of the events in `chunks` (a chunk may hold several whole events)."""
+    events = [e for e in b"".join(chunks).split(b"\n\n") if e]
+    return [int(e.split(b"\n", 1)[0].removeprefix(b"id: ")) for e in events]
+
+
+async def _collect(events: AsyncIterator[bytes]) -> list[bytes]:
+    return [chunk async for chunk in events]
+
+
+def test_append_replay_follow_live_from_the_other_replica_and_resume_past_the_end(db_url):
+    async def go():
+        a, b = await _replicas(db_url)
+        live = await a.streams.create("s1", "acme")
+        for seq in range(5):
+            a.streams.push(live, _event(seq))
+        # B is not generating s1: it follows from the log, from event 2 on, while A goes on.
+        follower = asyncio.create_task(_collect(b.streams.follow("s1", 1)))
+        for seq in range(5, 12):
+            a.streams.push(live, _event(seq))
+            await asyncio.sleep(0)
+        a.streams.push(live, _event(12, "[DONE]"), end=True)
+        await a.streams.flushed(live)
+        assert _ids(await follower) == list(range(2, 13))
+        # Replay from N on either replica (A no longer holds it in memory once flushed).
+        assert _ids(await _collect(a.streams.follow("s1", 6))) == list(range(7, 13))
+        assert _ids(await _collect(b.streams.follow("s1", -1))) == list(range(13))
+        # At or past the end: the final event again, so the reader learns how it ended.
+        assert _ids(await _collect(b.streams.follow("s1", 12))) == [12]
+        assert _ids(await _collect(b.streams.follow("s1", 40))) == [12]
+        info = await b.log.info("s1")
+        assert info is not None and info.ended and info.last == 12 and info.tenant == "acme"
+        rows = await b.log.read("s1", 10, 0)
+        assert [(seq, final) for seq, _, final in rows] == [(11, False), (12, True)]
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+class _GatedLog:
+    """A log whose appends wait for `gate` (and say when one is waiting), or fail."""
+
+    def __init__(self, inner: ev.SqlEventLog, fail: bool = False):
+        self.inner = inner
+        self.fail = fail
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def append_many(self, appends: list[ev.Append]) -> list[int]:
+        self.entered.set()
+        await self.gate.wait()
+        if self.fail:
+            raise OSError("the database went away")
+        return await self.inner.append_many(appends)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_a_local_reader_gets_an_event_only_once_the_log_holds_it(db_url):
+    async def go():
+        a, b = await _replicas(db_url)
+        gated = _GatedLog(a.log)
+        streams = ev.LiveStreams(gated, flush_interval_s=0.002)  # type: ignore[arg-type]
+        live = await streams.create("s2", "acme")
+        reader = asyncio.create_task(_collect(streams.follow("s2", -1)))
+        for seq in range(3):
+            streams.push(live, _event(seq))
+        await gated.entered.wait()
+        # The flush is under way but not done: nothing was delivered that a resume elsewhere
+        # could not find.
+        assert live.durable == 0 and not reader.done()
+        assert await b.log.read("s2", -1, 0) == []
+        streams.push(live, _event(3, "[DONE]"), end=True)
+        gated.gate.set()
+        await streams.flushed(live)
+        assert _ids(await reader) == [0, 1, 2, 3]
+        assert [seq for seq, _, _ in await b.log.read("s2", -1, 0)] == [0, 1, 2, 3]
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_a_failing_log_costs_resumability_not_the_stream(db_url):
+    async def go():
+        a, b = await _replicas(db_url)
+        failing = _GatedLog(a.log, fail=True)
+        failing.gate.set()
+        streams = ev.LiveStreams(failing, flush_interval_s=0.002)  # type: ignore[arg-type]
+        live = await streams.create("s3", "acme")
+        reader = asyncio.create_task(_collect(streams.follow("s3", -1)))
+        for seq in range(4):
+            streams.push(live, _event(seq))
+        streams.push(live, _event(4, "[DONE]"), end=True)
+        await streams.flushed(live)
+        assert _ids(await reader) == [0, 1, 2, 3, 4]
+        # Elsewhere the stream is gone (a clear 404), never resumable with a hole in it.
+        assert await b.log.info("s3") is None
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_appends_retried_with_a_hole_or_to_a_stream_gone(db_url):
+    async def go():
+        a, b = await _replicas(db_url)
+        await a.log.open("s4", "acme")
+        first = [(0, _event(0)), (1, _event(1))]
+        assert await a.log.append("s4", first, False) == 1
+        # A retry of what already went through (an ambiguous failure) adds nothing twice.
+        assert await a.log.append_many([ev.Append("s4", [*first, (2, _event(2))], False)]) == [2]
+        # One that would leave a hole is refused, and changes nothing.
+        assert await a.log.append("s4", [(5, _event(5))], False) == ev.HOLE
+        assert [seq for seq, _, _ in await b.log.read("s4", -1, 0)] == [0, 1, 2]
+        # A stream deleted (or evicted) is not brought back by its writer's next append.
+        await b.log.delete("s4")
+        assert await a.log.append("s4", [(3, _event(3))], True) == ev.GONE
+        assert await b.log.info("s4") is None and await b.log.read("s4", -1, 0) == []
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_bounds_per_tenant_per_stream_and_retention(db_url):
+    async def go():
+        bounds = ev.LogBounds(max_events=5, retention_s=3600, max_streams_per_tenant=2)
+        a, b = await _replicas(db_url, bounds)
+        for sid in ("t1", "t2", "t3"):
+            await a.log.open(sid, "acme")
+        await a.log.open("o1", "other")
+        # The tenant's oldest went first; another tenant's streams do not count.
+        assert await b.log.info("t1") is None
+        assert await b.log.info("t2") is not None and await b.log.info("t3") is not None
+        assert await b.log.info("o1") is not None
+
+        # At most max_events per stream: a resume point older than that is StreamTrimmed.
+        await a.log.append("t3", [(seq, _event(seq)) for seq in range(12)], True)
+        with pytest.raises(ev.StreamTrimmed):
+            await b.log.read("t3", -1, 0)
+        with pytest.raises(ev.StreamTrimmed):
+            await _collect(b.streams.follow("t3", 2))
+        assert [seq for seq, _, _ in await b.log.read("t3", 6, 0)] == [7, 8, 9, 10, 11]
+
+        # Retention: once a stream's time is up (set in the table: no waiting in a test), it
+        # is gone for every reader, and the next stream opened sweeps its events away.
+        with a.store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE gateway_streams SET expires_at = 0 WHERE id = 't3'"))
+        assert await b.log.info("t3") is None
+        await b.log.open("t4", "other")
+        with a.store.engine.connect() as conn:
+            left = conn.execute(sa.text("SELECT count(*) FROM gateway_stream_events WHERE stream_id = 't3'"))
+            assert left.scalar() == 0
+            assert conn.execute(sa.text("SELECT count(*) FROM gateway_streams WHERE id = 't3'")).scalar() == 0
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+# ---- two gateway processes on one database, no Redis ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def frontend() -> Iterator[ServerProcess]:
+    # Slow enough that a stream can be cut in its middle.
+    server = ServerProcess("--engine", "sim://tiny?tokens_per_s=200&max_num_seqs=64", ready_timeout_s=120)
+    try:
+        yield server
+    finally:
+        server.terminate()
+
+
+@pytest.fixture(scope="module", params=["postgres", "sqlite"])
+def fleet(request, frontend, tmp_path_factory) -> Iterator[dict]:
+    tmp: Path = tmp_path_factory.mktemp("events_db")
+    if request.param == "postgres":
+        state = create_database(request.getfixturevalue("pg_server"), f"fleet_{next(_db_names)}")
+    else:
+        state = f"sqlite:///{tmp / 'gw.sqlite'}"
+    backends = [{"url": frontend.url, "version": "v1"}]
+    routes = write_routes(tmp / "routes.json", [{"alias": MODEL, "backends": backends}])
+    admin = "adm-" + secrets.token_hex(16)
+    gateways: list[GatewayProcess] = []
+    try:
+        for _ in range(2):
+            # No --redis: the event log is the database the replicas share.
+            flags = ["--state", state, "--stream-grace", "20", "--stream-max-events", "40"]
+            gateways.append(GatewayProcess(routes, *flags, admin_key=admin, state_dir=tmp))
+        gateways[0].tenant("acme", models=[MODEL])
+        yield {"gateways": gateways, "key": gateways[0].key("acme"), "state": state}
+    finally:
+        for gw in gateways:
+            gw.stop()
+
+
+def _sse_events(data: bytes) -> list[bytes]:
+    return [e for e in data.split(b"\n\n") if e.strip()]
+
+
+def _first_events(url: str, path: str, body: dict, auth: dict, n: int) -> tuple[httpx.Headers, list[bytes]]:
+    """The first `n` events of a stream, then the connection dropped."""
+    got: list[bytes] = []
+    with httpx.stream("POST", url + path, json=body, headers=auth, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        buffer = b""
+        for chunk in r.iter_bytes():
+            buffer += chunk
+            *whole, buffer = buffer.split(b"\n\n")
+            got.extend(e for e in whole if e.strip())
+            if len(got) >= n:
+                return r.headers, got[:n]
+    raise AssertionError(f"the stream ended after {len(got)} events")
+
+
+def test_chat_stream_cut_on_one_replica_resumes_on_the_other_without_redis(fleet):
+    a, b = fleet["gateways"]
+    auth = {"authorization": f"Bearer {fleet['key']}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True}
+    headers, got = _first_events(a.url, "/v1/chat/completions", body, auth, 8)
+    stream_id = headers["x-paved-stream-id"]
+    assert [e.split(b"\n")[0] for e in got] == [b"id: %d" % i for i in range(8)]
+    rest = httpx.get(
+        f"{b.url}/v1/chat/completions/streams/{stream_id}", headers={**auth, "last-event-id": "7"}, timeout=60
+    )
+    assert rest.status_code == 200, rest.text
+    events = _sse_events(rest.content)
+    ids = [int(e.split(b"\n")[0].removeprefix(b"id: ")) for e in events]
+    assert ids == list(range(8, 8 + len(ids)))  # no gap, no duplicate
+    assert events[-1].endswith(b"data: [DONE]")
+    # The whole stream replayed from the first replica is exactly what the client was sent.
+    full = httpx.get(f"{a.url}/v1/chat/completions/streams/{stream_id}", headers=auth, timeout=60)
+    assert _sse_events(full.content) == got + events
+
+    # A resume point the per-stream bound (--stream-max-events 40) no longer keeps: a clear 404.
+    long_body = {**body, "max_tokens": 60}
+    r = httpx.post(f"{a.url}/v1/chat/completions", json=long_body, headers=auth, timeout=60)
+    assert r.status_code == 200 and len(_sse_events(r.content)) > 41
+    trimmed = httpx.get(
+        f"{b.url}/v1/chat/completions/streams/{r.headers['x-paved-stream-id']}",
+        headers={**auth, "last-event-id": "0"},
+        timeout=60,
+    )
+    assert trimmed.status_code == 404 and trimmed.json()["error"]["code"] == "stream_events_expired"
+
+    # Expired (its retention over; set in the shared table): a clear 404 from either replica.
+    store = GatewayStore(fleet["state"])
+    try:
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE gateway_streams SET expires_at = 0 WHERE id = :id"), {"id": stream_id}
+            )
+    finally:
+        asyncio.run(store.close())
+    for gw in (a, b):
+        gone = httpx.get(
+            f"{gw.url}/v1/chat/completions/streams/{stream_id}",
+            headers={**auth, "last-event-id": "3"},
+            timeout=60,
+        )
+        assert gone.status_code == 404
+        error = gone.json()["error"]
+        assert error["code"] == "stream_not_found" and "expired" in error["message"]
+
+
+def test_responses_stream_resumes_with_starting_after_on_the_other_replica_without_redis(fleet):
+    a, b = fleet["gateways"]
+    auth = {"authorization": f"Bearer {fleet['key']}"}
+    body = {"model": MODEL, "input": "count", "max_output_tokens": 20, "stream": True}
+    _, got = _first_events(a.url, "/v1/responses", body, auth, 6)
+    first = [json.loads(e.split(b"data: ", 1)[1]) for e in got]
+    response_id = first[0]["response"]["id"]
+    after = first[-1]["sequence_number"]
+    rest = httpx.get(
+        f"{b.url}/v1/responses/{response_id}?stream=true&starting_after={after}", headers=auth, timeout=60
+    )
+    assert rest.status_code == 200, rest.text
+    resumed = [json.loads(e.split(b"data: ", 1)[1]) for e in _sse_events(rest.content)]
+    numbers = [e["sequence_number"] for e in first + resumed]
+    assert numbers == list(range(len(numbers)))
+    # The output token cap ends it as incomplete: either way its terminal event, once.
+    assert resumed[-1]["type"] in ("response.completed", "response.incomplete")
+    assert [e["type"] for e in first + resumed].count(resumed[-1]["type"]) == 1
