@@ -177,6 +177,7 @@ class ResponsesAPI:
         self.max_takeovers = max_takeovers
         # Set by a read that found a lapsed lease: the sweep runs at once, not a lease later.
         self._wake = asyncio.Event()
+        self._stopping = False
         # This replica's running generations by response id: a local cancel stops one at once.
         self._running: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -190,6 +191,10 @@ class ResponsesAPI:
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def stop(self) -> None:
+        """Stop every generation: a background one is handed off (its events so far in the
+        log, its lease released: another replica continues it at its next sweep), any other
+        ends as its client leaving would end it."""
+        self._stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         for abort in self._running.values():
@@ -612,6 +617,8 @@ class _Job:
         self.cancelled = False
         # Another replica took this response over (our lease lapsed): we write nothing more.
         self.taken = False
+        # The chat stream ended by itself ([DONE] or an error): nothing is left to hand off.
+        self.answered = False
         # A continued response that was already in progress emits no second response.in_progress.
         self._started = run.response["status"] == "in_progress" and log_id is not None
 
@@ -653,6 +660,7 @@ class _Job:
             return
         payload = event[5:].strip()
         if payload == b"[DONE]":
+            self.answered = True
             return
         try:
             chunk = json.loads(payload)
@@ -663,6 +671,7 @@ class _Job:
         message = oai.chat_error_message(chunk)
         if message is not None:
             self.error = message
+            self.answered = True
             return
         self._emit(self.run_.feed(chunk))
 
@@ -710,8 +719,29 @@ class _Job:
             api._running.pop(response_id, None)
             if self.taken:
                 logger.warning("response %s was taken over by another replica; this one stops", response_id)
+            elif api._stopping and self.parsed.background and self.parsed.store and not self.answered:
+                await self._hand_off()
             else:
                 await self._end()
+
+    async def _hand_off(self) -> None:
+        """This replica is stopping: the events so far into the log, then the lease released,
+        so that another replica continues the response from exactly there."""
+        response_id = self.run_.response["id"]
+        await self._write()
+        if self.live is not None:
+            # The flusher writes what was pushed; wait (briefly: stop is bounded) until the
+            # log has it all, else the successor would renumber events a reader here saw.
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    info = await self.api.streams.log.info(response_id)
+                    if info is None or info.last >= self.live.next_seq - 1:
+                        break
+                await asyncio.sleep(0.05)
+        with contextlib.suppress(Exception):
+            if await self.api.store.release(response_id):
+                logger.info("response %s handed off for another replica to continue", response_id)
 
     async def _end(self) -> None:
         """The terminal event into the log, then the final status into the store."""

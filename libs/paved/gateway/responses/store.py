@@ -251,6 +251,22 @@ class ResponseStore:
             row = conn.execute(sa.select(t.c.status, t.c.owner).where(t.c.id == response_id)).first()
         return "taken" if row is not None and row.status in ACTIVE else "ended"
 
+    async def release(self, response_id: str) -> bool:
+        """Give up our lease at once (this replica is stopping): the next sweep of any replica
+        claims the response. False when it is no longer active or ours."""
+        return await self._store.run(self._release_sync, response_id)
+
+    def _release_sync(self, response_id: str) -> bool:
+        t = responses_table
+        with self._store.engine.begin() as conn:
+            return bool(
+                conn.execute(
+                    t.update()
+                    .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.owner == self.owner)
+                    .values(lease_until=0.0)
+                ).rowcount
+            )
+
     async def cancel(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._store.run(self._cancel_sync, tenant, response_id)
 
