@@ -349,3 +349,49 @@ def test_two_replicas_sweeping_at_once_delete_each_batch_once(env, tmp_path):
         await b.stop()
 
     asyncio.run(go())
+
+
+def test_expiring_files_are_deleted_by_the_sweep_and_outputs_expire_with_retention(env, tmp_path):
+    async def go() -> None:
+        _, store, objects = await env()
+        clock = Clock()
+        runner = _runner(store, objects, clock, retention_s=7200.0)
+        await _new_batch(store, "batch_e", 4, clock.now)
+        done = await _drain(runner, clock, "batch_e", store)
+        output = await store.get_file("acme", done["output_file_id"])
+        assert output["expires_at"] == done["completed_at"] + 7200
+        src = tmp_path / "upload"
+        src.write_bytes(b"{}\n")
+        rows = {}
+        for file_id, expires_at in (("file-soon", clock.now + 3600), ("file-kept", None)):
+            rows[file_id] = {
+                "id": file_id,
+                "tenant": "acme",
+                "purpose": "batch",
+                "filename": "in.jsonl",
+                "bytes": 3,
+                "created_at": clock.now,
+                "object_key": f"files/acme/{file_id}",
+                "lines": 1,
+                "url": "/v1/chat/completions",
+                "model": "tiny",
+            }
+            await objects.put_file(rows[file_id]["object_key"], str(src))
+            await store.add_file(rows[file_id], expires_at=expires_at)
+        listed, _ = await store.list_files("acme", purpose=None, after=None, limit=10, ascending=True)
+        assert {r["id"]: r["expires_at"] for r in listed}["file-soon"] == clock.now + 3600
+        clock.now += 3601
+        await runner._sweep(clock.now)
+        with pytest.raises(Exception, match="No such file"):
+            await store.get_file("acme", "file-soon")
+        assert not (tmp_path / "files" / "files/acme/file-soon").exists()
+        assert (await store.get_file("acme", "file-kept"))["expires_at"] is None
+        assert (await store.get_file("acme", done["output_file_id"]))["id"]  # not yet
+        clock.now += 3600
+        await runner._sweep(clock.now)
+        with pytest.raises(Exception, match="No such file"):
+            await store.get_file("acme", done["output_file_id"])
+        assert (tmp_path / "files" / "files/acme/file-kept").exists()
+        await runner.stop()
+
+    asyncio.run(go())

@@ -159,6 +159,9 @@ class _FakeLines:
     async def retired(self, cutoff, limit):
         return []
 
+    async def expired_files(self, now, limit):
+        return []
+
     async def prune_token_use(self, now):
         pass
 
@@ -322,6 +325,35 @@ def test_invalid_files_are_refused_naming_the_line(fleet):
         client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
         )
+
+
+def test_file_expires_after(fleet):
+    """OpenAI's `expires_after` at upload: the file object carries its `expires_at` (the sweep
+    that deletes it then is batch_chunks_test's); bounds and anchor checked, 400 naming them."""
+    a, b = fleet["gateways"]
+    a.tenant("expiring", models=["tiny"])
+    client = _client(a, a.key("expiring"))
+    data = io.BytesIO(_jsonl(_chat_lines(2)))
+    f = client.files.create(
+        file=("in.jsonl", data), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600}
+    )
+    assert f.expires_at == f.created_at + 3600
+    assert _client(b, a.key("expiring")).files.retrieve(f.id).expires_at == f.expires_at
+    assert {x.id: x.expires_at for x in client.files.list()}[f.id] == f.expires_at
+    kept = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))), purpose="batch")
+    assert kept.expires_at is None
+    for expires_after, param in (
+        ({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+        ({"anchor": "created_at", "seconds": 31 * 24 * 3600}, "expires_after.seconds"),
+        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.files.create(
+                file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))),
+                purpose="batch",
+                expires_after=expires_after,  # type: ignore[arg-type]
+            )
+        assert err.value.body["param"] == param
 
 
 def test_tenant_isolation(fleet):

@@ -1,6 +1,8 @@
 """The OpenAI Files and Batches API, per tenant.
 
-    POST /v1/files (multipart: file, purpose=batch)   GET /v1/files   GET|DELETE /v1/files/{id}
+    POST /v1/files (multipart: file, purpose=batch, optionally expires_after[anchor]=created_at
+                    and expires_after[seconds]: the file is deleted that long after its upload)
+    GET /v1/files   GET|DELETE /v1/files/{id}
     GET /v1/files/{id}/content
     POST /v1/batches   GET /v1/batches (?after=&limit=)   GET /v1/batches/{id}
     POST /v1/batches/{id}/cancel
@@ -97,6 +99,9 @@ class BatchesAPI:
             upload = form.get("file")
             if not isinstance(upload, UploadFile):
                 raise GatewayError(400, "missing the file field", param="file")
+            expires_after = _expires_after(
+                form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+            )
             filename = (upload.filename or "batch.jsonl")[:255]
             file_id = new_id("file")
             tenant = principal.tenant.name
@@ -125,19 +130,22 @@ class BatchesAPI:
                     os.unlink(tmp)
         finally:
             await form.close()
-        row = {
+        now = self.clock()
+        row: dict[str, Any] = {
             "id": file_id,
             "tenant": tenant,
             "purpose": "batch",
             "filename": filename,
             "bytes": summary.bytes,
-            "created_at": self.clock(),
+            "created_at": now,
             "object_key": key,
             "lines": summary.lines,
             "url": summary.url,
             "model": summary.model,
         }
-        await self.store.add_file(row)
+        expires_at = now + expires_after if expires_after is not None else None
+        await self.store.add_file(row, expires_at=expires_at)
+        row["expires_at"] = expires_at
         return JSONResponse(_file_object(row))
 
     async def list_files(self, request: Request) -> Response:
@@ -314,7 +322,29 @@ def _file_object(row: dict[str, Any]) -> dict[str, Any]:
         "purpose": row["purpose"],
         "status": "processed",
         "status_details": None,
+        "expires_at": _ts(row.get("expires_at")),
     }
+
+
+# OpenAI's bounds on a file's `expires_after.seconds` (1 hour to 30 days).
+EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)
+
+
+def _expires_after(anchor: object, seconds: object) -> float | None:
+    """The upload's `expires_after` (multipart fields `expires_after[anchor]`, which must be
+    `created_at`, and `expires_after[seconds]`): seconds after creation, or None if absent."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise GatewayError(400, "expires_after.anchor must be 'created_at'", param="expires_after.anchor")
+    low, high = EXPIRES_AFTER_S
+    if not isinstance(seconds, str) or not seconds.strip().isdigit() or not low <= int(seconds) <= high:
+        raise GatewayError(
+            400,
+            f"expires_after.seconds must be an integer from {low} to {high}",
+            param="expires_after.seconds",
+        )
+    return float(int(seconds))
 
 
 def _ts(value: float | None) -> int | None:

@@ -590,7 +590,16 @@ class BatchRunner:
             done = counts["output"][0]
             failed = counts["error"][0]
             if await self.store.finish(
-                batch_id, self.owner, final, now, files, ids["output"], ids["error"], done, failed
+                batch_id,
+                self.owner,
+                final,
+                now,
+                files,
+                ids["output"],
+                ids["error"],
+                done,
+                failed,
+                files_expire_at=now + self.config.retention_s,
             ):
                 logger.info("batch %s %s: %d done, %d failed", batch_id, final, done, failed)
                 # Published: the chunks are read no more (any a crash leaves here go with the
@@ -605,15 +614,20 @@ class BatchRunner:
     # -- retention -------------------------------------------------------------------------
 
     async def _sweep(self, now: float) -> None:
-        """Delete up to `sweep_batches` batches finished more than `retention_s` ago: their
-        objects first (idempotent), then their rows, so a crash in between orphans nothing;
-        any replica may sweep at the same time (store.delete_batch). Old token counts too."""
+        """Delete up to `sweep_batches` batches finished more than `retention_s` ago and as many
+        files past their `expires_at`: their objects first (idempotent), then their rows, so a
+        crash in between orphans nothing; any replica may sweep at the same time
+        (store.delete_batch, store.delete_expired_file). Old token counts too."""
         for batch in await self.store.retired(now - self.config.retention_s, self.config.sweep_batches):
             for key in batch["keys"]:
                 await self.objects.delete(key)
             await self.objects.delete_prefix(chunk_prefix(batch["id"]))
             if await self.store.delete_batch(batch["id"], batch["file_ids"]):
                 logger.info("batch %s deleted: past its retention", batch["id"])
+        for file_id, key in await self.store.expired_files(now, self.config.sweep_batches):
+            await self.objects.delete(key)
+            if await self.store.delete_expired_file(file_id, now):
+                logger.info("file %s deleted: expired", file_id)
         await self.store.prune_token_use(now)
 
     async def _stats(self, now: float) -> None:

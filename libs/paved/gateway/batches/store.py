@@ -136,6 +136,16 @@ token_use_table = sa.Table(
     sa.Column("tokens", sa.BigInteger, nullable=False),
 )
 
+# When a file is deleted (OpenAI's `expires_after` at upload; a batch's output and error files:
+# their batch's retention). A table of its own: a database made before expiries existed gains
+# it through create_tables, with no migration.
+file_expiry_table = sa.Table(
+    "batch_file_expiry",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("expires_at", sa.Float, nullable=False, index=True),
+)
+
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINISHED = ("completed", "failed", "expired", "cancelled")
 SETTLED = ("done", "failed")
@@ -195,18 +205,26 @@ class BatchStore:
 
     # -- files -----------------------------------------------------------------------------
 
-    async def add_file(self, row: dict[str, Any]) -> None:
+    async def add_file(self, row: dict[str, Any], expires_at: float | None = None) -> None:
         def go() -> None:
             with self._engine.begin() as c:
                 c.execute(files_table.insert().values(**row))
+                if expires_at is not None:
+                    c.execute(file_expiry_table.insert().values(id=row["id"], expires_at=expires_at))
 
         await self._store.run(go)
 
     async def get_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        """The file's row, with `expires_at` (None: kept until deleted)."""
+
         def go() -> dict[str, Any] | None:
             with self._engine.connect() as c:
                 row = c.execute(
-                    sa.select(files_table).where(files_table.c.id == file_id, files_table.c.tenant == tenant)
+                    sa.select(files_table, file_expiry_table.c.expires_at)
+                    .select_from(
+                        files_table.outerjoin(file_expiry_table, file_expiry_table.c.id == files_table.c.id)
+                    )
+                    .where(files_table.c.id == file_id, files_table.c.tenant == tenant)
                 ).first()
             return dict(row._mapping) if row is not None else None
 
@@ -218,7 +236,22 @@ class BatchStore:
     async def list_files(
         self, tenant: str, *, purpose: str | None, after: str | None, limit: int, ascending: bool
     ) -> tuple[list[dict[str, Any]], bool]:
-        return await self._page(files_table, tenant, after, limit, ascending, purpose=purpose)
+        rows, more = await self._page(files_table, tenant, after, limit, ascending, purpose=purpose)
+        ids = [r["id"] for r in rows]
+
+        def go() -> dict[str, float]:
+            with self._engine.connect() as c:
+                found = c.execute(
+                    sa.select(file_expiry_table.c.id, file_expiry_table.c.expires_at).where(
+                        file_expiry_table.c.id.in_(ids)
+                    )
+                ).all()
+            return {r[0]: r[1] for r in found}
+
+        expiry = await self._store.run(go) if ids else {}
+        for r in rows:
+            r["expires_at"] = expiry.get(r["id"])
+        return rows, more
 
     async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
         def go() -> dict[str, Any] | None:
@@ -229,6 +262,7 @@ class BatchStore:
                 if row is None:
                     return None
                 c.execute(files_table.delete().where(files_table.c.id == file_id))
+                c.execute(file_expiry_table.delete().where(file_expiry_table.c.id == file_id))
                 return dict(row._mapping)
 
         found = await self._store.run(go)
@@ -716,8 +750,10 @@ class BatchStore:
         error_file_id: str | None,
         completed: int,
         failed: int,
+        files_expire_at: float | None = None,
     ) -> bool:
-        """Publish the files and the final status, if the finalize lease is still ours."""
+        """Publish the files (deleted at `files_expire_at`, if given) and the final status, if
+        the finalize lease is still ours."""
 
         def go() -> bool:
             with self._engine.begin() as c:
@@ -752,6 +788,9 @@ class BatchStore:
                 for f in files:
                     c.execute(files_table.delete().where(files_table.c.id == f["id"]))
                     c.execute(files_table.insert().values(**f))
+                    c.execute(file_expiry_table.delete().where(file_expiry_table.c.id == f["id"]))
+                    if files_expire_at is not None:
+                        c.execute(file_expiry_table.insert().values(id=f["id"], expires_at=files_expire_at))
                 return True
 
         try:
@@ -862,8 +901,43 @@ class BatchStore:
                 c.execute(chunks_table.delete().where(chunks_table.c.batch_id == batch_id))
                 if file_ids:
                     c.execute(files_table.delete().where(files_table.c.id.in_(file_ids)))
+                    c.execute(file_expiry_table.delete().where(file_expiry_table.c.id.in_(file_ids)))
                 c.execute(batches_table.delete().where(batches_table.c.id == batch_id))
                 return True
+
+        return await self._store.run(go)
+
+    async def expired_files(self, now: float, limit: int) -> list[tuple[str, str]]:
+        """(id, object key) of up to `limit` files past their expiry."""
+
+        def go() -> list[tuple[str, str]]:
+            with self._engine.connect() as c:
+                rows = c.execute(
+                    sa.select(files_table.c.id, files_table.c.object_key)
+                    .select_from(
+                        files_table.join(file_expiry_table, file_expiry_table.c.id == files_table.c.id)
+                    )
+                    .where(file_expiry_table.c.expires_at < now)
+                    .order_by(file_expiry_table.c.expires_at)
+                    .limit(limit)
+                ).all()
+            return [(r[0], r[1]) for r in rows]
+
+        return await self._store.run(go)
+
+    async def delete_expired_file(self, file_id: str, now: float) -> bool:
+        """Delete an expired file's rows (idempotent: False when already gone)."""
+
+        def go() -> bool:
+            with self._engine.begin() as c:
+                gone = c.execute(
+                    file_expiry_table.delete().where(
+                        file_expiry_table.c.id == file_id, file_expiry_table.c.expires_at < now
+                    )
+                ).rowcount
+                if gone:
+                    c.execute(files_table.delete().where(files_table.c.id == file_id))
+                return gone > 0
 
         return await self._store.run(go)
 
