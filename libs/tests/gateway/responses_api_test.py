@@ -418,3 +418,49 @@ def test_a_resumed_response_stream_continues_the_same_sequence_and_message():
         assert (usage["input_tokens"], usage["output_tokens"]) == (5, len(text))
     with pytest.raises(ValueError):
         oai.ResponseStream.resumed(parsed, "resp_x", [events[0], events[2]])
+
+
+def test_a_continuation_asks_for_the_rest_and_refuses_what_cannot_be_continued():
+    from types import SimpleNamespace
+
+    from paved.gateway.responses.api import ResponsesAPI
+
+    def resumed(request: dict, chunks: list[dict]):
+        parsed = oai.parse_request({"model": MODEL, "input": "x", "background": True, **request})
+        run = oai.ResponseStream(parsed, "resp_x", queued=True)
+        events = [*run.start(), *run.running()]
+        for chunk in chunks:
+            events.extend(run.feed(chunk))
+        return parsed, oai.ResponseStream.resumed(parsed, "resp_x", json.loads(json.dumps(events)))
+
+    def continuation(request: dict, chunks: list[dict]):
+        parsed, run = resumed(request, chunks)
+        job = SimpleNamespace(error=None)
+        bodies = [json.loads(b) for b in ResponsesAPI._continuation(parsed.chat_body(), run, job)]
+        return run, job.error, bodies
+
+    # Text so far: the rest, after it as a final assistant message, with vLLM's extension first.
+    run, error, bodies = continuation({"max_output_tokens": 10}, _chunks("abc")[:4])
+    assert error is None and len(bodies) == 2
+    assert bodies[0]["continue_final_message"] is True and bodies[0]["add_generation_prompt"] is False
+    assert "continue_final_message" not in bodies[1]
+    for body in bodies:
+        assert body["messages"][-1] == {"role": "assistant", "content": "abc"} and body["max_tokens"] == 7
+    # Nothing output yet: the request as it was.
+    _, error, bodies = continuation({"max_output_tokens": 10}, _chunks("abc")[:1])
+    assert error is None and len(bodies) == 1 and bodies[0]["messages"][-1]["role"] == "user"
+    assert bodies[0]["max_tokens"] == 10
+    # The budget is spent: nothing to ask, it ends incomplete.
+    run, error, bodies = continuation({"max_output_tokens": 3}, _chunks("abc")[:4])
+    assert error is None and bodies == []
+    assert run.finish()[-1]["type"] == "response.incomplete"
+    # Mid function call, mid structured output: refused with a reason.
+    call = {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": '{"a"'}}
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    _, error, bodies = continuation(
+        {"tools": [tool]}, [{"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}]
+    )
+    assert bodies == [] and "function call" in error
+    schema = {"type": "json_schema", "name": "s", "schema": {"type": "object"}}
+    _, error, bodies = continuation({"text": {"format": schema}}, _chunks('{"a"')[:3])
+    assert bodies == [] and "structured output" in error

@@ -323,7 +323,17 @@ class ResponsesAPI:
     # ---- takeover of a response whose replica died ---------------------------------------
     async def _take_over(self, claimed: Claimed) -> None:
         """Continue a background response this replica claimed after its owner's lease lapsed:
-        the same tenant, the same stream, the next sequence numbers."""
+        the same tenant, the same stream, the next sequence numbers. A failure before the
+        generation starts (the database unreachable) leaves the claim to lapse: a later sweep
+        claims it again, within the takeover bound."""
+        try:
+            await self._continue(claimed)
+        except Exception as e:  # noqa: BLE001 - a spawned task: nobody else would see it
+            logger.warning("could not continue response %s: %s", claimed.id, e)
+        finally:
+            self._running.pop(claimed.id, None)
+
+    async def _continue(self, claimed: Claimed) -> None:
         job, response_id = claimed.job, claimed.id
         abort = asyncio.Event()
         self._running[response_id] = abort
@@ -332,13 +342,8 @@ class ResponsesAPI:
             run = oai.ResponseStream.resumed(parsed, response_id, await self._logged_events(response_id))
         except (oai.ResponsesError, ValueError, KeyError, TypeError, StreamTrimmed, GatewayError) as e:
             logger.warning("response %s cannot be continued: %s", response_id, e)
-            await self.store.finish(
-                response_id,
-                "failed",
-                failed_body(claimed.body, _CANNOT_CONTINUE + " (its events were lost)"),
-                [],
-            )
-            self._running.pop(response_id, None)
+            body = failed_body(claimed.body, _CANNOT_CONTINUE + " (its events were lost or are incomplete)")
+            await self.store.finish(response_id, "failed", body, [])
             return
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in job["headers"]]
         principal = await self.store.principal(job["key_id"])
@@ -352,7 +357,6 @@ class ResponsesAPI:
         if run.done:
             # The log ended before the owner stored the outcome: store it, change nothing else.
             await taking._end()
-            self._running.pop(response_id, None)
             return
         await taking.run(bodies)
 
