@@ -240,6 +240,7 @@ def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
         assert len(deltas) > deltas_at_kill  # (a stopping replica writes on until it hands off)
     else:
         assert handed_off
+    assert len(_continued_by(fleet, running.id)) == 1
     done = _wait_status(other, running.id, {"completed", "incomplete"})
     assert done.status in ("completed", "incomplete") and done.error is None
     assert done.output_text == "".join(deltas)
@@ -251,6 +252,46 @@ def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
     replayed = [json.loads(e.split(b"data: ")[1]) for _, e in _sse(replay)]
     assert [e["sequence_number"] for e in replayed] == list(range(len(followed)))
     assert replayed[-1]["response"]["output"][0]["content"][0]["text"] == done.output_text
+
+
+def test_a_stream_whose_replica_dies_is_continued_and_resumed_on_another(fleet):
+    """Not background: the client was reading from the replica that died; it resumes on another
+    one, which continued the generation (a reader came back within the grace)."""
+    _, b = fleet["gateways"]
+    key = fleet["keys"]["acme"]
+    auth = {"authorization": f"Bearer {key}"}
+    victim = fleet["spawn"]()
+    seen = []
+    try:
+        create = _client(victim, key).responses.create
+        with create(model=MODEL, input="Essay", max_output_tokens=1500, stream=True) as stream:
+            for event in stream:
+                seen.append(event)
+                if event.type == "response.output_text.delta":
+                    break
+        rid, last = seen[0].response.id, seen[-1].sequence_number
+        # The log has what the client saw (the first event after it, read on the other replica).
+        url = f"{b.url}/v1/responses/{rid}?stream=true&starting_after={last - 1}"
+        with httpx.stream("GET", url, headers=auth, timeout=60) as r:
+            first = next(r.iter_lines())
+        assert first.startswith("event: response.output_text.delta")
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+    finally:
+        victim.stop()
+    rest = list(_client(b, key).responses.retrieve(rid, stream=True, starting_after=last))
+    assert [e.sequence_number for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in [*seen, *rest] if e.type == "response.output_text.delta")
+    done = _client(b, key).responses.retrieve(rid)
+    assert done.status == rest[-1].response.status and done.output_text == text
+    assert len(text) > sum(e.type == "response.output_text.delta" for e in seen)
+    assert _continued_by(fleet, rid)
+
+
+def _continued_by(fleet, rid: str) -> list:
+    """The fleet's replicas that logged continuing `rid`."""
+    return [gw for gw in fleet["gateways"] if f"continuing response {rid}" in gw.tail(2000)]
 
 
 def test_chat_stream_resumes_with_last_event_id_on_the_other_replica(fleet):

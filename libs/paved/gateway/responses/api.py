@@ -277,9 +277,10 @@ class ResponsesAPI:
         logged = parsed.store and (parsed.stream or parsed.background)
         live = await self.streams.create(response_id, tenant) if logged else None
         if parsed.store:
-            # What another replica needs to continue it if this one dies (never the key itself).
+            # What another replica needs to continue it if this one dies (never the key itself):
+            # kept for every response with a log (background, or streamed: resumable).
             spec = None
-            if parsed.background:
+            if logged:
                 passed = [(k, v) for k, v in _passed_headers(request) if k != b"authorization"]
                 spec = {
                     "key_id": principal.key_id, "request": body, "chat": parsed.chat_body(),
@@ -358,7 +359,27 @@ class ResponsesAPI:
             # The log ended before the owner stored the outcome: store it, change nothing else.
             await taking._end()
             return
-        await taking.run(bodies)
+        work = asyncio.ensure_future(taking.run(bodies))
+        if not parsed.background:
+            self._spawn(self._log_grace(response_id, abort, work))
+        await work
+
+    async def _log_grace(self, stream_id: str, abort: asyncio.Event, task: asyncio.Future[Any]) -> None:
+        """A continued stream (not background) goes on while a reader heartbeat in the log is
+        under grace_s old, counting the takeover as one (its readers were cut off with the
+        replica that died and may only be reconnecting); then it is aborted, as `_grace`
+        aborts a stream of this replica's own."""
+        grace = self.streams.grace_s
+        since = time.time()
+        while not task.done():
+            await asyncio.wait({task}, timeout=max(0.5, grace / 3))
+            if task.done():
+                return
+            with contextlib.suppress(Exception):
+                info = await self.streams.log.info(stream_id)
+                if info is None or time.time() - max(info.reader_at, since) > grace:
+                    abort.set()
+                    return
 
     @staticmethod
     def _continuation(chat: dict[str, Any], run: oai.ResponseStream, job: _Job) -> list[bytes]:
@@ -623,6 +644,8 @@ class _Job:
         self.taken = False
         # The chat stream ended by itself ([DONE] or an error): nothing is left to hand off.
         self.answered = False
+        # Stored with a log (and a job row): another replica can continue it.
+        self.logged = parsed.store and (live is not None or log_id is not None)
         # A continued response that was already in progress emits no second response.in_progress.
         self._started = run.response["status"] == "in_progress" and log_id is not None
 
@@ -723,7 +746,7 @@ class _Job:
             api._running.pop(response_id, None)
             if self.taken:
                 logger.warning("response %s was taken over by another replica; this one stops", response_id)
-            elif api._stopping and self.parsed.background and self.parsed.store and not self.answered:
+            elif api._stopping and self.logged and not self.answered:
                 await self._hand_off()
             else:
                 await self._end()
