@@ -397,6 +397,7 @@ def dashboard_router(
                 url,
                 params={"limit": str(BATCHES_SHOWN)},
                 headers={"Authorization": f"Bearer {gateway_admin_key}"},
+                allow_redirects=False,  # the key goes to the named gateway, nowhere it points
             ) as response:
                 if response.status != 200:
                     # Only the status: the body of a refusal is the gateway's, never the key.

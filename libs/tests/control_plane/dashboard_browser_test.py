@@ -6,7 +6,9 @@ the page (confirming the dialog), watches v2's share of the traffic move to 50 %
 rolls back from the page, and sees the rollout end rolled back, the traffic back on v1 and the
 abort in the audit trail; then scales v1 to 2 from the page and runs GC (its dry run finds
 nothing); no request through the gateway fails meanwhile. A second test pins a versioned
-deployment as current from the page. Every wait is on page text or attributes with a bound.
+deployment as current from the page. A third runs a batch through the gateway and sees its row
+in the Batches table with a progress bar that moves while it runs and ends full, its failed
+lines drawn apart. Every wait is on page text or attributes with a bound.
 Screenshots go to $TEST_UNDECLARED_OUTPUTS_DIR (Bazel's test outputs); with
 $PAVED_DASHBOARD_SCREENSHOT set, the mid-rollout screen (1280x900) is also saved there (that is
 how docs/img/dashboard.png is made).
@@ -14,10 +16,13 @@ how docs/img/dashboard.png is made).
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 from pathlib import Path
 
+import openai
 import pytest
 from fleet import FAST, TrafficDriver, deploy, first_deploy, make_fleet, rollout
 from playwright.sync_api import Page, expect, sync_playwright
@@ -104,6 +109,62 @@ def test_pin_a_versioned_deployment_from_the_dashboard(tmp_path, page, outputs):
         expect(page.locator('#traffic tr[data-version="v2"]')).to_contain_text("(current v2)", timeout=15_000)
         page.screenshot(path=str(outputs / "dashboard_pinned.png"), full_page=True)
         assert cp.api("GET", "/v1/deployments/tiny/v2")["current"] is True
+
+
+# Slow decoding (8 tokens/s, at most 16 tokens a line, 32 lines at a time): the batch runs for
+# tens of seconds, so the page sees it part done. Prompts past max_model_len are refused (400).
+SLOW_SIM = "sim://tiny?tokens_per_s=8&max_num_seqs=64&max_model_len=512"
+LINES, TOO_LONG = 320, 2
+
+
+def test_batches_with_progress_bars_on_the_dashboard(tmp_path, page, outputs):
+    with make_fleet(tmp_path) as make:
+        cp, gw, key = make(("local=31800-31849",))
+        first_deploy(cp, gw, key, engine=SLOW_SIM)
+        lines = [
+            {
+                "custom_id": f"q{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "long " * 200 if i < TOO_LONG else f"q {i}"}],
+                    "max_tokens": 16,
+                },
+            }
+            for i in range(LINES)
+        ]
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, timeout=30, max_retries=0)
+        data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+        f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _sign_in(page, cp)
+        row = page.locator(f'#batches tr[data-batch="{batch.id}"]')
+        expect(row).to_contain_text("team", timeout=15_000)
+        expect(row).to_contain_text("/v1/chat/completions")
+        bar = row.get_by_role("progressbar")
+        expect(bar).to_have_attribute("aria-valuemax", str(LINES))
+        # Part done while it runs: the running batch's bar has completed lines (its too-long
+        # lines fail first, at once: a bar can be all failed so far).
+        moving = page.locator(
+            f'#batches tr[data-batch="{batch.id}"][data-status="in_progress"] '
+            '[role="progressbar"]:not([data-completed="0"])'
+        )
+        expect(moving).to_have_count(1, timeout=60_000)
+        assert float(bar.locator("rect.bar-completed").get_attribute("width") or 0) > 0
+        page.screenshot(path=str(outputs / "dashboard_batch_running.png"), full_page=True)
+        # It ends completed: a full bar, its failed lines counted and drawn in their own colour.
+        expect(row).to_have_attribute("data-status", "completed", timeout=180_000)
+        expect(bar).to_have_attribute("aria-valuenow", str(LINES), timeout=15_000)
+        expect(bar).to_have_attribute("data-failed", str(TOO_LONG))
+        expect(bar).to_have_attribute(
+            "aria-label", re.compile(f"{LINES - TOO_LONG} completed, {TOO_LONG} failed")
+        )
+        assert float(bar.locator("rect.bar-failed").get_attribute("width") or 0) > 0
+        expect(row).to_contain_text("finished")
+        page.screenshot(path=str(outputs / "dashboard_batch_done.png"), full_page=True)
 
 
 def _drive(page: Page, cp, outputs: Path) -> None:

@@ -197,6 +197,83 @@ def test_gateway_batches_parse_into_progress_and_merge_once_newest_first():
     assert len(merge_batches([many, many])) == BATCHES_SHOWN
 
 
+def test_admin_batch_listing_pages_filters_and_counts(tmp_path: Path):
+    """GET /admin/v1/batches over a gateway database holding batches of two tenants: newest
+    first, bounded by limit with has_more, filtered by status (or "active"), line counts of an
+    unfinished batch from its lines and of a finished one from its row."""
+    from fastapi import FastAPI
+
+    from paved.gateway.access.state import GatewayStore
+    from paved.gateway.app import install_error_handlers
+    from paved.gateway.batches.admin import admin_batch_routes
+    from paved.gateway.batches.store import BatchStore, batches_table
+
+    accounts = GatewayStore(f"sqlite:///{tmp_path / 'gw.sqlite'}")
+    store = BatchStore(accounts)
+
+    async def fill() -> None:
+        await accounts.start()
+        await store.start()
+        for n, (tenant, status) in enumerate(
+            (("a", "in_progress"), ("b", "in_progress"), ("a", "completed"))
+        ):
+            row = {
+                "id": f"batch_{n}",
+                "tenant": tenant,
+                "key_id": "k",
+                "endpoint": "/v1/chat/completions",
+                "model": "tiny",
+                "input_file_id": "file_x",
+                "completion_window": "24h",
+                "status": status,
+                "metadata": None,
+                "total": 4,
+                "created_at": 1000.0 + n,
+                "in_progress_at": 1000.0 + n,
+                "expires_at": 9e9,
+            }
+            await store.create_batch(row, iter([(f"c{i}", "{}") for i in range(4)]))
+        # batch_1: one line done, one failed, two pending.
+        leases = await store.lease("batch_1", "runner", 2, 1010.0, 30.0)
+        await store.settle_many("runner", [(leases[0], "done", "x", 0.0), (leases[1], "failed", "y", 0.0)])
+        # batch_2 finished with its final counts on its row.
+        with accounts.engine.begin() as c:
+            c.execute(
+                batches_table.update()
+                .where(batches_table.c.id == "batch_2")
+                .values(completed=3, failed=1, completed_at=1020.0)
+            )
+
+    asyncio.run(fill())
+    app = FastAPI()
+    install_error_handlers(app)
+    app.router.routes.extend(admin_batch_routes(accounts, AdminAuth(KEY), clock=lambda: 1030.0))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with TestClient(app) as c:
+        body = c.get("/admin/v1/batches", headers=auth).json()
+        assert [b["id"] for b in body["data"]] == ["batch_2", "batch_1", "batch_0"] and not body["has_more"]
+        done, running, idle = body["data"]
+        assert running["request_counts"] == {"total": 4, "completed": 1, "failed": 1}
+        assert running["tenant"] == "b" and running["age_s"] == pytest.approx(29.0)
+        assert idle["request_counts"] == {"total": 4, "completed": 0, "failed": 0}
+        assert done["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+        assert done["age_s"] is None and done["finished_at"] == 1020 and done["status"] == "completed"
+        page = c.get("/admin/v1/batches?limit=2", headers=auth).json()
+        assert [b["id"] for b in page["data"]] == ["batch_2", "batch_1"] and page["has_more"]
+        active = c.get("/admin/v1/batches?status=active", headers=auth).json()["data"]
+        assert [b["id"] for b in active] == ["batch_1", "batch_0"]
+        assert [
+            b["id"] for b in c.get("/admin/v1/batches?status=completed", headers=auth).json()["data"]
+        ] == ["batch_2"]
+        for query in ("limit=0", "limit=201", "limit=1.5", "status=", "status=ACTIVE"):
+            r = c.get(f"/admin/v1/batches?{query}", headers=auth)
+            assert r.status_code == 400, (query, r.text)
+            assert r.json()["error"]["param"] in ("limit", "status")
+            assert c.get(f"/admin/v1/batches?{query}").status_code == 401
+        assert c.get("/admin/v1/batches", headers={"Authorization": "Bearer nope"}).status_code == 401
+    asyncio.run(accounts.close())
+
+
 def test_gateway_origin_is_where_the_admin_api_is():
     assert gateway_origin("http://127.0.0.1:8080/metrics") == "http://127.0.0.1:8080"
     assert gateway_origin("https://gw.example:443/x?y=1") == "https://gw.example:443"
@@ -204,6 +281,16 @@ def test_gateway_origin_is_where_the_admin_api_is():
     for bad in ("ftp://h:1", "http://:80", "127.0.0.1:8080", "http://h:99999"):
         with pytest.raises(ValueError):
             gateway_origin(bad)
+
+
+def test_control_plane_refuses_a_bad_gateway_admin_flag(tmp_path: Path, capsys):
+    from paved.control_plane.server import main
+
+    assert main(["--gateway-admin", "ftp://gw:1"]) == 2
+    assert "--gateway-admin: gateway URL 'ftp://gw:1'" in capsys.readouterr().err
+    missing = tmp_path / "no-key"
+    assert main(["--gateway-admin-key-file", str(missing)]) == 2
+    assert f"cannot read the admin key file {missing}" in capsys.readouterr().err
 
 
 def test_an_unreadable_gateway_is_an_error_in_the_summary_not_a_failed_one(tmp_path: Path):
