@@ -456,12 +456,15 @@ def test_prefix_affinity_bounded_load_spreads_a_hot_prefix() -> None:
 
 
 def test_prefix_affinity_slack_keeps_a_small_swing_home() -> None:
-    # The request cap alone (load_weight 0: no load score): 2 backends, the 20th request (19 in
-    # flight, fair share 20 / 2): c = 1.25 caps the home at ceil(1.25 * 10) = 13, a slack of 8
-    # at 10 + 8 = 18, and the home fills to its cap.
+    # The request cap alone (load_weight 0: no load score; hit_cost 1: every request costs
+    # one, so the load cap counts requests): 2 backends, the 20th request (19 in flight, fair
+    # share 20 / 2): c = 1.25 caps the home at ceil(1.25 * 10) = 13, a slack of 8 at 10 + 8 =
+    # 18, and the home fills to its cap.
     held = {}
     for slack in (0, 8):
-        r = Router(affinity_table(2), bounded_load=1.25, bounded_load_slack=slack, load_weight=0)
+        r = Router(
+            affinity_table(2), bounded_load=1.25, bounded_load_slack=slack, load_weight=0, hit_cost=1.0
+        )
         picks = []
         for _ in range(20):
             p = r.pick("tiny", sticky_key="k", affinity=b"hot")
@@ -733,6 +736,72 @@ def test_prefix_affinity_spills_a_prefix_to_where_it_spilled_before() -> None:
         r.begin(B)
         r.end(B, ok=True)
     assert r.pick("tiny", sticky_key="x", affinity=spilled).backend.id == A
+
+
+def test_prefix_affinity_weighs_work_not_requests() -> None:
+    # 12 requests of A's prefix in flight on A, each a prefix-cache hit there (its Pick.cost,
+    # hit_cost 0.2): 2.4 of work against the other's 0, within the owner's margin. Counted in
+    # requests (hit_cost 1) the same 12 move the next one to B (a full prefill and an eviction).
+    for hit_cost, home in ((0.2, A), (1.0, B)):
+        r = Router(affinity_table(2), hit_cost=hit_cost)
+        key = owned_by(r, A)
+        first = r.pick("tiny", sticky_key="x", affinity=key)
+        assert first.backend.id == A and first.cost == pytest.approx(hit_cost)
+        for _ in range(12):
+            r.begin(A, first.cost)
+        assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == home
+        # Ended with their costs, the work is gone: equal (zero) loads, the owner wins.
+        for _ in range(12):
+            r.end(A, ok=True, cost=first.cost)
+        assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == A
+    # A miss costs the full 1: a prefix new to B's cache is dearer there than at its owner.
+    r = Router(affinity_table(2))
+    key = owned_by(r, A)
+    for _ in range(30):
+        r.begin(B)  # another gateway's misses keep B loaded
+    p = r.pick("tiny", sticky_key="x", affinity=key)
+    assert (p.backend.id, p.cost) == (A, pytest.approx(0.2))
+    with pytest.raises(ValueError, match="hit_cost"):
+        Router(affinity_table(2), hit_cost=0)
+    for bad in (1.5, math.nan, True, -0.1):
+        with pytest.raises(ValueError, match="hit_cost"):
+            Router(affinity_table(2), hit_cost=bad)
+
+
+def test_prefix_affinity_a_hot_prefix_still_spreads_by_work() -> None:
+    # One prefix only, every request of it begun with its cost and kept in flight: cheap hits
+    # pile on the owner only until its work leads by the margin; then the other backend takes
+    # requests (misses first, then hits of a prefix it now holds), and neither backend carries
+    # more than its load cap.
+    r = Router(affinity_table(2))
+    key = owned_by(r, A)
+    counts: Counter[str] = Counter()
+    work: Counter[str] = Counter()
+    for _ in range(200):
+        p = r.pick("tiny", sticky_key="x", affinity=key)
+        r.begin(p.backend.id, p.cost)
+        counts[p.backend.id] += 1
+        work[p.backend.id] += p.cost
+    assert counts[A] > counts[B] > 0, counts
+    total = work[A] + work[B]
+    assert max(work.values()) <= max(1.25 * total / 2, total / 2 + 8) + 1, work
+
+
+def test_prefix_affinity_counts_only_the_engine_queue_beyond_our_requests() -> None:
+    clock = Clock()
+    r = Router(affinity_table(2), clock=clock)
+    key = owned_by(r, A)
+    for _ in range(10):
+        p = r.pick("tiny", sticky_key="x", affinity=key)
+        assert p.backend.id == A
+        r.begin(A, p.cost)
+    # The engine queues our 10 (all waiting): they are in the work already, not again.
+    r.observe_load(A, waiting=10)
+    r.observe_load(B, waiting=0)
+    assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == A
+    # 20 more waiting there are another gateway's: those count, and the request moves.
+    r.observe_load(A, waiting=30)
+    assert r.pick("tiny", sticky_key="x", affinity=key).backend.id == B
 
 
 def test_prefix_affinity_without_affinity_is_least_outstanding() -> None:

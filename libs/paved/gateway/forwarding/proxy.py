@@ -25,8 +25,8 @@ Invariants:
 - Every admitted request calls `Limiter.finish` exactly once: with the upstream's reported
   usage when the answer completed, with what was streamed so far (prompt plus content events)
   when the client left mid-stream, and with None (full refund) when nothing was generated.
-- Every `Router.begin` has one `Router.end`; `ok=False` only for failures of the backend
-  (connect errors, timeouts, resets, 5xx other than 503 backpressure).
+- Every `Router.begin` has one `Router.end`, both given the Pick's `cost`; `ok=False` only for
+  failures of the backend (connect errors, timeouts, resets, 5xx other than 503 backpressure).
 - Every try that reached a backend is counted once against it: in `paved_gateway_requests_total`
   when its answer is passed on, else in `paved_gateway_retries_total` (reason `overloaded` or
   `error`); a push-back (503 `overloaded`, `is_pushback`) is also counted in
@@ -389,14 +389,14 @@ class OpenAIProxy:
                 raise GatewayError(
                     400, "the prompt contains a lone UTF-16 surrogate, which is not valid Unicode"
                 ) from None
-            self.router.begin(backend.id)
+            self.router.begin(backend.id, pick.cost)
             in_flight = self.metrics.in_flight.labels(backend.id)
             in_flight.inc()
             sent = time.perf_counter()
             try:
                 upstream = await self._send(call.request, backend.url + call.path, payload, headers)
             except ClientGone:
-                self.router.end(backend.id, ok=True)
+                self.router.end(backend.id, ok=True, cost=pick.cost)
                 in_flight.dec()
                 self.metrics.disconnects.labels(call.alias).inc()
                 log["status"] = 499
@@ -408,9 +408,9 @@ class OpenAIProxy:
                     # it (a backend not configured like paved's, one restarting): the backend is
                     # likely fine, so it may take the next attempt, once.
                     dropped.add(backend.id)
-                    self.router.end(backend.id, ok=True)
+                    self.router.end(backend.id, ok=True, cost=pick.cost)
                 else:
-                    self.router.end(backend.id, ok=False)
+                    self.router.end(backend.id, ok=False, cost=pick.cost)
                     excluded.add(backend.id)
                     # A connect that times out is a full accept queue (a burst), not a dead one.
                     no_room = no_room and isinstance(e, aiohttp.ConnectionTimeoutError)
@@ -430,7 +430,7 @@ class OpenAIProxy:
             if requeue or (upstream.status in _RETRYABLE and not last):
                 pushed_back = upstream.status == 503 and is_pushback(503, await _refusal_body(upstream))
                 upstream.close()
-                self.router.end(backend.id, ok=upstream.status == 503)
+                self.router.end(backend.id, ok=upstream.status == 503, cost=pick.cost)
                 in_flight.dec()
                 self._count_unanswered(backend.id, pushed_back=pushed_back)
                 if requeue:
@@ -494,7 +494,7 @@ class OpenAIProxy:
                     code="upstream_error",
                 ) from None
         finally:
-            self.router.end(backend.id, ok=ok)
+            self.router.end(backend.id, ok=ok, cost=pick.cost)
             in_flight.dec()
             if slot is not None:
                 slot.release(completed=ok and upstream.status != 503)
@@ -582,7 +582,7 @@ class OpenAIProxy:
         async def cleanup() -> None:
             upstream.close()
             outcome = state["outcome"]
-            self.router.end(backend.id, ok=state["ok"])
+            self.router.end(backend.id, ok=state["ok"], cost=pick.cost)
             in_flight.dec()
             if slot is not None:
                 slot.release(completed=state["ok"])

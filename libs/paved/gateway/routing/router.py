@@ -18,10 +18,13 @@ Invariants:
   than `load_gauge_ttl_s`: a stale or missing gauge never marks a backend full or loaded. A
   backend whose fresh gauges say its frontend admits nothing more (`full`) is picked only when
   every candidate is; `saturated` says when that is so (flow control then holds the request).
-- Prefix affinity: a prefix seen before goes to the candidate below its request cap with the
+- Prefix affinity: a prefix seen before goes to the candidate below its load cap with the
   best score (prefix match + load); with equal loads that is the backend the prefix was
-  assigned. The prefix table holds at most `max_affinity_keys` entries per (alias, versions),
-  each with at most `MAX_HOLDERS` other backends that served it, and forgets a prefix idle for
+  assigned. Load is work, not requests: each in-flight request counts its `Pick.cost` (1 for a
+  cache miss, `hit_cost` where its prefix is cached), so callers pass the Pick's cost to both
+  `begin` and `end`; a backend's `work` is 0 whenever nothing of ours is in flight there.
+  The prefix table holds at most `max_affinity_keys` entries per (alias, versions), each with
+  at most `MAX_HOLDERS` other backends that served it, and forgets a prefix idle for
   `affinity_key_ttl_s`.
 """
 
@@ -73,6 +76,10 @@ class Pick:
     backend: Backend
     alias: str
     version: str
+    # The request's expected work at `backend` relative to a cache miss (1): pass it to `begin`
+    # and `end` so the backend's load counts work, not requests (prefix affinity: a request
+    # whose prefix the backend holds costs `hit_cost`).
+    cost: float = 1.0
 
 
 @dataclass
@@ -93,6 +100,10 @@ class _State:
     # The engine's own gauges (vllm:num_requests_waiting, vllm:kv_cache_usage_perc) as last
     # observed, and when (router clock); None: never observed.
     waiting: float = 0.0
+    # The part of `waiting` that is not ours: the queue beyond our requests in flight there at
+    # the scrape (other gateways' load). Ours already count in `work`; counting them twice, and
+    # up to a scrape interval late, moved requests off an owner that had caught up (spills).
+    foreign: float = 0.0
     kv_usage: float | None = None
     gauges_at: float | None = None
     # The frontend's admission at that scrape (paved_queued_sequences and its bound), and the
@@ -104,6 +115,8 @@ class _State:
     ended_since: int = 0
     # Requests begun here, ever: a clock for how long a spilled prefix stays in its cache.
     started: int = 0
+    # The in-flight requests' summed Pick.cost: what prefix affinity weighs as load.
+    work: float = 0.0
 
 
 class _Ring:
@@ -207,6 +220,7 @@ class Router:
         load_weight: float = 4.0,
         kv_weight: float = 1.0,
         load_smoothing: float = 12.0,
+        hit_cost: float = 0.2,
         load_gauge_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
@@ -243,6 +257,8 @@ class Router:
                 raise ValueError(f"{name} must be a finite number >= 0")
         if not (load_smoothing > 0 and math.isfinite(load_smoothing)):
             raise ValueError("load_smoothing must be > 0")
+        if isinstance(hit_cost, bool) or not isinstance(hit_cost, int | float) or not 0 < hit_cost <= 1:
+            raise ValueError("hit_cost must be in (0, 1]")
         if not (load_gauge_ttl_s > 0 and math.isfinite(load_gauge_ttl_s)):
             raise ValueError("load_gauge_ttl_s must be > 0")
         self._eject_after = eject_after_failures
@@ -257,6 +273,7 @@ class Router:
         self._load_weight = float(load_weight)
         self._kv_weight = float(kv_weight)
         self._smoothing = float(load_smoothing)
+        self._hit_cost = float(hit_cost)
         self._gauge_ttl = load_gauge_ttl_s
         self._clock = clock
         self._rng = rng or random.Random()  # noqa: S311 (load spreading, not security)
@@ -428,7 +445,8 @@ class Router:
         elif route.strategy == "weighted":
             chosen = self._rng.choices(candidates, weights=[b.weight for b in candidates])[0]
         elif route.strategy == "prefix_affinity" and affinity is not None:
-            chosen = self._affinity(route, versions, candidates, affinity)
+            chosen, cost = self._affinity(route, versions, candidates, affinity)
+            return Pick(chosen, route.alias, chosen.version, cost)
         else:
             chosen = self._least_outstanding(candidates)
         return Pick(chosen, route.alias, chosen.version)
@@ -484,7 +502,7 @@ class Router:
 
     def _affinity(
         self, route: ModelRoute, versions: tuple[str, ...], candidates: list[Backend], affinity: bytes
-    ) -> Backend:
+    ) -> tuple[Backend, float]:
         """Prefix-aware, load-aware choice in three steps.
 
         Prefixes: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
@@ -493,25 +511,39 @@ class Router:
         candidates' total), and stays assigned there; hashing alone lands a few prefixes
         unevenly (16 on 2 backends: often 10/6), and the busier cache then overflows.
 
-        Request cap (a hard guard): a candidate takes the request only while it has fewer than
-        max(ceil(c * f), ceil(f) + slack) of the T requests in flight, f = (T + 1) * w / W.
-        Both caps sum to more than the load, so some candidate is always below them.
+        Load is work, not requests (issue 22, 2b): a request costs 1 where it misses the prefix
+        cache and `hit_cost` (0.2) at the prefix's owner ((1 + hit_cost) / 2 at a backend that
+        served it recently), since a hit skips most of the prefill; each backend's load is the
+        summed cost of our requests in flight there plus the other gateways' requests waiting
+        in its engine (its `vllm:num_requests_waiting` beyond our requests there at the scrape;
+        ours are in the work already, and counting them again, a scrape late, pushed requests
+        off an owner that had caught up).
+
+        Load cap (a hard guard): a candidate takes the request only while its work is below
+        max(ceil(c * f), ceil(f) + slack) of the T in flight (work), f = (T + cost) * w / W, cost
+        this request's there (with every cost 1: a cap on requests). Both caps sum to more than
+        the load, so some candidate is always below them.
 
         Score (as llm-d's scheduler weighs a prefix-cache, a queue and a KV-utilization scorer):
         among the candidates below the cap, the highest
             prefix_weight * match + load_weight * (1 - (L - L_min) / (L_mean + smoothing))
             + kv_weight * (1 - kv_usage)
         wins; match is 1 for the prefix's owner, 0.5 for a backend that served it since, else 0;
-        L = (in flight + the engine's waiting queue) / weight, L_min and L_mean over the
+        L = (its load + this request's cost there) / weight, L_min and L_mean over the
         candidates; the KV term counts only when every candidate's gauge is fresh. With the
-        defaults (1, 4, smoothing 12) the owner keeps a prefix until it carries over a quarter
-        of (L_mean + 12) more than the least loaded candidate: the 4th request more on an idle
-        pair, the 7th at 32 in flight on 2 backends (the 4th when the other served the prefix
-        within its last HOLDER_FRESH_REQUESTS requests). A spilled request costs a full prefill and evicts
-        blocks on the other backend, hence the margin; but an owner left to pile up requests
-        (the cap alone allows 25 / 7 of 32) slows every request it holds, which cost more TTFT
-        than the prefills saved (docs/benchmarks.md). Ties go to the owner, then clockwise from
-        the prefix's point, so gateway replicas with the same view agree."""
+        defaults (1, 4, smoothing 12, hit_cost 0.2) the owner keeps a prefix until its work
+        leads the least loaded candidate's by a quarter of (L_mean + 12) plus the 0.8 a miss
+        adds there: about 4 (20 cached requests' worth) on an idle pair. Counted in requests (a hit
+        as dear as a miss), that margin was 4 to 7 requests and the owner of a prefix whose
+        requests all hit shed requests to the other cache at every swing of a closed loop; each
+        such spill is a full prefill there and evicts another prompt's blocks, about two misses
+        more, and the caches polluted each other (an offline model of //bench:gateway's prefix
+        part, libs/tests/gateway/prefix_model.py: hit ratio vs round robin 1.25 counted in
+        requests, 1.57 in work, first token faster than round robin in both, the owner's
+        in-flight peak (p99) 29 of 32 vs round robin's 30). A prefix whose requests outgrow its
+        owner (a hot prefix) still spills: its requests pile up work like any others. Ties go
+        to the owner, then clockwise from the prefix's point, so gateway replicas with the same
+        view agree."""
         ring = self._ring(route, versions)
         now = self._clock()
         point = _hash64(affinity)
@@ -543,28 +575,42 @@ class Router:
 
         c = route.bounded_load if route.bounded_load is not None else self._bounded_load
         slack = route.bounded_load_slack if route.bounded_load_slack is not None else self._slack
-        total = sum(self._states[i].outstanding for i in by_id)
+        holders = prefixes.holders.get(point, {})
+        matches = {b.id: self._match(b, owner_id, holders) for b in candidates}
+        # The request's expected work at each: 1 for a cache miss, hit_cost where it hits.
+        costs = {i: 1.0 - (1.0 - self._hit_cost) * m for i, m in matches.items()}
+        total = sum(self._states[i].work for i in by_id)
 
         def below_cap(b: Backend) -> bool:
-            fair = (total + 1) * b.weight / weight
+            fair = (total + costs[b.id]) * b.weight / weight
             cap = max(math.ceil(c * fair), math.ceil(fair) + slack)
-            return self._states[b.id].outstanding < cap
+            return self._states[b.id].work < cap - _SCORE_EPS
 
         eligible = [b for b in candidates if below_cap(b)]
         if not eligible:
             # Unreachable while the caps sum to more than the load; kept as a guard.
-            return self._least_outstanding(candidates)
-        chosen = self._best_scored(ring, start, eligible, owner_id, prefixes.holders.get(point, {}), now)
+            chosen = self._least_outstanding(candidates)
+            return chosen, costs[chosen.id]
+        chosen = self._best_scored(ring, start, eligible, owner_id, matches, costs, now)
         if chosen.id != owner_id:
             prefixes.hold(point, chosen.id, self._states[chosen.id].started)
-        return chosen
+        return chosen, costs[chosen.id]
+
+    def _match(self, b: Backend, owner_id: str, holders: dict[str, int]) -> float:
+        if b.id == owner_id:
+            return PREFIX_MATCH_OWNER
+        started = self._states[b.id].started
+        if b.id in holders and started - holders[b.id] <= HOLDER_FRESH_REQUESTS:
+            return PREFIX_MATCH_HOLDER
+        return 0.0
 
     def _fresh(self, state: _State, now: float) -> bool:
         return state.gauges_at is not None and now - state.gauges_at < self._gauge_ttl
 
     def _load(self, state: _State, now: float) -> float:
-        """Requests at the backend: ours in flight plus its engine's waiting queue (fresh gauge)."""
-        return state.outstanding + (state.waiting if self._fresh(state, now) else 0.0)
+        """Work at the backend: ours in flight (each its Pick.cost) plus the requests of others
+        in its engine's waiting queue (fresh gauge; each counts as a miss, its prefix unknown)."""
+        return state.work + (state.foreign if self._fresh(state, now) else 0.0)
 
     def _best_scored(
         self,
@@ -572,13 +618,15 @@ class Router:
         start: int,
         eligible: list[Backend],
         owner_id: str,
-        holders: dict[str, int],
+        matches: dict[str, float],
+        costs: dict[str, float],
         now: float,
     ) -> Backend:
         if len(eligible) == 1:
             return eligible[0]
         states = [self._states[b.id] for b in eligible]
-        raw = [self._load(s, now) for s in states]
+        # The load each backend would carry with this request: a miss adds a full prefill there.
+        raw = [self._load(s, now) + costs[b.id] for s, b in zip(states, eligible, strict=True)]
         loads = [r / b.weight for r, b in zip(raw, eligible, strict=True)]
         least = min(loads)
         scale = sum(raw) / sum(b.weight for b in eligible) + self._smoothing
@@ -587,13 +635,9 @@ class Router:
         kv = known if len(known) == len(states) else None
         scores: dict[str, float] = {}
         for i, b in enumerate(eligible):
-            if b.id == owner_id:
-                match = PREFIX_MATCH_OWNER
-            elif b.id in holders and states[i].started - holders[b.id] <= HOLDER_FRESH_REQUESTS:
-                match = PREFIX_MATCH_HOLDER
-            else:
-                match = 0.0
-            score = self._prefix_weight * match + self._load_weight * (1.0 - (loads[i] - least) / scale)
+            score = self._prefix_weight * matches[b.id] + self._load_weight * (
+                1.0 - (loads[i] - least) / scale
+            )
             if kv is not None:
                 score += self._kv_weight * (1.0 - kv[i])
             scores[b.id] = score
@@ -626,22 +670,26 @@ class Router:
 
     # -- request accounting and passive ejection -------------------------------------------
 
-    def begin(self, backend_id: str) -> None:
-        """A request to `backend_id` starts (pair with exactly one `end`)."""
+    def begin(self, backend_id: str, cost: float = 1.0) -> None:
+        """A request to `backend_id` starts (pair with exactly one `end`, given the same `cost`:
+        its Pick.cost)."""
         state = self._states.get(backend_id)
         if state is None:
             # Picked under a table swapped out before the request began: track it until it ends.
             state = self._states[backend_id] = _State(url="", routed=False)
         state.outstanding += 1
+        state.work += cost
         state.started += 1
         state.begun_since += 1
 
-    def end(self, backend_id: str, *, ok: bool) -> None:
+    def end(self, backend_id: str, *, ok: bool, cost: float = 1.0) -> None:
         """A request ends; ok=False for a connect error, 5xx, timeout or reset."""
         state = self._states.get(backend_id)
         if state is None:
             return
         state.outstanding = max(0, state.outstanding - 1)
+        # Idle is exactly 0 (no float residue from the sums).
+        state.work = max(0.0, state.work - cost) if state.outstanding else 0.0
         state.ended_since += 1
         if not state.routed:
             if state.outstanding == 0:
@@ -702,6 +750,7 @@ class Router:
         state = self._states.get(backend_id)
         if state is not None and state.routed:
             state.waiting = float(waiting)
+            state.foreign = max(0.0, float(waiting) - state.outstanding)
             state.kv_usage = None if kv_usage is None else float(kv_usage)
             state.queued = None if queued is None else float(queued)
             state.max_queued = None if max_queued is None else float(max_queued)
