@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from gateway_proc import GatewayProcess, write_routes
+from prometheus_client.parser import text_string_to_metric_families
 from servers import ServerProcess
 
 from paved.gateway.access.state import GatewayStore
@@ -208,6 +209,7 @@ def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
         client = _client(victim, key)
         finished = client.responses.create(model=MODEL, input="Short", max_output_tokens=4, background=True)
         _wait_status(client, finished.id, {"completed", "incomplete"})
+        charged_before = sum(_completion_tokens(gw) for gw in (a, b))
         # "Essay": the simulated engine's answer to it is long (144 tokens, 1.4 s here).
         running = client.responses.create(model=MODEL, input="Essay", max_output_tokens=1500, background=True)
 
@@ -252,6 +254,21 @@ def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
     replayed = [json.loads(e.split(b"data: ")[1]) for _, e in _sse(replay)]
     assert [e["sequence_number"] for e in replayed] == list(range(len(followed)))
     assert replayed[-1]["response"]["output"][0]["content"][0]["text"] == done.output_text
+    # The surviving replicas charged the tenant for the continuation's tokens only: what the
+    # dead one generated is output once, not charged again.
+    charged = sum(_completion_tokens(gw) for gw in (a, b)) - charged_before
+    assert 0 < charged < done.usage.output_tokens
+
+
+def _completion_tokens(gw: GatewayProcess) -> float:
+    text = httpx.get(f"{gw.url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "paved_gateway_tokens_total"
+        and sample.labels == {"tenant": "acme", "model": MODEL, "kind": "completion"}
+    )
 
 
 def test_a_stream_whose_replica_dies_is_continued_and_resumed_on_another(fleet):

@@ -329,7 +329,8 @@ class ResponseStore:
                         conn.execute(j.update().where(j.c.id == row.id).values(takeovers=row.takeovers + 1))
                         claimed.append(Claimed(row.id, row.tenant, row.body, row.job, row.takeovers + 1))
                     continue
-                message = LEASE_LOST if row.job is None else TAKEOVERS_SPENT.format(n=row.takeovers + 1)
+                spent = row.job is not None and max_takeovers > 0
+                message = TAKEOVERS_SPENT.format(n=row.takeovers + 1) if spent else LEASE_LOST
                 if conn.execute(
                     t.update().where(lapsed).values(status="failed", body=failed_body(row.body, message))
                 ).rowcount:
