@@ -343,7 +343,10 @@
       for (const [k, v] of Object.entries({ class: cls, x, y: 0, width: w, height: 10 })) r.setAttribute(k, String(v));
       svg.append(r);
     };
-    const done = b.completed_share * 100, failed = b.failed_share * 100;
+    // A few failed lines in a large batch still show: at least 2 % of the bar, taken from the
+    // completed part.
+    const failed = b.failed > 0 ? Math.max(b.failed_share * 100, 2) : 0;
+    const done = Math.min(b.completed_share * 100, 100 - failed);
     rect("bar-rest", 0, 100);
     rect("bar-completed", 0, done.toFixed(2));
     rect("bar-failed", done.toFixed(2), failed.toFixed(2));
@@ -353,7 +356,8 @@
       "aria-valuemin": 0, "aria-valuemax": b.total, "aria-valuenow": settled,
       "aria-label": `Batch ${b.id}: ${b.completed} completed, ${b.failed} failed of ${b.total}`,
       "data-completed": b.completed, "data-failed": b.failed, "data-total": b.total,
-    }, svg, el("span", { text: Math.floor(b.done * 100) + "%" }));
+    }, svg, el("span", { text: Math.floor(b.done * 100) + "%" }),
+    b.failed > 0 ? el("span", { class: "error", text: `${b.failed} failed` }) : "");
   }
 
   function renderBatches(g) {
