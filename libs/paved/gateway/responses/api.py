@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
-from paved.gateway.responses.events import LiveStream, LiveStreams, StreamTrimmed
+from paved.gateway.responses.events import HOLE, LiveStream, LiveStreams, StreamTrimmed
 from paved.gateway.responses.store import ACTIVE, Claimed, ResponseStore, failed_body
 from paved.http import openai_responses as oai
 from paved.http.errors import error_body
@@ -637,8 +637,9 @@ class _Job:
         self.error: str | None = None
         # Without a log (store: false) the client's own stream reads from here.
         self._local: asyncio.Queue[bytes | None] = asyncio.Queue()
-        # A takeover's events not yet appended to the log.
+        # A takeover's events not yet appended to the log; lost: the log no longer keeps them.
         self._unwritten: list[tuple[int, bytes, bool]] = []
+        self._log_lost = False
         self.cancelled = False
         # Another replica took this response over (our lease lapsed): we write nothing more.
         self.taken = False
@@ -668,12 +669,20 @@ class _Job:
         if self.log_id is None or not self._unwritten:
             return
         batch, self._unwritten = self._unwritten, []
+        if self._log_lost:
+            return
+        log = self.api.streams.log
         try:
-            await self.api.streams.log.append(
-                self.log_id, [(seq, data) for seq, data, _ in batch], batch[-1][2]
-            )
+            held = await log.append(self.log_id, [(seq, data) for seq, data, _ in batch], batch[-1][2])
         except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the response
             logger.warning("could not write stream %s to the event log: %s", self.log_id, e)
+            held = HOLE
+        if held < 0:
+            # The log lost the stream (or would get a gap): no more of it there, and no stream
+            # at all rather than one with a hole (readers get a clear 404, as LiveStreams does).
+            self._log_lost = True
+            with contextlib.suppress(Exception):
+                await log.delete(self.log_id)
 
     async def local_events(self) -> AsyncIterator[bytes]:
         while True:
@@ -756,16 +765,14 @@ class _Job:
         so that another replica continues the response from exactly there."""
         response_id = self.run_.response["id"]
         await self._write()
-        if self.live is not None:
-            # The flusher writes what was pushed; wait (briefly: stop is bounded) until the
-            # log has it all, else the successor would renumber events a reader here saw.
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline:
-                with contextlib.suppress(Exception):
-                    info = await self.api.streams.log.info(response_id)
-                    if info is None or info.last >= self.live.next_seq - 1:
-                        break
-                await asyncio.sleep(0.05)
+        live = self.live
+        if live is not None:
+            # The flusher writes what was pushed (readers only ever got what it wrote); wait,
+            # briefly (stop is bounded), until it wrote it all, so the successor loses none.
+            for _ in range(150):  # 3 s
+                if live.logged >= live.next_seq or live.unlogged:
+                    break
+                await asyncio.sleep(0.02)
         with contextlib.suppress(Exception):
             if await self.api.store.release(response_id):
                 logger.info("response %s handed off for another replica to continue", response_id)
