@@ -2,11 +2,13 @@
 state file and one Redis), in front of a paved frontend on the simulated engine: the official
 `openai` client's create / retrieve / cancel / streaming / background polling, a stream cut
 mid-way and resumed from the OTHER replica (exactly the original events, no gap, no
-duplicate), a background response continued by another replica after a SIGKILL of the one
-generating it (a follower's sequence contiguous across the takeover), Last-Event-ID resume of a
-chat stream (resumable by default; the SDK parses it), cross-tenant reads refused, and the
-stores' bounds. Without processes: the response store's takeover claims and their bound, and
-ResponseStream.resumed continuing a sequence exactly."""
+duplicate), a background response continued by another replica after a SIGKILL (or SIGTERM)
+of the one generating it (a follower's sequence contiguous across the takeover; over Redis
+and over the database log), a stream whose replica died resumed and finished on another,
+Last-Event-ID resume of a chat stream (resumable by default; the SDK parses it), cross-tenant
+reads refused, and the stores' bounds. Without processes: the response store's takeover
+claims and their bound, ResponseStream.resumed continuing a sequence exactly, and the
+continuation's chat bodies."""
 
 from __future__ import annotations
 
@@ -309,6 +311,52 @@ def test_a_stream_whose_replica_dies_is_continued_and_resumed_on_another(fleet):
 def _continued_by(fleet, rid: str) -> list:
     """The fleet's replicas that logged continuing `rid`."""
     return [gw for gw in fleet["gateways"] if f"continuing response {rid}" in gw.tail(2000)]
+
+
+def test_takeover_over_the_database_event_log(tmp_path):
+    """No Redis: the events in the gateways' SQLite; a background response continued after
+    a SIGKILL, its follower's sequence contiguous."""
+    frontend = ServerProcess("--engine", "sim://tiny?tokens_per_s=100", ready_timeout_s=120)
+    gateways: list[GatewayProcess] = []
+    try:
+        routes = write_routes(
+            tmp_path / "routes.json", [{"alias": MODEL, "backends": [{"url": frontend.url, "version": "v1"}]}]
+        )
+        admin = "adm-" + secrets.token_hex(16)
+        state = f"sqlite:///{tmp_path / 'gw.sqlite'}"
+        flags = ("--state", state, "--responses-lease", "2")
+        for _ in range(2):
+            gateways.append(GatewayProcess(routes, *flags, admin_key=admin, state_dir=tmp_path))
+        survivor, victim = gateways
+        survivor.tenant("acme", models=[MODEL])
+        key = survivor.key("acme")
+        running = _client(victim, key).responses.create(
+            model=MODEL, input="Essay", max_output_tokens=1500, background=True
+        )
+        followed: list = []
+        reader = _client(survivor, key)
+        follower = threading.Thread(
+            target=lambda: followed.extend(reader.responses.retrieve(running.id, stream=True)), daemon=True
+        )
+        follower.start()
+        deadline = time.monotonic() + 60
+        while not any(e.type == "response.output_text.delta" for e in list(followed)):
+            assert time.monotonic() < deadline, "no output before the kill"
+            time.sleep(0.05)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        follower.join(timeout=120)
+        assert not follower.is_alive()
+        assert [e.sequence_number for e in followed] == list(range(len(followed)))
+        assert followed[-1].type in ("response.completed", "response.incomplete")
+        done = _client(survivor, key).responses.retrieve(running.id)
+        deltas = "".join(e.delta for e in followed if e.type == "response.output_text.delta")
+        assert done.status == followed[-1].response.status and done.output_text == deltas
+        assert f"continuing response {running.id}" in survivor.tail(2000)
+    finally:
+        for gw in gateways:
+            gw.stop()
+        frontend.terminate()
 
 
 def test_chat_stream_resumes_with_last_event_id_on_the_other_replica(fleet):
