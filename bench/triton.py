@@ -170,8 +170,9 @@ async def _wait_ready(url: str, models: list[str], timeout_s: float) -> None:
 
 def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.Namespace) -> dict:
     """{(server, model): {p50_us_c1, p99_us_c1, rps_c32, p99_ms_c32}} with runs interleaved."""
-    pairs = [("paved", "batched"), ("triton", "batched"), ("paved", "xgb_python"), ("triton", "xgb_python")]
-    pairs.append(("paved", "xgb_native"))
+    paveds = [server for server in urls if server != "triton"]
+    pairs = [(server, model) for model in ("batched", "xgb_python") for server in (*paveds, "triton")]
+    pairs += [(server, "xgb_native") for server in paveds]
     c = args.concurrency
 
     async def run() -> dict:
@@ -214,10 +215,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per server and model (median)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="another paved source tree (e.g. `git archive` of an older commit) served as a third "
+        "server, 'baseline', in the same run: its ratios are reported beside paved's",
+    )
     args = parser.parse_args()
     for flag in ("concurrency", "requests", "requests_c1", "repeats"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.baseline_src is not None and not (args.baseline_src / "libs" / "paved" / "kserve").is_dir():
+        parser.error(f"--baseline-src {args.baseline_src}: no libs/paved/kserve there")
     if args.quick:
         args.requests, args.requests_c1, args.repeats = 400, 100, 1
     booster = _xgb_dir(args.xgb_dir) / "model.ubj"
@@ -232,12 +241,25 @@ def main() -> int:
     try:
         repository = tmp / "repository"
         write_repository(repository, booster, outputs)
-        with (
-            triton_server(repository, tmp / "triton", models=["batched", "xgb_python"]) as triton,
-            paved_kserve_server(repository, tmp / "paved", extra_args=["--log-level", "warning"]) as paved,
-        ):
-            urls = {"triton": triton.grpc, "paved": paved.grpc}
-            asyncio.run(_wait_ready(paved.grpc, ["batched", "xgb_python", "xgb_native"], 120))
+        quiet = ["--log-level", "warning"]
+        with contextlib.ExitStack() as servers:
+            triton = servers.enter_context(
+                triton_server(repository, tmp / "triton", models=["batched", "xgb_python"])
+            )
+            urls = {
+                "paved": servers.enter_context(
+                    paved_kserve_server(repository, tmp / "paved", extra_args=quiet)
+                ).grpc
+            }
+            if args.baseline_src is not None:
+                baseline = paved_kserve_server(
+                    repository, tmp / "baseline", extra_args=quiet, source=args.baseline_src
+                )
+                urls["baseline"] = servers.enter_context(baseline).grpc
+            urls["triton"] = triton.grpc
+            for server in urls:
+                if server != "triton":
+                    asyncio.run(_wait_ready(urls[server], ["batched", "xgb_python", "xgb_native"], 120))
             results = measure(urls, x, expected, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -245,15 +267,22 @@ def main() -> int:
     def ratio(a: float, b: float) -> float:
         return round(a / b, 2)
 
-    pb, tb = results[("paved", "batched")], results[("triton", "batched")]
-    px, tx = results[("paved", "xgb_python")], results[("triton", "xgb_python")]
-    nx = results[("paved", "xgb_native")]
-    summary = {
-        f"throughput_ratio_vs_triton_c{c}": ratio(pb[f"rps_c{c}"], tb[f"rps_c{c}"]),
-        "p99_ratio_vs_triton_c1": ratio(pb["p99_us_c1"], tb["p99_us_c1"]),
-        f"throughput_ratio_vs_triton_c{c}_xgboost_python": ratio(px[f"rps_c{c}"], tx[f"rps_c{c}"]),
-        f"throughput_ratio_vs_triton_c{c}_xgboost_native": ratio(nx[f"rps_c{c}"], tx[f"rps_c{c}"]),
-        "p99_ratio_vs_triton_c1_xgboost_python": ratio(px["p99_us_c1"], tx["p99_us_c1"]),
+    def ratios(server: str) -> dict[str, float]:
+        pb, tb = results[(server, "batched")], results[("triton", "batched")]
+        px, tx = results[(server, "xgb_python")], results[("triton", "xgb_python")]
+        nx = results[(server, "xgb_native")]
+        return {
+            f"throughput_ratio_vs_triton_c{c}": ratio(pb[f"rps_c{c}"], tb[f"rps_c{c}"]),
+            "p99_ratio_vs_triton_c1": ratio(pb["p99_us_c1"], tb["p99_us_c1"]),
+            f"throughput_ratio_vs_triton_c{c}_xgboost_python": ratio(px[f"rps_c{c}"], tx[f"rps_c{c}"]),
+            f"throughput_ratio_vs_triton_c{c}_xgboost_native": ratio(nx[f"rps_c{c}"], tx[f"rps_c{c}"]),
+            "p99_ratio_vs_triton_c1_xgboost_python": ratio(px["p99_us_c1"], tx["p99_us_c1"]),
+            "p50_ratio_vs_triton_c1": ratio(pb["p50_us_c1"], tb["p50_us_c1"]),
+        }
+
+    summary: dict = {
+        **ratios("paved"),
+        **({"baseline": ratios("baseline")} if "baseline" in urls else {}),
         "results": {f"{server}/{model}": r for (server, model), r in results.items()},
         "triton_version": "2.51.0 (nvidia-pytriton 0.7.0)",
         "concurrency": c,
@@ -265,7 +294,7 @@ def main() -> int:
     }
     for (server, model), r in results.items():
         print(
-            f"{server:6} {model:10}  c1 p50 {r['p50_us_c1']:8.0f} us  p99 {r['p99_us_c1']:8.0f} us   "
+            f"{server:8} {model:10}  c1 p50 {r['p50_us_c1']:8.0f} us  p99 {r['p99_us_c1']:8.0f} us   "
             f"c{c} {r[f'rps_c{c}']:8.0f} req/s  p99 {r[f'p99_ms_c{c}']:7.2f} ms"
         )
     print(
@@ -274,6 +303,13 @@ def main() -> int:
         f"both x{summary[f'throughput_ratio_vs_triton_c{c}_xgboost_python']}, paved native vs Triton python "
         f"x{summary[f'throughput_ratio_vs_triton_c{c}_xgboost_native']} at c{c}"
     )
+    if "baseline" in summary:
+        b = summary["baseline"]
+        print(
+            f"baseline ({args.baseline_src}) vs Triton: throughput x{b[f'throughput_ratio_vs_triton_c{c}']} "
+            f"at c{c}, p99 x{b['p99_ratio_vs_triton_c1']} (p50 x{b['p50_ratio_vs_triton_c1']}) at c1; "
+            f"paved p50 x{summary['p50_ratio_vs_triton_c1']} at c1"
+        )
     print(
         f"machine: {os.cpu_count()} CPUs, 1-minute load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     )

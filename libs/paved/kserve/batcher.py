@@ -8,8 +8,17 @@ dispatching early when the pending rows reach the largest preferred batch size (
 `max_batch_size`). Requests are never split; rows keep their arrival order, and every
 request gets exactly its own rows of the result back.
 
+The queue delay is kept to the microsecond, as Triton's scheduler thread keeps it: asyncio's
+timers wait at least a millisecond (epoll's resolution, rounded up by `selectors`), which made
+a 500 us `max_queue_delay_microseconds` cost 1-2 ms at concurrency 1. A timer thread per
+batcher (`_DeadlineTimer`, started on the first delayed batch) sets the batcher's wake event at
+the deadline; asyncio's own timeout stays as the fallback, so a wait is never longer than it
+was without it.
+
 `run(batch)` is called in a worker thread (predict calls of CPU libraries release the GIL),
-one thread per instance. With `coalesce=False` each request is its own batch, which is
+one thread per instance; a coroutine function `run` (a model whose work happens elsewhere, as
+the Python backend's worker processes) is awaited on the event loop instead, without the two
+thread hops. With `coalesce=False` each request is its own batch, which is
 Triton's default scheduler (and the baseline the benchmark compares against).
 
 The queue is bounded in rows, not requests (a request of 64 rows costs 64 times the memory
@@ -24,11 +33,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import inspect
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2
@@ -40,6 +52,51 @@ logger = logging.getLogger(__name__)
 
 # Rows that may wait for an instance when the config sets no max_queue_size.
 DEFAULT_MAX_QUEUE_ROWS = 4096
+
+
+class _DeadlineTimer:
+    """Sets an asyncio.Event at a time.monotonic() deadline, from a thread of its own (a
+    condition variable's timed wait is precise to tens of microseconds; the event loop's
+    timers to a millisecond). One deadline at a time: `arm` replaces it, `disarm` drops it."""
+
+    def __init__(self, event: asyncio.Event, name: str):
+        self._loop = asyncio.get_running_loop()
+        self._event = event
+        self._cv = threading.Condition()
+        self._deadline: float | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"batch-timer-{name}", daemon=True)
+        self._thread.start()
+
+    def arm(self, deadline: float) -> None:
+        with self._cv:
+            self._deadline = deadline
+            self._cv.notify()
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._deadline = None
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cv.wait()
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._cv.wait(remaining)
+                    continue
+                self._deadline = None
+                try:
+                    self._loop.call_soon_threadsafe(self._event.set)
+                except RuntimeError:  # the loop is closed: nothing waits any more
+                    return
 
 
 @dataclass
@@ -54,7 +111,7 @@ class _Pending:
 class DynamicBatcher:
     def __init__(
         self,
-        run: Callable[[np.ndarray], np.ndarray],
+        run: Callable[[np.ndarray], np.ndarray] | Callable[[np.ndarray], Awaitable[np.ndarray]],
         *,
         name: str,
         max_batch_size: int,
@@ -79,11 +136,13 @@ class DynamicBatcher:
         # Dispatch as soon as this many rows wait.
         self._target = max(preferred_batch_sizes) if preferred_batch_sizes else max_batch_size
         self._run = run
+        self._run_on_loop = inspect.iscoroutinefunction(run)
         self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"batch-{name}")
         self._slots = asyncio.Semaphore(instances)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_rows = 0
         self._wake = asyncio.Event()
+        self._timer: _DeadlineTimer | None = None
         self._scheduler: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
         self._closed = False
@@ -93,7 +152,7 @@ class DynamicBatcher:
     @classmethod
     def for_config(
         cls,
-        run: Callable[[np.ndarray], np.ndarray],
+        run: Callable[[np.ndarray], np.ndarray] | Callable[[np.ndarray], Awaitable[np.ndarray]],
         config: model_config_pb2.ModelConfig,
         *,
         name: str,
@@ -150,6 +209,8 @@ class DynamicBatcher:
 
     async def close(self) -> None:
         self._closed = True
+        if self._timer is not None:
+            self._timer.close()
         if self._scheduler is not None:
             self._scheduler.cancel()
             await asyncio.gather(self._scheduler, return_exceptions=True)
@@ -187,11 +248,16 @@ class DynamicBatcher:
             if remaining <= 0:
                 break
             self._wake.clear()
+            if self._timer is None:
+                self._timer = _DeadlineTimer(self._wake, self.name)
+            self._timer.arm(deadline)
             try:
                 async with asyncio.timeout(remaining):
                     await self._wake.wait()
             except TimeoutError:
                 break
+            finally:
+                self._timer.disarm()
             if not self._pending:  # everything waiting was cancelled meanwhile
                 return await self._form_batch()
         limit = self._target if self._pending_rows >= self._target else self.max_batch_size
@@ -217,7 +283,11 @@ class DynamicBatcher:
                 if item.timing is not None:
                     item.timing.dispatched(int(item.enqueued * 1e9), dispatched)
             try:
-                outputs = await loop.run_in_executor(self._executor, self._run, inputs)
+                if self._run_on_loop:
+                    outputs = await cast(Callable[[np.ndarray], Awaitable[np.ndarray]], self._run)(inputs)
+                else:
+                    run = cast(Callable[[np.ndarray], np.ndarray], self._run)
+                    outputs = await loop.run_in_executor(self._executor, run, inputs)
             finally:
                 _record(batch, len(inputs), dispatched)
             offset = 0

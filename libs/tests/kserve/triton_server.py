@@ -288,12 +288,14 @@ def paved_kserve_server(
     *,
     extra_args: Iterable[str] = (),
     start_timeout_s: float = 60.0,
+    source: Path | None = None,
 ) -> Iterator[TritonUrls]:
     """Runs paved's KServe server (`paved.kserve.main --model-repository`) on `repository` in a
     subprocess of this interpreter, on free loopback ports, and yields its TritonUrls once it
     listens (its models may still be loading: wait for the ones you need). Its output goes to
     `tmp/paved-kserve.log` (tail printed when the block raises); the process is stopped (SIGTERM,
-    then SIGKILL) when the block exits."""
+    then SIGKILL) when the block exits. `source`: another paved source tree whose `libs/` comes
+    first on the server's path (a benchmark's baseline, e.g. `git archive` of an older commit)."""
     tmp.mkdir(parents=True, exist_ok=True)
     log_path = tmp / "paved-kserve.log"
     code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
@@ -311,7 +313,10 @@ def paved_kserve_server(
         "0",
         *extra_args,
     ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    path = [p for p in sys.path if p]
+    if source is not None:
+        path.insert(0, str((source / "libs").absolute()))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             command,

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -118,6 +119,81 @@ def test_batcher_waits_for_the_preferred_size_up_to_the_delay():
     assert batches == {4: 1} and elapsed < 30
     batches, _ = asyncio.run(main(0.0))
     assert sum(batches.values()) > 1  # no delay: whatever is waiting goes at once
+
+
+def test_batcher_awaits_a_coroutine_run_on_the_loop():
+    """A coroutine `run` (the Python backend's: its work is in a worker process) is awaited on
+    the event loop's thread, never handed to a thread; concurrent requests still coalesce."""
+    threads = []
+    release = None
+
+    async def run(batch):
+        threads.append(threading.current_thread())
+        await release.wait()
+        return batch + 1
+
+    async def main():
+        nonlocal release
+        release = asyncio.Event()
+        batcher = DynamicBatcher(run, name="m", max_batch_size=8)
+        first = asyncio.ensure_future(batcher.submit(np.array([[0]])))
+        await asyncio.sleep(0.05)  # the first batch is running (awaiting `release`)
+        rest = [asyncio.ensure_future(batcher.submit(np.array([[i]]))) for i in (1, 2)]
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(first, *rest)
+        await batcher.close()
+        return [r.ravel().tolist() for r in results], dict(batcher.batches)
+
+    results, batches = asyncio.run(main())
+    assert results == [[1], [2], [3]] and batches == {1: 1, 2: 1}
+    assert threads == [threading.main_thread()] * 2
+
+
+def test_batcher_delay_ends_at_its_deadline_never_before():
+    """The queue delay is kept by a timer thread (asyncio's timers round up to a millisecond):
+    a lone request goes when its delay is over, not before, and one that fills the preferred
+    size goes at once whatever the delay."""
+    dispatched = []
+
+    def run(batch):
+        dispatched.append(time.monotonic())
+        return batch
+
+    async def main():
+        batcher = DynamicBatcher(
+            run, name="m", max_batch_size=8, max_queue_delay_s=0.02, preferred_batch_sizes=[2]
+        )
+        for _ in range(5):
+            enqueued = time.monotonic()
+            await batcher.submit(np.array([[1]]))
+            assert dispatched[-1] >= enqueued + 0.02
+        await batcher.close()
+        return dict(batcher.batches)
+
+    assert asyncio.run(main()) == {1: 5}
+
+
+def test_deadline_timer_fires_at_the_deadline_and_not_once_disarmed():
+    from paved.kserve.batcher import _DeadlineTimer
+
+    async def main():
+        event = asyncio.Event()
+        timer = _DeadlineTimer(event, "m")
+        try:
+            deadline = time.monotonic() + 0.01
+            timer.arm(deadline)
+            await asyncio.wait_for(event.wait(), 10)
+            fired = time.monotonic()
+            event.clear()
+            timer.arm(time.monotonic() + 0.05)
+            timer.disarm()
+            await asyncio.sleep(0.2)  # well past the dropped deadline
+            return fired >= deadline, event.is_set()
+        finally:
+            timer.close()
+
+    assert asyncio.run(main()) == (True, False)
 
 
 def test_batcher_queue_limit_and_cancellation():

@@ -202,7 +202,6 @@ class PythonModel(ServedModel):
         self._requests: dict[int, _Request] = {}
         self._keys = itertools.count(1)
         self._closing = False
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _set_config(self, config: model_config_pb2.ModelConfig) -> None:
         self._config = config
@@ -268,7 +267,6 @@ class PythonModel(ServedModel):
         self._state, self._reason = "READY", ""
 
     async def _load(self) -> None:
-        self._loop = asyncio.get_running_loop()
         names = self._instance_names(self._config)
         first = self._worker(names[0], "CPU")
         self._workers.append(first)
@@ -473,12 +471,10 @@ class PythonModel(ServedModel):
             if item.final:
                 return
 
-    def _run_batch(self, marker: np.ndarray) -> np.ndarray:
-        """The DynamicBatcher's run (on its thread): one execute() on a free instance."""
-        batch = [p for p in marker if p is not None]
-        if self._loop is None:
-            raise unavailable(f"model '{self.name}' is not loaded")
-        asyncio.run_coroutine_threadsafe(self._execute(batch), self._loop).result()
+    async def _run_batch(self, marker: np.ndarray) -> np.ndarray:
+        """The DynamicBatcher's run, on the event loop (the work happens in a worker process):
+        one execute() on a free instance."""
+        await self._execute([p for p in marker if p is not None])
         return marker
 
     async def _execute(self, batch: list[_Request]) -> None:
