@@ -42,6 +42,9 @@ STATE_DIR = "/var/lib/paved"
 TMP_DIR = "/tmp"  # noqa: S108
 ADMIN_KEY_DIR = "/etc/paved/admin-key"
 ADMIN_KEY_FILE = "admin-key"
+# The gateways' admin key, in the control plane's pods only: its dashboard lists every tenant's
+# batches through the gateways' read-only admin API.
+GATEWAY_ADMIN_KEY_DIR = "/etc/paved/gateway-admin-key"
 
 # The control plane's driver, verb by verb: nothing more (render_test asserts this exact list).
 CONTROL_PLANE_RULES: tuple[dict[str, list[str]], ...] = (
@@ -195,6 +198,11 @@ class PlatformSettings:
         )
 
     @property
+    def gateway_url(self) -> str:
+        """The gateways' Service as the control plane reaches it (cluster DNS)."""
+        return f"http://{GATEWAY}.{self.namespace}.svc:{GATEWAY_PORT}"
+
+    @property
     def control_plane_url(self) -> str:
         """The control plane's Service as the gateways reach it (cluster DNS, any cluster domain)."""
         return f"http://{CONTROL_PLANE}.{self.namespace}.svc:{CONTROL_PLANE_PORT}"
@@ -335,9 +343,9 @@ def _secret_env(name: str, ref: SecretRef) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
-def _admin_key_volume(ref: SecretRef) -> dict[str, Any]:
+def _admin_key_volume(ref: SecretRef, name: str = "admin-key") -> dict[str, Any]:
     return {
-        "name": "admin-key",
+        "name": name,
         # 0440 with fsGroup: readable by the container's group only.
         "secret": {
             "secretName": ref.name,
@@ -419,6 +427,9 @@ def control_plane_args(s: PlatformSettings) -> list[str]:
         f"--kube-cpu={s.replica_cpu}",
         f"--kube-memory={s.replica_memory}",
         f"--drain-timeout={float(s.drain_timeout_s)}",
+        # Any gateway replica answers the batch listing (they share one database).
+        f"--gateway-admin={s.gateway_url}",
+        f"--gateway-admin-key-file={GATEWAY_ADMIN_KEY_DIR}/{ADMIN_KEY_FILE}",
     ]
     return args
 
@@ -445,6 +456,7 @@ def _deployment(
     admin_key: SecretRef,
     api_token: bool,
     grace_s: int,
+    extra_volumes: tuple[dict[str, Any], ...] = (),
 ) -> dict[str, Any]:
     """The Deployment of one of paved's own services: `container` on a read-only root with
     emptyDirs for its state and /tmp, its admin key mounted from a Secret, replicas spread."""
@@ -473,6 +485,7 @@ def _deployment(
                         _admin_key_volume(admin_key),
                         {"name": "state", "emptyDir": {}},
                         {"name": "tmp", "emptyDir": {}},
+                        *extra_volumes,
                     ],
                 },
             },
@@ -500,7 +513,10 @@ def control_plane_objects(s: PlatformSettings) -> list[dict[str, Any]]:
         "readinessProbe": _probe("/health/ready", period=5, failures=3),
         "resources": s.control_plane_resources,
         "securityContext": _container_security(),
-        "volumeMounts": _MOUNTS,
+        "volumeMounts": [
+            *_MOUNTS,
+            {"name": "gateway-admin-key", "mountPath": GATEWAY_ADMIN_KEY_DIR, "readOnly": True},
+        ],
     }
     deployment = _deployment(
         s,
@@ -514,6 +530,7 @@ def control_plane_objects(s: PlatformSettings) -> list[dict[str, Any]]:
         # The leader's lock is released when its PostgreSQL session ends; replicas are left
         # running for the next leader to adopt.
         grace_s=30,
+        extra_volumes=(_admin_key_volume(s.gateway_admin_key, "gateway-admin-key"),),
     )
     return [
         deployment,

@@ -348,7 +348,12 @@ def test_secrets_are_referenced_never_rendered() -> None:
         }
         return env | volumes
 
-    assert refs(kp.CONTROL_PLANE) == {("PAVED_STATE_URL", "cp-db", "dsn"), ("file", "cp-admin", "key")}
+    # The gateways' admin key too: the dashboard lists batches through their admin API.
+    assert refs(kp.CONTROL_PLANE) == {
+        ("PAVED_STATE_URL", "cp-db", "dsn"),
+        ("file", "cp-admin", "key"),
+        ("file", "gw-admin", "key"),
+    }
     assert refs(kp.GATEWAY) == {
         ("PAVED_STATE_URL", "gw-db", "dsn"),
         ("PAVED_REDIS_URL", "cache", "redis-url"),
@@ -373,6 +378,16 @@ def test_the_mains_accept_their_arguments() -> None:
         args = control_plane_parser().parse_args(kp.control_plane_args(variant))
         assert args.port == kp.CONTROL_PLANE_PORT and args.state == "$(PAVED_STATE_URL)"
         assert args.driver == "kubernetes" and args.kube_region == [(variant.region, "in-cluster")]
+        # The batch listing goes to the gateways' Service with their key, mounted from its Secret.
+        assert args.gateway_admin == [f"http://{kp.GATEWAY}.{variant.namespace}.svc:{kp.GATEWAY_PORT}"]
+        (mount,) = [
+            m
+            for m in _pod_specs(kp.platform_objects(variant))[kp.CONTROL_PLANE]["containers"][0][
+                "volumeMounts"
+            ]
+            if args.gateway_admin_key_file.startswith(m["mountPath"] + "/")
+        ]
+        assert mount["name"] == "gateway-admin-key" and mount["readOnly"]
         # The driver's settings, as the main builds them from these flags, are the ones
         # `paved render` prints the replicas' objects with.
         built = KubeSettings(
