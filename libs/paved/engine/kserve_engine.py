@@ -64,6 +64,7 @@ from paved.engine.protocol import (
     TopLogprob,
 )
 from paved.engine.streams import Closing
+from paved.engine.text import render_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -506,19 +507,7 @@ class KServeEngine:
                     "start the KServe engine with ?tokenizer=DIR",
                     param=param,
                 )
-            kwargs: dict[str, Any] = {
-                "add_generation_prompt": prompt.add_generation_prompt,
-                "tokenize": False,
-            }
-            if prompt.tools:
-                kwargs["tools"] = list(prompt.tools)
-            try:
-                # tokenize=False: the rendered text (transformers' annotation also covers token ids).
-                return cast(str, self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs))
-            except Exception as e:
-                raise InvalidRequestError(
-                    f"the model's chat template rejected the messages: {e}", param=param
-                ) from e
+            return render_chat_template(self._tokenizer, prompt, param)
         raise InvalidRequestError(
             "token-id prompts are not supported by the KServe v2 vLLM interface (text_input is text)",
             param=param,

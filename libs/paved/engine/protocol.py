@@ -121,12 +121,15 @@ class ChatPrompt:
     """Messages rendered with the model's chat template by the engine (which owns the tokenizer).
 
     `messages` are OpenAI-shaped dicts with string content; `tools` are OpenAI tool definitions
-    handed to the template so the model sees them.
+    handed to the template so the model sees them. `continue_final_message` (vLLM's extension;
+    then `add_generation_prompt` is False and the last message is the assistant's) renders that
+    message open, so generation continues its text instead of starting a new turn.
     """
 
     messages: Sequence[dict[str, Any]]
     tools: Sequence[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt

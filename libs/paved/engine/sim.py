@@ -49,7 +49,7 @@ import os
 import random
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from prometheus_client import Metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -76,6 +76,7 @@ from paved.engine.protocol import (
     TopLogprob,
 )
 from paved.engine.sim_config import SimConfig
+from paved.engine.text import render_chat_template
 
 if TYPE_CHECKING:
     from paved.constraints.compiler import SpecCompiler
@@ -110,7 +111,8 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
-    def render_chat(self, prompt: ChatPrompt) -> str:
+    def render_chat(self, prompt: ChatPrompt, param: str) -> str:
+        # No closing marker per message: a continued final message renders the same, open.
         text = "".join(f"<{m.get('role', '')}>{m.get('content') or ''}" for m in prompt.messages)
         return text + ("<assistant>" if prompt.add_generation_prompt else "")
 
@@ -139,12 +141,8 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, prompt: ChatPrompt) -> str:
-        kwargs: dict[str, Any] = {"add_generation_prompt": prompt.add_generation_prompt, "tokenize": False}
-        if prompt.tools:
-            kwargs["tools"] = list(prompt.tools)
-        # tokenize=False: the rendered text (transformers' annotation also covers token ids).
-        return cast(str, self._tok.apply_chat_template(list(prompt.messages), **kwargs))
+    def render_chat(self, prompt: ChatPrompt, param: str) -> str:
+        return render_chat_template(self._tok, prompt, param)
 
 
 # ---- one request -----------------------------------------------------------------------------
@@ -360,12 +358,7 @@ class SimEngine:
                 )
             return ids, None
         if isinstance(prompt, ChatPrompt):
-            try:
-                text = self._tokenizer.render_chat(prompt)
-            except Exception as e:
-                raise InvalidRequestError(
-                    f"the model's chat template rejected the messages: {e}", param=param
-                ) from e
+            text = self._tokenizer.render_chat(prompt, param)
             return self._tokenizer.encode(text, add_special_tokens=False), text
         return self._tokenizer.encode(prompt.text, add_special_tokens=True), prompt.text
 

@@ -9,7 +9,9 @@ field. NUL and other control characters are valid scalar values and pass through
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
+
+from paved.engine.protocol import ChatPrompt, InvalidRequestError
 
 
 def unencodable_path(value: Any, path: str = "") -> str | None:
@@ -59,3 +61,23 @@ def message(path: str) -> str:
         f"{path} contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
         "which is not Unicode text"
     )
+
+
+def render_chat_template(tokenizer: Any, prompt: ChatPrompt, param: str) -> str:
+    """`prompt` rendered as text by a Hugging Face tokenizer's chat template (its special tokens
+    included: encode the result without adding them again). A template that raises on the
+    messages (jinja2 errors, a template refusing a role order, a final message it cannot
+    continue) is the caller's error: InvalidRequestError naming `param`, never a 500."""
+    kwargs: dict[str, Any] = {
+        "add_generation_prompt": prompt.add_generation_prompt,
+        "tokenize": False,
+    }
+    if prompt.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if prompt.tools:
+        kwargs["tools"] = list(prompt.tools)
+    try:
+        # tokenize=False: the rendered text (transformers' annotation also covers token ids).
+        return cast(str, tokenizer.apply_chat_template(list(prompt.messages), **kwargs))
+    except Exception as e:
+        raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param=param) from e

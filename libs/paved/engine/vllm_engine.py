@@ -15,7 +15,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
-from typing import Any, cast  # noqa: E402
+from typing import Any  # noqa: E402
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
@@ -56,6 +56,7 @@ from paved.engine.protocol import (  # noqa: E402
     TokenPrompt,
     TopLogprob,
 )
+from paved.engine.text import render_chat_template  # noqa: E402
 from paved.engine.vllm_config import VllmModelConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -270,22 +271,10 @@ class VllmEngine:
                 )
             return ids, None
         if isinstance(prompt, ChatPrompt):
-            text = self._apply_chat_template(prompt)
+            text = render_chat_template(self._tokenizer, prompt, param)
             # The template already placed BOS and other special tokens.
             return await self._encode(text, add_special_tokens=False), text
         return await self._encode(prompt.text, add_special_tokens=True), prompt.text
-
-    def _apply_chat_template(self, prompt: ChatPrompt) -> str:
-        kwargs: dict[str, Any] = {"add_generation_prompt": prompt.add_generation_prompt, "tokenize": False}
-        if prompt.tools:
-            kwargs["tools"] = list(prompt.tools)
-        try:
-            # tokenize=False: the rendered text (the annotation also covers token ids).
-            return cast(str, self._tokenizer.apply_chat_template(list(prompt.messages), **kwargs))
-        except Exception as e:  # jinja2 errors, or the template tripping over an input it rejects
-            raise InvalidRequestError(
-                f"the model's chat template rejected the messages: {e}", param="messages"
-            ) from e
 
     def _sampling_params(
         self, s: SamplingOptions, prompt_len: int, stream: bool, param: str

@@ -218,7 +218,12 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     resolved = await _resolve(state, body, card)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    prompt = ChatPrompt(messages=[_message_dict(m) for m in body.messages], tools=tools)
+    prompt = ChatPrompt(
+        messages=[_message_dict(m) for m in body.messages],
+        tools=tools,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
     request_id = engine_request_id("chatcmpl", request)
     generate = GenerateRequest(
         request_id=request_id,

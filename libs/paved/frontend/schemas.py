@@ -257,11 +257,20 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default"] | None = None
     modalities: list[Literal["text"]] | None = None
+    # vLLM's chat-template extensions: continue the final assistant message (a cut-off answer
+    # resumed, a prefilled start) instead of opening a new turn.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt: false")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None

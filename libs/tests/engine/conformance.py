@@ -22,6 +22,7 @@ import pytest
 from libs.tests.kserve.kserve_fakes import LoopThread, wait_for
 from paved.constraints.spec import validate_spec
 from paved.engine.protocol import (
+    ChatPrompt,
     Constraint,
     Engine,
     EngineOverloadedError,
@@ -280,6 +281,24 @@ def test_usage_counts_match_tokenize(loop, h):
     outputs = collect(loop, h, request(prompt, max_tokens=5, ignore_eos=True))
     assert outputs[0].prompt_tokens == len(ids)
     assert tokens_of(outputs) == 5
+
+
+def test_continue_final_message_renders_the_last_message_open(loop, h):
+    """The chat template renders a continued assistant message open: no end of turn and no new
+    assistant header, so fewer prompt tokens than the same messages closed."""
+    messages = [{"role": "user", "content": "Count to ten"}, {"role": "assistant", "content": "1, 2, 3,"}]
+    closed = collect(loop, h, request(ChatPrompt(messages), max_tokens=2, ignore_eos=True))
+    opened = collect(
+        loop,
+        h,
+        request(
+            ChatPrompt(messages, add_generation_prompt=False, continue_final_message=True),
+            max_tokens=2,
+            ignore_eos=True,
+        ),
+    )
+    assert 0 < opened[0].prompt_tokens < closed[0].prompt_tokens
+    assert tokens_of(opened) == 2
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7])

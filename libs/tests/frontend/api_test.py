@@ -150,6 +150,23 @@ def test_chat(client, engine):
     assert engine.requests[-1].prompt.messages == [{"role": "user", "content": "hi"}]
 
 
+def test_continue_final_message_reaches_the_engine(client, engine):
+    """vLLM's extension: the final assistant message is continued, not followed by a new turn."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    client.chat.completions.create(
+        model="fake",
+        messages=messages,
+        max_tokens=2,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    prompt = engine.requests[-1].prompt
+    assert prompt.messages == messages
+    assert (prompt.continue_final_message, prompt.add_generation_prompt) == (True, False)
+    client.chat.completions.create(model="fake", messages=messages, max_tokens=2)
+    prompt = engine.requests[-1].prompt
+    assert (prompt.continue_final_message, prompt.add_generation_prompt) == (False, True)
+
+
 def test_chat_stream_chunks_match_schema(server):
     body = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
     with httpx.stream("POST", server + "/v1/chat/completions", json=body) as response:
@@ -248,6 +265,13 @@ def test_developer_role_and_text_parts(client, engine):
         ({**CHAT, "stop": ["a"] * 17}, "stop", "stop"),
         ({**CHAT, "response_format": {"type": "yaml"}}, "response_format", None),
         ({**CHAT, "response_format": {"type": "json_schema"}}, "json_schema", None),
+        ({**CHAT, "continue_final_message": True}, "add_generation_prompt: false", None),
+        (
+            {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
+            "last message to be the assistant's",
+            None,
+        ),
+        ({**CHAT, "continue_final_message": "yes"}, "valid boolean", "continue_final_message"),
     ],
 )
 def test_invalid_chat_requests(server, body, fragment, param):

@@ -176,6 +176,23 @@ def test_chat_sync_and_streaming(client):
     assert again.choices[0].message.content == text  # greedy is deterministic across paths
 
 
+def test_continue_final_message_leaves_the_answer_open(client):
+    """vLLM's extension on the real template: the final assistant message is rendered open (no
+    end-of-turn, no new assistant header), so the prompt is shorter than the same messages
+    closed, and generation goes on from it."""
+    messages = [{"role": "user", "content": "Count to ten"}, {"role": "assistant", "content": "1, 2, 3,"}]
+    closed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+    opened = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert opened.usage.prompt_tokens < closed.usage.prompt_tokens
+    assert opened.choices[0].message.content
+
+
 def test_sampling_parameters(client):
     kwargs = {"model": "tiny", "prompt": "The river", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9}
     a = client.completions.create(**kwargs, seed=1234, presence_penalty=0.5, frequency_penalty=0.5)
