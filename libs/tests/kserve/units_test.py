@@ -21,6 +21,7 @@ from paved.engine.protocol import (
     ModelCard,
     SamplingOptions,
 )
+from paved.kserve import batcher as batcher_module
 from paved.kserve import tensors
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import KServeError
@@ -148,6 +149,28 @@ def test_batcher_awaits_a_coroutine_run_on_the_loop():
     results, batches = asyncio.run(main())
     assert results == [[1], [2], [3]] and batches == {1: 1, 2: 1}
     assert threads == [threading.main_thread()] * 2
+
+
+@pytest.mark.parametrize("turns", [batcher_module.SETTLE_TURNS, 0])
+def test_batcher_takes_in_requests_already_on_their_way(monkeypatch, turns):
+    """With no queue delay, requests a turn or two behind the first (a gRPC call takes a few
+    turns of the loop from its arrival to submit) still join its batch."""
+    monkeypatch.setattr(batcher_module, "SETTLE_TURNS", turns)
+
+    async def main():
+        batcher = DynamicBatcher(lambda b: b, name="m", max_batch_size=8)
+
+        async def behind(i):
+            for _ in range(2):
+                await asyncio.sleep(0)
+            return await batcher.submit(np.array([[i]]))
+
+        first = asyncio.ensure_future(batcher.submit(np.array([[0]])))
+        await asyncio.gather(first, behind(1), behind(2))
+        await batcher.close()
+        return dict(batcher.batches)
+
+    assert asyncio.run(main()) == ({3: 1} if turns else {1: 1, 2: 1})
 
 
 def test_batcher_delay_ends_at_its_deadline_never_before():
