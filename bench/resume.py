@@ -12,7 +12,11 @@ the cut left them:
 - streaming_overhead_ratio: tokens/s of `--streams` uncut streams through a gateway with
   resumable streams on, over the same through a gateway with them off (--no-resumable-streams)
   (goal >= 0.9): `--rounds` rounds, on and off alternating in each (so a machine's load drifting
-  meets both alike), totals over totals; `round_ratios` lists each round's.
+  meets both alike), totals over totals; `round_ratios` lists each round's and
+  `median_round_ratio` is their median (robust to one round another process's burst hit).
+- gateway_cpu_ms_per_1k_tokens_resumable / _plain: the serving gateway process's CPU time
+  (user + system) per 1,000 tokens over those rounds: the per-event cost itself, which a busy
+  shared machine disturbs far less than it does tokens/s.
 
 `--json`: the last line is one JSON object.
 """
@@ -22,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import secrets
+import statistics
 import sys
 import tempfile
 import time
@@ -78,7 +84,14 @@ async def _one(a: str, b: str, key: str, body: dict, cut: bool, rng: random.Rand
         return {"ids": [_id(e) for e in first + rest], "latency": latency}
 
 
-async def _throughput(url: str, key: str, body: dict, n: int) -> float:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _throughput(url: str, key: str, body: dict, n: int) -> tuple[float, int]:
+    """(tokens/s, tokens) of `n` concurrent streams."""
     auth = {"authorization": f"Bearer {key}"}
 
     async def one(client: httpx.AsyncClient) -> int:
@@ -89,7 +102,7 @@ async def _throughput(url: str, key: str, body: dict, n: int) -> float:
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n + 10)) as client:
         started = time.perf_counter()
         tokens = await asyncio.gather(*(one(client) for _ in range(n)))
-        return sum(tokens) / (time.perf_counter() - started)
+        return sum(tokens) / (time.perf_counter() - started), sum(tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tokens-per-s", type=int, default=100, help="the simulated engine's rate per stream")
     p.add_argument("--seed", type=int, default=26)
-    p.add_argument("--rounds", type=int, default=3, help="on/off throughput rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="on/off throughput rounds (default 5)")
     p.add_argument(
         "--log", choices=("redis", "db"), default="redis", help="where the event log is (default redis)"
     )
@@ -147,11 +160,16 @@ def main(argv: list[str] | None = None) -> int:
                 p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else None
                 on: list[float] = []
                 plain: list[float] = []
+                cpu = {"on": [0.0, 0], "off": [0.0, 0]}  # CPU seconds, tokens
                 for i in range(args.rounds):
                     # Which goes first alternates too: a round's second run finds a warmer machine.
                     for which in ("on", "off") if i % 2 == 0 else ("off", "on"):
-                        url, into = (a.url, on) if which == "on" else (off.url, plain)
-                        into.append(await _throughput(url, key, body, args.streams))
+                        gw, into = (a, on) if which == "on" else (off, plain)
+                        cpu_before = _cpu_s(gw.proc.pid)
+                        rate, tokens = await _throughput(gw.url, key, body, args.streams)
+                        cpu[which][0] += _cpu_s(gw.proc.pid) - cpu_before
+                        cpu[which][1] += tokens
+                        into.append(rate)
                 return {
                     "streams": args.streams,
                     "cut_and_resumed": sum(cuts),
@@ -163,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_s_plain": round(sum(plain) / len(plain), 1),
                     "streaming_overhead_ratio": round(sum(on) / sum(plain), 3),
                     "round_ratios": [round(x / y, 3) for x, y in zip(on, plain, strict=True)],
+                    "median_round_ratio": round(
+                        statistics.median(x / y for x, y in zip(on, plain, strict=True)), 3
+                    ),
+                    "gateway_cpu_ms_per_1k_tokens_resumable": round(cpu["on"][0] * 1e6 / cpu["on"][1], 1),
+                    "gateway_cpu_ms_per_1k_tokens_plain": round(cpu["off"][0] * 1e6 / cpu["off"][1], 1),
                 }
 
             try:

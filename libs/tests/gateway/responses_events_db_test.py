@@ -7,7 +7,7 @@ until the final event, a resume past the end gets the final event again, a local
 an event only once the log holds it, the per-tenant cap, the per-stream bound (StreamTrimmed,
 never a gap), retention (an expired stream is gone and swept), appends that are retried,
 that would leave a hole or that reach a stream gone; a log that fails costs the stream its
-resumability, not its delivery.
+resumability, not its delivery. The Redis log's append (a Lua script) keeps the same contract.
 
 With processes: two gateway mains sharing the database and no Redis, in front of a paved
 frontend on the simulated engine: a chat stream cut mid-way on one and resumed with
@@ -34,6 +34,7 @@ from servers import ServerProcess
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.responses import events as ev
 from paved.testing.postgres import create_database, postgres_server
+from paved.testing.redis import redis_server
 
 MODEL = "tiny"
 _db_names = itertools.count()
@@ -206,6 +207,34 @@ def test_appends_retried_with_a_hole_or_to_a_stream_gone(db_url):
         await b.close()
 
     asyncio.run(go())
+
+
+def test_the_redis_log_appends_under_the_same_contract():
+    async def go(url: str):
+        log = ev.RedisEventLog(url, ev.LogBounds(max_events=5, retention_s=60))
+        await log.open("r1", "acme")
+        first = [(0, _event(0)), (1, _event(1))]
+        assert await log.append("r1", first, False) == 1
+        assert await log.append_many([ev.Append("r1", [*first, (2, _event(2))], False)]) == [2]
+        assert await log.append("r1", [(5, _event(5))], False) == ev.HOLE
+        assert [seq for seq, _, _ in await log.read("r1", -1, 0)] == [0, 1, 2]
+        # Redis lost its scripts (a restart): the append loads it again and goes through.
+        await log._redis.script_flush()
+        tail = [(seq, _event(seq)) for seq in range(3, 9)]
+        assert await log.append("r1", tail, True) == 8
+        with pytest.raises(ev.StreamTrimmed):
+            await log.read("r1", 1, 0)
+        rows = await log.read("r1", 5, 0)
+        assert [(seq, final) for seq, _, final in rows] == [(6, False), (7, False), (8, True)]
+        info = await log.info("r1")
+        assert info is not None and info.ended and info.last == 8
+        await log.delete("r1")
+        assert await log.append("r1", [(9, _event(9))], False) == ev.GONE
+        assert await log.info("r1") is None and await log.read("r1", -1, 0) == []
+        await log.close()
+
+    with redis_server() as url:
+        asyncio.run(go(url))
 
 
 def test_bounds_per_tenant_per_stream_and_retention(db_url):

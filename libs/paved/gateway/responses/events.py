@@ -18,7 +18,8 @@ Invariants:
 - The last event of a stream is marked final; a reader stops after it, and a reader resuming
   at or past it gets that final event again (so it learns how the stream ended).
 - Per tenant at most `max_streams_per_tenant` streams are kept (the oldest go first), each at
-  most `max_events` events, for `retention_s` after its last event.
+  most `max_events` events, for `retention_s` after its last event (the database: at least
+  that, at most a tenth longer, so a flush need not rewrite every stream's row).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ _BATCH = 512
 # How often one replica writes its streams' new events to the log, at most: under load a
 # flush carries several events of every stream at once; alone, an event waits at most this.
 FLUSH_INTERVAL_S = 0.01
+# Streams per Redis script call (a call blocks Redis while it runs: kept short).
+_STREAMS_PER_CALL = 256
 
 # Per stream in an append: the sequence number the log now ends at, or one of these.
 GONE = -2  # the stream is no longer in the log (deleted, evicted by the tenant's cap, expired)
@@ -152,6 +155,9 @@ class RedisEventLog:
 
         if not appends:
             return []
+        for a in appends:
+            if a.events and a.events[-1][0] - a.events[0][0] != len(a.events) - 1:
+                raise ValueError("an append's sequence numbers must be consecutive")
         if self._append_sha is None:
             self._append_sha = await self._redis.script_load(_APPEND_LUA)
         try:
@@ -165,13 +171,21 @@ class RedisEventLog:
     async def _append_many(self, appends: list[Append]) -> list[int]:
         ttl = int(self.bounds.retention_s) + 1
         async with self._redis.pipeline(transaction=False) as p:
-            for a in appends:
-                args: list[Any] = [self.bounds.max_events, ttl, 1 if a.ended else 0]
-                for seq, data in a.events:
-                    args.append(seq)
-                    args.append(data)
-                p.evalsha(self._append_sha, 2, f"pvd:es:{a.stream_id}", f"pvd:em:{a.stream_id}", *args)
-            return [int(r) for r in await p.execute()]
+            # One script call per _STREAMS_PER_CALL streams, not one command per event: the
+            # per-command cost (client and server) is most of an append's.
+            for start in range(0, len(appends), _STREAMS_PER_CALL):
+                keys: list[str] = []
+                args: list[Any] = [self.bounds.max_events, ttl]
+                for a in appends[start : start + _STREAMS_PER_CALL]:
+                    keys.append(f"pvd:es:{a.stream_id}")
+                    keys.append(f"pvd:em:{a.stream_id}")
+                    args.append(len(a.events))
+                    args.append(1 if a.ended else 0)
+                    for seq, data in a.events:
+                        args.append(seq)
+                        args.append(data)
+                p.evalsha(self._append_sha, len(keys), *keys, *args)
+            return [int(r) for replies in await p.execute() for r in replies]
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         async with _unavailable_as_503():
@@ -209,35 +223,50 @@ class RedisEventLog:
         await self._blocking.aclose()
 
 
-# One stream's append, atomic in Redis: events the log has are skipped (a retried append), one
-# that would leave a hole is refused, and a stream that is gone is not brought back.
-# KEYS: events, meta. ARGV: max_events, ttl, ended (0/1), then seq, data pairs.
+# Appends for many streams in one call, each atomic in Redis: events the log has are skipped (a
+# retried append), an append that would leave a hole is refused whole (-3), and a stream gone
+# is not brought back (-2); else the stream's last sequence number now.
+# KEYS: per stream, its events then its meta. ARGV: max_events, ttl, then per stream: its
+# number of events, ended (0/1), then seq, data pairs (consecutive sequence numbers).
 _APPEND_LUA = """
-local last = redis.call('HGET', KEYS[2], 'last')
-if not last then return -2 end
-last = tonumber(last)
-local n = #ARGV
-for i = 4, n, 2 do
-  local seq = tonumber(ARGV[i])
-  if seq == last + 1 then
-    if ARGV[3] == '1' and i == n - 1 then
-      redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], '0-' .. (seq + 1), 'd', ARGV[i + 1], 'e', '1')
+local maxlen, ttl = ARGV[1], ARGV[2]
+local out = {}
+local a = 3
+for k = 1, #KEYS, 2 do
+  local n, ended = tonumber(ARGV[a]), ARGV[a + 1] == '1'
+  local first = a + 2
+  a = first + 2 * n
+  local last = redis.call('HGET', KEYS[k + 1], 'last')
+  if not last then
+    out[#out + 1] = -2
+  else
+    last = tonumber(last)
+    local i = first
+    while i < a and tonumber(ARGV[i]) <= last do i = i + 2 end
+    if i < a and tonumber(ARGV[i]) ~= last + 1 then
+      out[#out + 1] = -3
     else
-      redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], '0-' .. (seq + 1), 'd', ARGV[i + 1])
+      for j = i, a - 1, 2 do
+        local seq = tonumber(ARGV[j])
+        if ended and j == a - 2 then
+          redis.call('XADD', KEYS[k], 'MAXLEN', maxlen, '0-' .. (seq + 1), 'd', ARGV[j + 1], 'e', '1')
+        else
+          redis.call('XADD', KEYS[k], 'MAXLEN', maxlen, '0-' .. (seq + 1), 'd', ARGV[j + 1])
+        end
+        last = seq
+      end
+      if ended then
+        redis.call('HSET', KEYS[k + 1], 'last', last, 'ended', 1)
+      else
+        redis.call('HSET', KEYS[k + 1], 'last', last)
+      end
+      redis.call('EXPIRE', KEYS[k], ttl)
+      redis.call('EXPIRE', KEYS[k + 1], ttl)
+      out[#out + 1] = last
     end
-    last = seq
-  elseif seq > last + 1 then
-    return -3
   end
 end
-if ARGV[3] == '1' then
-  redis.call('HSET', KEYS[2], 'last', last, 'ended', 1)
-else
-  redis.call('HSET', KEYS[2], 'last', last)
-end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return last
+return out
 """
 
 
@@ -286,6 +315,16 @@ class SqlEventLog:
     def __init__(self, store: GatewayStore, bounds: LogBounds):
         self._store = store
         self.bounds = bounds
+        # Streams by id with the last sequence number their events hold (None: no event yet;
+        # trimming keeps the newest, so the highest is always there): the primary key's index
+        # answers it, and no write per flush has to keep a copy up to date.
+        m, t = _meta_table, _events_table
+        last_seq = (
+            sa.select(sa.func.max(t.c.seq)).where(t.c.stream_id == m.c.id).scalar_subquery().label("last_seq")
+        )
+        self._lasts = sa.select(m.c.id, m.c.tenant, m.c.ended, m.c.expires_at, m.c.reader_at, last_seq).where(
+            m.c.id.in_(sa.bindparam("ids", expanding=True))
+        )
 
     async def start(self) -> None:
         await self._store.create_tables(_metadata)
@@ -313,8 +352,8 @@ class SqlEventLog:
                 conn.execute(_meta_table.delete().where(_meta_table.c.id.in_(gone)))
             conn.execute(
                 _meta_table.insert().values(
-                    id=stream_id, tenant=tenant, created_at=now, expires_at=now + self.bounds.retention_s,
-                    ended=False, last=-1, reader_at=now,
+                    id=stream_id, tenant=tenant, created_at=now, ended=False, last=-1, reader_at=now,
+                    expires_at=now + self.bounds.retention_s * 1.1,
                 )
             )  # fmt: skip
 
@@ -327,24 +366,26 @@ class SqlEventLog:
         return await self._store.run(self._append_many_sync, appends)
 
     def _append_many_sync(self, appends: list[Append]) -> list[int]:
-        """One transaction for every stream's new events: all of them or none."""
+        """One transaction for every stream's new events: all of them or none. Per flush the
+        work is one select and one insert: a stream's row is written only when it ends, when its
+        expiry needs pushing (at most every tenth of the retention) and when it is trimmed."""
         meta, t = _meta_table, _events_table
-        expires = time.time() + self.bounds.retention_s
+        now = time.time()
+        retention = self.bounds.retention_s
         with self._store.engine.begin() as conn:
-            ids = list({a.stream_id for a in appends})
-            lasts = {
-                r.id: int(r.last)
-                for r in conn.execute(sa.select(meta.c.id, meta.c.last).where(meta.c.id.in_(ids)))
+            found = {
+                r.id: (-1 if r.last_seq is None else int(r.last_seq), r.expires_at)
+                for r in conn.execute(self._lasts, {"ids": list({a.stream_id for a in appends})})
             }
             rows: list[dict[str, Any]] = []
             updates: list[dict[str, Any]] = []
             trims: list[dict[str, Any]] = []
             out: list[int] = []
             for a in appends:
-                last = lasts.get(a.stream_id)
-                if last is None:
+                if a.stream_id not in found:
                     out.append(GONE)
                     continue
+                last, expires_at = found[a.stream_id]
                 new = [(seq, data) for seq, data in a.events if seq > last]
                 if new and new[0][0] != last + 1:
                     out.append(HOLE)
@@ -355,9 +396,15 @@ class SqlEventLog:
                     for i, (seq, data) in enumerate(new)
                 )
                 last = new[-1][0] if new else last
-                lasts[a.stream_id] = last
-                updates.append({"b_id": a.stream_id, "b_last": last, "b_ended": a.ended, "b_exp": expires})
-                if last >= self.bounds.max_events:
+                found[a.stream_id] = (last, expires_at)
+                if a.ended or expires_at < now + retention:
+                    # Kept at least `retention` after its last event, at most a tenth longer.
+                    expires_at = now + retention * 1.1
+                    found[a.stream_id] = (last, expires_at)
+                    updates.append(
+                        {"b_id": a.stream_id, "b_last": last, "b_ended": a.ended, "b_exp": expires_at}
+                    )
+                if new and last >= self.bounds.max_events:
                     trims.append({"b_id": a.stream_id, "b_below": last - self.bounds.max_events})
                 out.append(last)
             if rows:
@@ -384,11 +431,14 @@ class SqlEventLog:
 
     def _info_sync(self, stream_id: str) -> StreamInfo | None:
         with self._store.engine.connect() as conn:
-            row = conn.execute(sa.select(_meta_table).where(_meta_table.c.id == stream_id)).first()
+            row = conn.execute(self._lasts, {"ids": [stream_id]}).first()
         if row is None or row.expires_at < time.time():
             return None
         return StreamInfo(
-            tenant=row.tenant, ended=bool(row.ended), last=int(row.last), reader_at=row.reader_at
+            tenant=row.tenant,
+            ended=bool(row.ended),
+            last=-1 if row.last_seq is None else int(row.last_seq),
+            reader_at=row.reader_at,
         )
 
     async def read(self, stream_id: str, after: int, wait_s: float) -> list[tuple[int, bytes, bool]]:
