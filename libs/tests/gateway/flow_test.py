@@ -314,14 +314,34 @@ def test_a_probe_goes_when_nothing_ends():
 
 
 def test_a_held_request_waits_for_an_ending_request_or_a_probe_never_its_own_room():
-    # A request held because the backends' gauges read full did not ask them: with nothing of
-    # ours in flight the window (never below one) has room for it at once, and taking that room
-    # would loop without a wait. It goes when a request of ours ends, or with the next probe.
+    # A request held because the backends' gauges read full did not ask them, and a lone request
+    # pushed back has nothing of ours in flight whose end would make room: the window (never
+    # below one) has room for either at once, and taking that room would loop without a wait
+    # (~20,000 tries in 30 s against a backend that keeps pushing back). Each goes when a request
+    # of ours ends, or with the next probe.
     async def run() -> None:
         plain = FlowController(FlowConfig(retry_interval_s=3600))
         bounced = await plain.acquire(M, "t", FG, _far())
-        await asyncio.wait_for(bounced.requeue(), 5)  # a push-back's requeue: granted at once
+        again = asyncio.create_task(bounced.requeue())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not again.done() and plain.depth(M) == 1 and plain.in_flight(M) == 0
+        again.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await again
+        assert plain.depth(M) == 0
+
+        probing = FlowController(FlowConfig(retry_interval_s=0.05))
+        bounced = await probing.acquire(M, "t", FG, _far())
+        await asyncio.wait_for(bounced.requeue(), 5)  # the probe sends it again
         assert bounced.granted
+        bounced.release()
+
+        pinned = FlowController(FlowConfig(retry_interval_s=0.05))
+        pinned.set_window(M, 1)  # no probes on a pinned window: one later turn within it
+        bounced = await pinned.acquire(M, "t", FG, _far())
+        await asyncio.wait_for(bounced.requeue(), 5)
+        assert bounced.granted and pinned.in_flight(M) == 1
         bounced.release()
 
         flow = FlowController(FlowConfig(retry_interval_s=3600))

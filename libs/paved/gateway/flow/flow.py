@@ -158,11 +158,16 @@ class Slot:
 
         `hold`: the backends were not asked (their gauges say they are full), so nothing that
         could make room has happened: the turn comes with a request ending or the next probe,
-        never at once (the window's room would hand it straight back, a loop without a wait)."""
+        never at once (the window's room would hand it straight back, a loop without a wait).
+        The same holds for a push-back with nothing else of ours in flight."""
         if self._state is not _State.GRANTED:
             raise RuntimeError("requeue of a slot that is not granted")
         self._flow._pushed_back(self)
-        await self._flow._join(self, front=True, pump=not hold)
+        # With nothing else of ours in flight no ending request will make room, and the window
+        # (never below one) would hand the turn straight back: a lone request against backends
+        # that keep pushing back would retry in a tight loop. It waits for the next probe.
+        alone = self._q.active == 0
+        await self._flow._join(self, front=True, pump=not hold and not alone)
 
     def release(self, *, completed: bool = False) -> None:
         """Leave the model's in-flight count (idempotent). `completed`: a backend answered (not
@@ -354,6 +359,9 @@ class FlowController:
         self._enqueue(q, slot, now, front=front)
         if pump:
             self._pump(q)
+        elif q.pinned is not None:
+            # A pinned window has no probes; one later turn, within the pinned room.
+            asyncio.get_running_loop().call_later(self.config.retry_interval_s, self._pump, q)
         else:
             self._arm(q)
         try:
