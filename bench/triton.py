@@ -1,6 +1,7 @@
 """paved's KServe server against the real Triton Inference Server on one model repository.
 
     tools/bazel run //bench:triton -- [--requests N] [--repeats R] [--quick] [--json]
+                                      [--baseline-src DIR]
 
 Triton: nvidia-pytriton's `tritonserver` 2.51 with its Python backend, from .venv-triton
 (libs/tests/kserve/triton_server.py). paved: `paved.kserve.main --model-repository`, a process.
@@ -27,7 +28,10 @@ Keys (python model `batched` unless named):
   p99_ratio_vs_triton_c1                         paved p99 / Triton p99 at c1 (goal <= 1.0)
   throughput_ratio_vs_triton_c32_xgboost_python  xgb_python on both
   throughput_ratio_vs_triton_c32_xgboost_native  paved's xgb_native / Triton's xgb_python
-With --json the last stdout line is one JSON object.
+  p50_ratio_vs_triton_c1                         paved p50 / Triton p50 at c1 (steadier than p99)
+With --baseline-src DIR (another paved tree, e.g. `git archive OLD libs/paved | tar -x -C DIR`)
+that tree's server runs beside paved's in the same run, and its ratios are reported under
+"baseline". With --json the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
