@@ -262,6 +262,7 @@ def test_bounds_per_tenant_per_stream_and_retention(db_url):
         with a.store.engine.begin() as conn:
             conn.execute(sa.text("UPDATE gateway_streams SET expires_at = 0 WHERE id = 't3'"))
         assert await b.log.info("t3") is None
+        b.log.sweep_interval_s = 0
         await b.log.open("t4", "other")
         with a.store.engine.connect() as conn:
             left = conn.execute(sa.text("SELECT count(*) FROM gateway_stream_events WHERE stream_id = 't3'"))
