@@ -41,6 +41,7 @@ from prometheus_client import Metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from paved.constraints.lru import LockedLRU
 from paved.engine.protocol import (
     ChatPrompt,
     ChoiceDelta,
@@ -147,9 +148,22 @@ def _inband_error(response: service_pb2.ModelStreamInferResponse, target: str) -
 
 # xgrammar's C++ errors start with "[HH:MM:SS] /path/file.cc:LINE: ": not the user's business.
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Outcomes of the parse by (kind, canonical JSON of the spec): "" = it parses. Requests repeat
+# their specs; a parse of a large schema costs more than this key.
+_PARSED: LockedLRU[tuple[str, str], str] = LockedLRU(256)
 
 
 def _xgrammar_refusal(constraint: Constraint) -> str | None:
+    """`_parse_refusal`, memoized."""
+    key = (constraint.kind, json.dumps(constraint.value, sort_keys=True))
+    outcome = _PARSED.get(key)
+    if outcome is None:
+        outcome = _parse_refusal(constraint) or ""
+        _PARSED.put(key, outcome)
+    return outcome or None
+
+
+def _parse_refusal(constraint: Constraint) -> str | None:
     """Why xgrammar cannot parse `constraint`, or None (it parses, or xgrammar is not installed
     here and the remote alone decides). Blocking: the first call imports xgrammar (~3 s).
 
