@@ -6,8 +6,9 @@ SqlEventLog and LiveStreams): append and replay from N, a follower on the other 
 until the final event, a resume past the end gets the final event again, a local reader gets
 an event only once the log holds it, the per-tenant cap, the per-stream bound (StreamTrimmed,
 never a gap), retention (an expired stream is gone and swept), appends that are retried,
-that would leave a hole or that reach a stream gone; a log that fails costs the stream its
-resumability, not its delivery. The Redis log's append (a Lua script) keeps the same contract.
+that would leave a hole or that reach a stream gone; one failed flush is retried (the stream
+stays resumable), a log that keeps failing costs the stream its resumability, not its
+delivery. The Redis log's append (a Lua script) keeps the same contract.
 
 With processes: two gateway mains sharing the database and no Redis, in front of a paved
 frontend on the simulated engine: a chat stream cut mid-way on one and resumed with
@@ -123,18 +124,20 @@ def test_append_replay_follow_live_from_the_other_replica_and_resume_past_the_en
 
 
 class _GatedLog:
-    """A log whose appends wait for `gate` (and say when one is waiting), or fail."""
+    """A log whose appends wait for `gate` (and say when one is waiting); the first `failures`
+    of them fail."""
 
-    def __init__(self, inner: ev.SqlEventLog, fail: bool = False):
+    def __init__(self, inner: ev.SqlEventLog, failures: int = 0):
         self.inner = inner
-        self.fail = fail
+        self.failures = failures
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
 
     async def append_many(self, appends: list[ev.Append]) -> list[int]:
         self.entered.set()
         await self.gate.wait()
-        if self.fail:
+        if self.failures > 0:
+            self.failures -= 1
             raise OSError("the database went away")
         return await self.inner.append_many(appends)
 
@@ -170,7 +173,7 @@ def test_a_local_reader_gets_an_event_only_once_the_log_holds_it(db_url):
 def test_a_failing_log_costs_resumability_not_the_stream(db_url):
     async def go():
         a, b = await _replicas(db_url)
-        failing = _GatedLog(a.log, fail=True)
+        failing = _GatedLog(a.log, failures=1_000_000)
         failing.gate.set()
         streams = ev.LiveStreams(failing, flush_interval_s=0.002)  # type: ignore[arg-type]
         live = await streams.create("s3", "acme")
@@ -182,6 +185,25 @@ def test_a_failing_log_costs_resumability_not_the_stream(db_url):
         assert _ids(await reader) == [0, 1, 2, 3, 4]
         # Elsewhere the stream is gone (a clear 404), never resumable with a hole in it.
         assert await b.log.info("s3") is None
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_one_failed_flush_is_retried_and_the_stream_stays_resumable(db_url):
+    async def go():
+        a, b = await _replicas(db_url)
+        flaky = _GatedLog(a.log, failures=1)
+        flaky.gate.set()
+        streams = ev.LiveStreams(flaky, flush_interval_s=0.002)  # type: ignore[arg-type]
+        live = await streams.create("s5", "acme")
+        for seq in range(3):
+            streams.push(live, _event(seq))
+        streams.push(live, _event(3, "[DONE]"), end=True)
+        await streams.flushed(live)
+        assert flaky.failures == 0 and not live.unlogged
+        assert _ids(await _collect(b.streams.follow("s5", 0))) == [1, 2, 3]
         await a.close()
         await b.close()
 

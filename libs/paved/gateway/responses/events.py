@@ -609,11 +609,18 @@ class LiveStreams:
             events = [(seq, live.events[seq]) for seq in range(live.logged, upto)]
             streams.append(live)
             appends.append(Append(live.id, events, live.ended and upto == len(live.events)))
-        try:
-            results = await self.log.append_many(appends)
-        except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the stream
-            logger.warning("could not write %d streams to the event log: %s", len(streams), e)
-            results = [HOLE] * len(streams)
+        for attempt in range(2):
+            try:
+                results = await self.log.append_many(appends)
+                break
+            except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the stream
+                if attempt == 0:
+                    # Once more (appends are idempotent): one slow reply should not cost every
+                    # stream of the flush its resumability.
+                    await asyncio.sleep(self.flush_interval_s)
+                    continue
+                logger.warning("could not write %d streams to the event log: %s", len(streams), e)
+                results = [HOLE] * len(streams)
         lost: list[LiveStream] = []
         for live, result in zip(streams, results, strict=True):
             if result >= 0:
