@@ -206,3 +206,22 @@ def test_the_s3_store_deletes_a_prefix_and_reports_failures_as_unavailable(world
             await asyncio.to_thread(nowhere.open_read, "k")
 
     asyncio.run(go())
+
+
+def test_a_delete_that_s3_fails_keeps_the_file_for_a_retry(world, tmp_path):
+    """The object goes first: with S3 down the delete is a 503 and the file is still listed, so
+    the client's retry can finish it (row first would orphan the object behind a 'deleted')."""
+    moto = MotoServer(str(tmp_path / "moto2.log"))
+    moto.start()
+    try:
+        moto.client().create_bucket(Bucket=BUCKET)
+        gw = world["gateway"](*_s3_args(moto.endpoint))
+        gw.tenant("del", models=["tiny"])
+        client = _client(gw, gw.key("del"))
+        f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(2, "del"))), purpose="batch")
+    finally:
+        moto.stop()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.files.delete(f.id)
+    assert err.value.status_code == 503 and err.value.response.headers.get("retry-after"), err.value
+    assert client.files.retrieve(f.id).id == f.id

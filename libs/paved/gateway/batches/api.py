@@ -171,8 +171,12 @@ class BatchesAPI:
 
     async def delete_file(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
-        row = await self.store.delete_file(principal.tenant.name, request.path_params["file_id"])
+        tenant, file_id = principal.tenant.name, request.path_params["file_id"]
+        row = await self.store.get_file(tenant, file_id)
+        # The object first: a store that fails leaves the row, so the client's retry (the delete
+        # of a missing object succeeds) finishes it; the other order orphaned the object.
         await self.objects.delete(row["object_key"])
+        await self.store.delete_file(tenant, file_id)
         return JSONResponse({"id": row["id"], "object": "file", "deleted": True})
 
     async def content(self, request: Request) -> Response:
