@@ -270,6 +270,11 @@ def test_bounds_per_tenant_per_stream_and_retention(db_url):
         assert await b.log.info("t1") is None
         assert await b.log.info("t2") is not None and await b.log.info("t3") is not None
         assert await b.log.info("o1") is not None
+        # Opened at once (they share a transaction): the cap holds all the same.
+        burst = [f"burst{i}" for i in range(5)]
+        await asyncio.gather(*(a.log.open(sid, "burst") for sid in burst))
+        kept = [sid for sid in burst if await b.log.info(sid) is not None]
+        assert len(kept) == 2
 
         # At most max_events per stream: a resume point older than that is StreamTrimmed.
         await a.log.append("t3", [(seq, _event(seq)) for seq in range(12)], True)

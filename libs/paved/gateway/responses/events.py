@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -343,7 +344,7 @@ class SqlEventLog:
             sa.select(m.c.id)
             .where(m.c.tenant == sa.bindparam("tenant"), m.c.expires_at >= now)
             .order_by(m.c.created_at.desc())
-            .offset(bounds.max_streams_per_tenant - 1)
+            .offset(sa.bindparam("keep"))
         )
         gone: sa.BindParameter[list[str]] = sa.bindparam("gone", expanding=True)
         self._drop_events = t.delete().where(t.c.stream_id.in_(gone))
@@ -353,29 +354,62 @@ class SqlEventLog:
         # never sees one (info() checks the expiry), so the sweep only bounds the storage.
         self.sweep_interval_s = min(60.0, bounds.retention_s / 10)
         self._swept_at = -math.inf
+        # Opens waiting for the next transaction (the ones arriving together share one).
+        self._opening: list[tuple[str, str, asyncio.Future[None]]] = []
+        self._opener: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self._store.create_tables(_metadata)
 
     async def open(self, stream_id: str, tenant: str) -> None:
-        await self._store.run(self._open_sync, stream_id, tenant)
+        """Returns once the stream is in the database (and its tenant within the cap). Opens
+        that arrive while another transaction runs share the next one: a burst of new streams
+        costs a few transactions, not one each."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._opening.append((stream_id, tenant, done))
+        if self._opener is None or self._opener.done():
+            self._opener = asyncio.create_task(self._open_batches())
+        await done
 
-    def _open_sync(self, stream_id: str, tenant: str) -> None:
+    async def _open_batches(self) -> None:
+        while self._opening:
+            # At most the cap per transaction, so each tenant's cap holds within one.
+            batch = self._opening[: self.bounds.max_streams_per_tenant]
+            del self._opening[: len(batch)]
+            try:
+                await self._store.run(self._open_sync, [(sid, tenant) for sid, tenant, _ in batch])
+            except Exception as e:  # noqa: BLE001 - every waiter gets it (a 503), the opener goes on
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_exception(e)
+            else:
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+
+    def _open_sync(self, streams: list[tuple[str, str]]) -> None:
         now = time.time()
         with self._store.engine.begin() as conn:
-            gone = [r[0] for r in conn.execute(self._overflow, {"tenant": tenant, "now": now})]
+            gone: list[str] = []
+            for tenant, n in collections.Counter(tenant for _, tenant in streams).items():
+                keep = self.bounds.max_streams_per_tenant - n
+                gone += [
+                    r[0] for r in conn.execute(self._overflow, {"tenant": tenant, "now": now, "keep": keep})
+                ]
             if time.monotonic() - self._swept_at >= self.sweep_interval_s:
                 self._swept_at = time.monotonic()
                 gone += [r[0] for r in conn.execute(self._expired, {"now": now})]
             if gone:
                 conn.execute(self._drop_events, {"gone": gone})
                 conn.execute(self._drop_streams, {"gone": gone})
+            expires = now + self.bounds.retention_s * 1.1
             conn.execute(
                 self._insert_stream,
-                {
-                    "id": stream_id, "tenant": tenant, "created_at": now, "ended": False, "last": -1,
-                    "reader_at": now, "expires_at": now + self.bounds.retention_s * 1.1,
-                },
+                [
+                    {"id": sid, "tenant": tenant, "created_at": now, "ended": False, "last": -1,
+                     "reader_at": now, "expires_at": expires}
+                    for sid, tenant in streams
+                ],
             )  # fmt: skip
 
     async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
