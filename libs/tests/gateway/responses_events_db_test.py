@@ -231,7 +231,7 @@ def test_appends_retried_with_a_hole_or_to_a_stream_gone(db_url):
     asyncio.run(go())
 
 
-def test_the_redis_log_appends_under_the_same_contract():
+def test_the_redis_log_appends_under_the_same_contract(monkeypatch):
     async def go(url: str):
         log = ev.RedisEventLog(url, ev.LogBounds(max_events=5, retention_s=60))
         await log.open("r1", "acme")
@@ -253,6 +253,18 @@ def test_the_redis_log_appends_under_the_same_contract():
         await log.delete("r1")
         assert await log.append("r1", [(9, _event(9))], False) == ev.GONE
         assert await log.info("r1") is None and await log.read("r1", -1, 0) == []
+
+        # A flush larger than one script call holds is split over several, in order.
+        monkeypatch.setattr(ev, "_STREAMS_PER_CALL", 2)
+        monkeypatch.setattr(ev, "_EVENTS_PER_CALL", 3)
+        sizes = {"m0": 1, "m1": 4, "m2": 2, "m3": 1, "m4": 3}
+        for sid in sizes:
+            await log.open(sid, "acme")
+        appends = [ev.Append(sid, [(seq, _event(seq)) for seq in range(n)], True) for sid, n in sizes.items()]
+        assert await log.append_many(appends) == [n - 1 for n in sizes.values()]
+        for sid, n in sizes.items():
+            rows = await log.read(sid, -1, 0)
+            assert [(seq, final) for seq, _, final in rows] == [(seq, seq == n - 1) for seq in range(n)]
         await log.close()
 
     with redis_server() as url:

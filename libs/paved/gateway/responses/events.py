@@ -51,8 +51,10 @@ _BATCH = 512
 # 13 us of CPU per event at one event per stream and flush, 5 us at five, SQLite).
 FLUSH_INTERVAL_S = 0.01
 DB_FLUSH_INTERVAL_S = 0.025
-# Streams per Redis script call (a call blocks Redis while it runs: kept short).
+# A Redis script call holds at most this many streams and, unless one stream alone has more,
+# this many events (a call blocks Redis while it runs, and Redis bounds a command's arguments).
 _STREAMS_PER_CALL = 256
+_EVENTS_PER_CALL = 20_000
 
 # Per stream in an append: the sequence number the log now ends at, or one of these.
 GONE = -2  # the stream is no longer in the log (deleted, evicted by the tenant's cap, expired)
@@ -179,13 +181,23 @@ class RedisEventLog:
 
     async def _append_many(self, appends: list[Append]) -> list[int]:
         ttl = int(self.bounds.retention_s) + 1
+        # A few script calls, not a command per event: the per-command cost (client and server)
+        # was most of an append's.
+        calls: list[list[Append]] = [[]]
+        events = 0
+        for a in appends:
+            if calls[-1] and (
+                len(calls[-1]) == _STREAMS_PER_CALL or events + len(a.events) > _EVENTS_PER_CALL
+            ):
+                calls.append([])
+                events = 0
+            calls[-1].append(a)
+            events += len(a.events)
         async with self._redis.pipeline(transaction=False) as p:
-            # One script call per _STREAMS_PER_CALL streams, not one command per event: the
-            # per-command cost (client and server) is most of an append's.
-            for start in range(0, len(appends), _STREAMS_PER_CALL):
+            for call in calls:
                 keys: list[str] = []
                 args: list[Any] = [self.bounds.max_events, ttl]
-                for a in appends[start : start + _STREAMS_PER_CALL]:
+                for a in call:
                     keys.append(f"pvd:es:{a.stream_id}")
                     keys.append(f"pvd:em:{a.stream_id}")
                     args.append(len(a.events))
