@@ -193,7 +193,8 @@ def test_background_polling_cancel_and_cross_tenant(fleet):
         with pytest.raises(openai.NotFoundError):
             call()
     # Cancelled from the other replica while it generates.
-    long = client.responses.create(model=MODEL, input="Long", max_output_tokens=1500, background=True)
+    # "Essay" (144 tokens, 1.4 s on this engine), not a short answer the polling could miss.
+    long = client.responses.create(model=MODEL, input="Essay", max_output_tokens=1500, background=True)
     assert _wait_status(client, long.id, {"in_progress"}).status == "in_progress"
     cancelled = _client(b, fleet["keys"]["acme"]).responses.cancel(long.id)
     assert cancelled.status == "cancelled"
