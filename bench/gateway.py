@@ -45,9 +45,13 @@ users sending chat requests whose system message is one of `--prefix-prompts` (1
 (~490 tokens each), chosen at random, with a short distinct user message, streaming 4 tokens,
 `--prefix-concurrency` (32) closed-loop clients. One instance's cache holds
 `--prefix-cache-fraction` (0.6) of all prompts' blocks plus a block per request it runs: the
-prompts are ~1.7x one instance's cache and ~0.85x both. Each strategy gets its own fresh prompt
-set (the caches persist between runs; stale blocks are just evicted), a warm-up pass, then the
-measured requests, the same sequence of prompt indices and user messages for both;
+prompts are ~1.7x one instance's cache and ~0.85x both. After an unmeasured pass over both
+engines, `--prefix-rounds` (2) rounds each run both strategies, which goes first alternating,
+pooled per strategy, so that no strategy always meets the engines in the same state. Each run
+gets its own fresh prompt set (the caches persist between runs; stale blocks are just evicted),
+a warm-up pass, then the measured requests, the same sequence of prompt indices and user
+messages for all. The clients are closed-loop: a strategy that serves faster also sends faster,
+so its admission latency (the first SSE event, below) is measured at a higher request rate;
 reported: vLLM's prefix-cache hit rate over the measured requests
 (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` deltas, summed over both instances'
 /metrics), TTFT p50/p99 and the split between the instances. `prefix_hit_ratio_vs_round_robin`
@@ -773,6 +777,9 @@ async def measure_strategy(
         per_instance.append(round(h / q, 4) if q > 0 else None)
     return {
         "per_instance": per_instance,
+        "hits": hits,
+        "queries": queries,
+        "samples": ttfts,
         "hit_rate": hits / queries,
         "queried_tokens": queries,
         "ttft_p50": _percentile([t[0] for t in ttfts], 50),
@@ -816,25 +823,57 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> tuple[dict, list[str]
             url = proc.wait_url(600)
             asyncio.run(proc.wait_http(url + "/health/ready", 600))
             frontends.append(url)
-        for n, strategy in enumerate(("prefix_affinity", "weighted")):
-            backends = [{"url": u, "version": "v1", "weight": 1} for u in frontends]
-            routes = {"models": [{"alias": MODEL, "strategy": strategy, "backends": backends}]}
-            with contextlib.ExitStack() as gw_stack:
-                _, url, key = start_gateway(gw_stack, workdir, routes, cpu=None, tag=strategy)
-                prompts = _system_prompts(words, args.prefix_prompts, seed=100 + n)
-                t0 = time.perf_counter()
-                # The same request sequence (prompt index, user message) for both strategies;
-                # only the prompts' texts differ, so neither run reuses the other's blocks.
-                results[strategy] = uvloop.run(
-                    measure_strategy(Target(strategy, url, key), frontends, prompts, args, 0)
+        # Rounds alternate which strategy goes first (A B, then B A, ...), after a warm-up of the
+        # engines: with affinity always first its first SSE event's p50 ratio was 1.18-1.90, and
+        # 0.35 in one run with it second; single runs of one strategy vary 2x. Samples and
+        # counters are pooled per strategy.
+        runs: dict[str, list[dict]] = {"prefix_affinity": [], "weighted": []}
+        order = ("prefix_affinity", "weighted")
+        # An unmeasured pass over both engines first: no measured run meets them fresh.
+        backends = [{"url": u, "version": "v1", "weight": 1} for u in frontends]
+        routes = {"models": [{"alias": MODEL, "strategy": "weighted", "backends": backends}]}
+        with contextlib.ExitStack() as gw_stack:
+            _, url, key = start_gateway(gw_stack, workdir, routes, cpu=None, tag="engine-warmup")
+            warm = _system_prompts(words, args.prefix_prompts, seed=99)
+            uvloop.run(
+                prefix_workload(
+                    Target("warmup", url, key), warm, 3 * args.prefix_warmup, 999, args.prefix_concurrency
                 )
-                r = results[strategy]
-                print(
-                    f"  {strategy:16s} hit rate {r['hit_rate']:.3f}  ttft p50 {r['ttft_p50'] * 1e3:.1f} ms  "
-                    f"split {r['split']}  ({time.perf_counter() - t0:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            )
+        for r in range(args.prefix_rounds):
+            for strategy in order if r % 2 == 0 else order[::-1]:
+                n = len(runs["prefix_affinity"]) + len(runs["weighted"])
+                backends = [{"url": u, "version": "v1", "weight": 1} for u in frontends]
+                routes = {"models": [{"alias": MODEL, "strategy": strategy, "backends": backends}]}
+                with contextlib.ExitStack() as gw_stack:
+                    _, url, key = start_gateway(gw_stack, workdir, routes, cpu=None, tag=f"{strategy}-{r}")
+                    # A fresh prompt set per run and the same request sequence (prompt index,
+                    # user message) for all: no run reuses another's blocks.
+                    prompts = _system_prompts(words, args.prefix_prompts, seed=100 + n)
+                    t0 = time.perf_counter()
+                    run = uvloop.run(
+                        measure_strategy(Target(strategy, url, key), frontends, prompts, args, 0)
+                    )
+                    runs[strategy].append(run)
+                    print(
+                        f"  round {r + 1} {strategy:16s} hit rate {run['hit_rate']:.3f}  ttft p50 "
+                        f"{run['ttft_p50'] * 1e3:.1f} ms  split {run['split']}  "
+                        f"({time.perf_counter() - t0:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        for strategy, done in runs.items():
+            samples = [t for run in done for t in run["samples"]]
+            queries = sum(run["queries"] for run in done)
+            results[strategy] = {
+                "hit_rate": sum(run["hits"] for run in done) / queries,
+                "ttft_p50": _percentile([t[0] for t in samples], 50),
+                "ttft_p99": _percentile([t[0] for t in samples], 99),
+                "token_p50": _percentile([t[1] for t in samples], 50),
+                "token_p99": _percentile([t[1] for t in samples], 99),
+                "split": [sum(x) for x in zip(*(run["split"] for run in done), strict=True)],
+                "per_instance": [run["per_instance"] for run in done],
+            }
     a, w = results["prefix_affinity"], results["weighted"]
     out: dict[str, float | int | str | list] = {
         "prefix_hit_ratio_vs_round_robin": round(a["hit_rate"] / w["hit_rate"], 4)
@@ -863,6 +902,7 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> tuple[dict, list[str]
         "prefix_block_size": PREFIX_BLOCK,
         "prefix_prompts": args.prefix_prompts,
         "prefix_requests": args.prefix_requests,
+        "prefix_rounds": args.prefix_rounds,
     }
     lines = [
         f"prefix affinity vs weighted (round robin), 2 tiny-model frontends x {blocks} KV blocks of "
@@ -910,9 +950,22 @@ def main() -> int:
     parser.add_argument("--prefix-concurrency", type=int, default=32, help="closed-loop clients")
     parser.add_argument("--prefix-warmup", type=int, default=96, help="unmeasured requests per strategy")
     parser.add_argument("--prefix-requests", type=int, default=320, help="measured requests per strategy")
+    parser.add_argument(
+        "--prefix-rounds",
+        type=int,
+        default=2,
+        help="prefix rounds; each runs both strategies, the order alternating (pooled)",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
-    for name in ("rounds", "requests_c1", "requests_per_worker", "prefix_prompts", "prefix_requests"):
+    for name in (
+        "rounds",
+        "requests_c1",
+        "requests_per_worker",
+        "prefix_prompts",
+        "prefix_requests",
+        "prefix_rounds",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.rps_duration_s <= 120:
