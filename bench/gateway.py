@@ -52,6 +52,8 @@ gets its own fresh prompt set (the caches persist between runs; stale blocks are
 a warm-up pass, then the measured requests, the same sequence of prompt indices and user
 messages for all. The clients are closed-loop: a strategy that serves faster also sends faster,
 so its admission latency (the first SSE event, below) is measured at a higher request rate;
+`--prefix-rate R` sends the measured requests open loop at R per second instead (the same
+offered load for both strategies);
 reported: vLLM's prefix-cache hit rate over the measured requests
 (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` deltas, summed over both instances'
 /metrics), TTFT p50/p99 and the split between the instances. `prefix_hit_ratio_vs_round_robin`
@@ -719,8 +721,11 @@ async def prefix_request(
 
 
 async def prefix_workload(
-    gateway: Target, prompts: list[str], requests: int, seed: int, concurrency: int
+    gateway: Target, prompts: list[str], requests: int, seed: int, concurrency: int, rate: float = 0.0
 ) -> list[tuple[float, float]]:
+    """`concurrency` closed-loop clients, or, with `rate` > 0, one request every 1/rate s
+    whatever the answers (open loop: both strategies meet the same offered load; at most
+    `concurrency` x 8 in flight, a bound, not a pace)."""
     rng = random.Random(seed)
     plan = [
         (rng.choice(prompts), f"User {seed}-{i}: what should I do next about item {i}?")
@@ -728,6 +733,20 @@ async def prefix_workload(
     ]
     ttfts: list[tuple[float, float]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        if rate > 0:
+            bound = asyncio.Semaphore(concurrency * 8)
+
+            async def one(system: str, user: str) -> None:
+                async with bound:
+                    ttfts.append(await prefix_request(session, gateway.url, gateway.headers, system, user))
+
+            start = time.perf_counter()
+            tasks = []
+            for i, (system, user) in enumerate(plan):
+                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(system, user)))
+            await asyncio.gather(*tasks)
+            return ttfts
 
         async def worker() -> None:
             while plan:
@@ -758,7 +777,9 @@ async def measure_strategy(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         before = [await prefix_counters(session, u) for u in frontends]
         done_before = await _split(session, frontends)
-        ttfts = await prefix_workload(gateway, prompts, args.prefix_requests, seed, args.prefix_concurrency)
+        ttfts = await prefix_workload(
+            gateway, prompts, args.prefix_requests, seed, args.prefix_concurrency, args.prefix_rate
+        )
         after = [await prefix_counters(session, u) for u in frontends]
         done_after = await _split(session, frontends)
     hits = sum(
@@ -903,6 +924,7 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> tuple[dict, list[str]
         "prefix_prompts": args.prefix_prompts,
         "prefix_requests": args.prefix_requests,
         "prefix_rounds": args.prefix_rounds,
+        "prefix_rate": args.prefix_rate,
     }
     lines = [
         f"prefix affinity vs weighted (round robin), 2 tiny-model frontends x {blocks} KV blocks of "
@@ -948,6 +970,12 @@ def main() -> int:
         help="one instance's KV cache as a fraction of all prompts' blocks",
     )
     parser.add_argument("--prefix-concurrency", type=int, default=32, help="closed-loop clients")
+    parser.add_argument(
+        "--prefix-rate",
+        type=float,
+        default=0.0,
+        help="measured requests per second, open loop (default 0: closed loop, --prefix-concurrency clients)",
+    )
     parser.add_argument("--prefix-warmup", type=int, default=96, help="unmeasured requests per strategy")
     parser.add_argument("--prefix-requests", type=int, default=320, help="measured requests per strategy")
     parser.add_argument(
@@ -968,6 +996,8 @@ def main() -> int:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.prefix_rate <= 1000:
+        parser.error("--prefix-rate must be in [0, 1000]")
     if not 0 < args.rps_duration_s <= 120:
         parser.error("--rps-duration-s must be in (0, 120]")
     if not 0.05 <= args.prefix_cache_fraction <= 2:
