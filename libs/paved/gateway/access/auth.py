@@ -55,6 +55,24 @@ def bearer_token(authorization: str | None) -> str:
     return parts[1].strip()
 
 
+def _principal(info: KeyInfo, tenant: Tenant) -> Principal:
+    return Principal(key_id=info.key_id, key_name=info.name, tenant=tenant, key_limits=info.limits)
+
+
+async def live_principal(store: GatewayStore, key_id: str, now: float) -> Principal | None:
+    """The principal of key `key_id` while it is neither revoked nor expired at `now` (UNIX
+    seconds), else None (unknown too). For work that goes on after its request, as the key that
+    started it: a batch's lines, a response another replica takes over. No secret is checked:
+    the caller holds the id from an authenticated request."""
+    found = await store.lookup(key_id)
+    if found is None:
+        return None
+    info, tenant, _ = found
+    if info.revoked_at is not None or (info.expires_at is not None and info.expires_at.timestamp() <= now):
+        return None
+    return _principal(info, tenant)
+
+
 # One cached lookup: (key info, tenant, secret hash, principal), or None for an unknown key id.
 _Record = tuple[KeyInfo, Tenant, str, Principal]
 
@@ -139,10 +157,7 @@ class Authenticator:
         record: _Record | None = None
         if found is not None:
             info, tenant, secret_hash = found
-            principal = Principal(
-                key_id=info.key_id, key_name=info.name, tenant=tenant, key_limits=info.limits
-            )
-            record = (info, tenant, secret_hash, principal)
+            record = (info, tenant, secret_hash, _principal(info, tenant))
         if self._cache_s > 0:
             self._cache[key_id] = (started + self._cache_s, record)
             self._cache.move_to_end(key_id)

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 
+from paved.gateway.access.auth import live_principal
 from paved.gateway.batches.objects import ObjectStore
 from paved.gateway.batches.store import SETTLED, BatchStore, Chunk, Lease, chunk_prefix, new_id, output_line
 from paved.gateway.errors import GatewayError
@@ -352,14 +353,7 @@ class BatchRunner:
         cached = self._principals.get(key_id)
         if cached is not None and cached[0] > now:
             return cached[1]
-        found = await self.accounts.lookup(key_id)
-        principal = None
-        if found is not None:
-            info, tenant, _ = found
-            if info.revoked_at is None and (info.expires_at is None or info.expires_at.timestamp() > now):
-                principal = Principal(
-                    key_id=info.key_id, key_name=info.name, tenant=tenant, key_limits=info.limits
-                )
+        principal = await live_principal(self.accounts, key_id, now)
         self._principals[key_id] = (now + 5.0, principal)
         return principal
 

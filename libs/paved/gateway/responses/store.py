@@ -23,6 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from paved.gateway.access.auth import live_principal
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.types import Principal
 
@@ -164,15 +165,7 @@ class ResponseStore:
     async def principal(self, key_id: str) -> Principal | None:
         """Who a takeover runs as: the key that created the response, while it is neither
         revoked nor expired (else None)."""
-        found = await self._store.lookup(key_id)
-        if found is None:
-            return None
-        info, tenant, _ = found
-        if info.revoked_at is not None or (
-            info.expires_at is not None and info.expires_at.timestamp() <= time.time()
-        ):
-            return None
-        return Principal(key_id=info.key_id, key_name=info.name, tenant=tenant, key_limits=info.limits)
+        return await live_principal(self._store, key_id, time.time())
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._store.run(self._get_sync, tenant, response_id)
