@@ -900,8 +900,11 @@ class BatchStore:
                 c.execute(lines_table.delete().where(lines_table.c.batch_id == batch_id))
                 c.execute(chunks_table.delete().where(chunks_table.c.batch_id == batch_id))
                 if file_ids:
-                    c.execute(files_table.delete().where(files_table.c.id.in_(file_ids)))
+                    # Expiry rows before file rows, in the order delete_expired_file takes them:
+                    # a replica expiring the same output file at once then waits instead of
+                    # deadlocking (PostgreSQL aborted one of the two).
                     c.execute(file_expiry_table.delete().where(file_expiry_table.c.id.in_(file_ids)))
+                    c.execute(files_table.delete().where(files_table.c.id.in_(file_ids)))
                 c.execute(batches_table.delete().where(batches_table.c.id == batch_id))
                 return True
 
