@@ -9,6 +9,8 @@ request path stubbed.
 - Retention: a finished batch past it is deleted with its rows, chunks and output / error
   files by the sweep; a younger one, or one still running, is kept. Two replicas sweeping at
   once delete each batch once, without errors. Files past their `expires_after` are swept.
+- A finalize outlasting its lease (a slow object store) renews it: another replica does not
+  take the batch over, and the files are published once.
 - The finalizer of a 50,000-line batch holds one chunk at a time (Python memory peak ~2.7 MB
   for a 20 MB output; ~38 MB when it reads every line at once).
 - The tenant token share is counted in the shared database: what one replica's batch used
@@ -32,7 +34,7 @@ from starlette.responses import JSONResponse
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.batches.objects import LocalObjectStore
 from paved.gateway.batches.runner import BatchMetrics, BatchRunner, RunnerConfig
-from paved.gateway.batches.store import BatchStore, chunks_table, files_table, lines_table
+from paved.gateway.batches.store import BatchStore, batches_table, chunks_table, files_table, lines_table
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.postgres import create_database, postgres_server
 
@@ -395,6 +397,59 @@ def test_expiring_files_are_deleted_by_the_sweep_and_outputs_expire_with_retenti
             await store.get_file("acme", done["output_file_id"])
         assert (tmp_path / "files" / "files/acme/file-kept").exists()
         await runner.stop()
+
+    asyncio.run(go())
+
+
+def test_a_finalize_outlasting_its_lease_keeps_it_and_is_not_taken_over(env):
+    """A finalizer whose assembly takes longer than the finalize lease (a slow object store)
+    renews it meanwhile: another replica's ticks, long past the lease it took, do not start the
+    same files again, and the first publishes them."""
+
+    async def go() -> None:
+        accounts, store, objects = await env()
+        clock = Clock()
+        # Finalize lease 4 * 0.3 = 1.2 s of the simulated clock, renewed every 0.1 s.
+        a = _runner(store, objects, clock, lease_s=0.3)
+        b = _runner(store, objects, clock, lease_s=0.3)
+        await _new_batch(store, "batch_slow", 30, clock.now)
+        puts: list[str] = []
+        blocked, release, renewed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        real_put, real_renew = objects.put_file, store.renew_finalize
+
+        async def put_file(key, path):
+            if not key.startswith("batches/"):  # the published file, not a chunk
+                puts.append(key)
+                blocked.set()
+                await release.wait()
+            return await real_put(key, path)
+
+        async def renew_finalize(*args):
+            ours = await real_renew(*args)
+            renewed.set()
+            return ours
+
+        objects.put_file = put_file  # type: ignore[method-assign]
+        store.renew_finalize = renew_finalize  # type: ignore[method-assign]
+        drain = asyncio.ensure_future(_drain(a, clock, "batch_slow", store))
+        await asyncio.wait_for(blocked.wait(), 60)
+        for _ in range(4):  # 4 s: past the lease a took
+            clock.now += 1.0
+            renewed.clear()
+            await asyncio.wait_for(renewed.wait(), 30)
+            await b.tick()
+            with accounts.engine.connect() as c:
+                owner = c.execute(
+                    sa.select(batches_table.c.finalize_owner).where(batches_table.c.id == "batch_slow")
+                ).scalar_one()
+            assert owner == a.owner
+        assert len(puts) == 1, puts
+        release.set()
+        done = await asyncio.wait_for(drain, 60)
+        assert done["status"] == "completed" and done["completed"] == 30
+        assert len(puts) == 1, puts
+        await a.stop()
+        await b.stop()
 
     asyncio.run(go())
 

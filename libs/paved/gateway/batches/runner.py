@@ -45,6 +45,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections import deque
@@ -540,7 +541,39 @@ class BatchRunner:
             if final is None:
                 continue
             batch = await self.store.get_batch(None, batch_id)
-            await self._write_files(batch, final)
+            # Assembling a large batch's files can outlast the finalize lease (and it holds up
+            # this tick, which renews the lines' leases): kept alive meanwhile, so another
+            # replica does not take the batch over and start the same files again, over and
+            # over for a batch whose assembly always takes longer than the lease.
+            writing = asyncio.ensure_future(self._write_files(batch, final))
+            keeper = asyncio.ensure_future(self._keep_leases_while_finalizing(batch_id))
+            try:
+                await asyncio.wait((writing, keeper), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (writing, keeper):
+                    task.cancel()
+                await asyncio.gather(writing, keeper, return_exceptions=True)
+            if not writing.cancelled() and writing.exception() is None:
+                continue
+            if writing.cancelled():
+                error = keeper.exception() if not keeper.cancelled() else None
+                logger.warning("batch %s: finalization stopped: %s", batch_id, error or "cancelled")
+                continue
+            raise writing.exception()  # type: ignore[misc]
+
+    async def _keep_leases_while_finalizing(self, batch_id: str) -> None:
+        """Renews the finalize lease (and this replica's line leases, as the tick would) every
+        `lease_s / 3`; raises once the finalize lease is no longer ours (the assembly stops:
+        its files are published only under the lease, store.finish)."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.lease_s / 3)
+            now = self.clock()
+            if not await self.store.renew_finalize(batch_id, self.owner, now + cfg.lease_s * 4):
+                raise RuntimeError(f"the finalize lease of batch {batch_id} was lost")
+            if self._tasks or self._ready:
+                await self.store.renew(self.owner, now + cfg.lease_s)
+                self._renewed = now
 
     async def _write_files(self, batch: dict[str, Any], final: str) -> None:
         """Concatenate the batch's committed chunks into its output and error files (one chunk
@@ -601,9 +634,8 @@ class BatchRunner:
                 with contextlib.suppress(Exception):
                     await self.objects.delete_prefix(chunk_prefix(batch_id))
         finally:
-            for name in os.listdir(tmpdir):
-                os.unlink(os.path.join(tmpdir, name))
-            os.rmdir(tmpdir)
+            # ignore_errors: an assembly cancelled mid-copy may still have its thread writing.
+            shutil.rmtree(tmpdir, ignore_errors=True)
 
     # -- retention -------------------------------------------------------------------------
 

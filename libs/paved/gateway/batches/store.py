@@ -655,6 +655,25 @@ class BatchStore:
 
         return await self._store.run(go)
 
+    async def renew_finalize(self, batch_id: str, owner: str, until: float) -> bool:
+        """Extend the finalize lease `owner` holds on the batch; False when it holds none (it
+        lapsed and another runner took the batch, or the batch was published)."""
+
+        def go() -> bool:
+            with self._engine.begin() as c:
+                res = c.execute(
+                    batches_table.update()
+                    .where(
+                        batches_table.c.id == batch_id,
+                        batches_table.c.finalize_owner == owner,
+                        batches_table.c.finalize_until.is_not(None),
+                    )
+                    .values(finalize_until=until)
+                )
+                return bool(res.rowcount)
+
+        return await self._store.run(go)
+
     # -- output chunks ---------------------------------------------------------------------
 
     async def unchunked(self, batch_id: str, limit: int) -> list[tuple[int, str, str]]:
