@@ -76,11 +76,19 @@ class ModelNotFoundError(EngineError):
 
 
 class EngineOverloadedError(EngineError):
-    """The engine's queue is full; retry later (HTTP 503 with Retry-After)."""
+    """The engine's queue is full; retry later (HTTP 503 with Retry-After).
 
-    def __init__(self, message: str, retry_after_s: int = 1):
+    Push-back, not failure: the frontend counts every one it answers as a 503 in
+    `paved_requests_rejected_total` by `model` (set by whoever knows it, "" otherwise) and
+    `reason` (`queue_full`: the frontend's admission; `engine_queue_full`: the engine's own
+    waiting queue; `constraint_checks`: the bound on distinct output constraints compiling),
+    which alerting subtracts from a version's errors."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, reason: str = "engine_queue_full"):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
+        self.model = ""
 
 
 class EngineUnavailableError(EngineError):

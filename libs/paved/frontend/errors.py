@@ -83,6 +83,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def _api(request: Request, exc: Exception) -> JSONResponse:
         error = to_api_error(exc)
+        if isinstance(exc, EngineOverloadedError):
+            # Every 503 overloaded, wherever raised (admission, the engine's queue, a remote
+            # engine's answer): alerting subtracts this push-back from a version's errors.
+            state = getattr(request.app.state, "paved", None)
+            if state is not None:
+                state.metrics.rejected.labels(exc.model, exc.reason).inc()
         # The catch-all runs in Starlette's server-error middleware, outside TracingMiddleware:
         # the id header is added here so that 500s carry it too.
         headers = {**(error.headers or {}), **response_headers(request)}

@@ -82,7 +82,8 @@ class FrontendMetrics:
         )
         self.rejected = Counter(
             "paved_requests_rejected",
-            "Requests refused before reaching an engine, by model and reason.",
+            "Requests answered 503 overloaded (push-back: retry later), by model and reason "
+            "(queue_full, engine_queue_full, constraint_checks).",
             ["model", "reason"],
             registry=self.registry,
         )

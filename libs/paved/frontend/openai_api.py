@@ -83,7 +83,11 @@ def _check_logprobs(card: ModelCard, count: int | None, param: str) -> None:
 
 
 async def _resolve(state: AppState, body: schemas.SamplingFields, card: ModelCard) -> structured.Resolved:
-    resolved = await structured.resolve_async(body, card)
+    try:
+        resolved = await structured.resolve_async(body, card)
+    except EngineOverloadedError as e:
+        e.model = e.model or card.id
+        raise
     if resolved.constraint is not None:
         state.metrics.constrained.labels(card.id, resolved.constraint.backend).inc()
     return resolved
@@ -111,15 +115,17 @@ async def _admit(
     """Admit and start every engine request, or none of them."""
     try:
         ticket = state.models.admit(served, weight)
-    except EngineOverloadedError:
-        state.metrics.rejected.labels(served.card.id, "queue_full").inc()
+    except EngineOverloadedError as e:
+        e.model = e.model or served.card.id
         raise
     admitted = _Admitted(ticket)
     try:
         for r in requests:
             admitted.streams.append(await served.engine.generate(r))
-    except BaseException:
+    except BaseException as e:
         await admitted.close()
+        if isinstance(e, EngineOverloadedError):
+            e.model = e.model or served.card.id
         raise
     return admitted
 

@@ -106,7 +106,8 @@ class ModelRegistry:
         if served.queued_sequences + weight > served.max_queued_sequences:
             raise EngineOverloadedError(
                 f"model {served.card.id!r} is at capacity "
-                f"({served.max_queued_sequences} sequences in flight); retry shortly"
+                f"({served.max_queued_sequences} sequences in flight); retry shortly",
+                reason="queue_full",
             )
         served.queued_sequences += weight
         return Ticket(served, weight)

@@ -176,7 +176,8 @@ async def _single_flight(plan: _Check) -> Constraint | str:
             if len(_checks) >= MAX_CHECKS:
                 raise EngineOverloadedError(
                     f"{MAX_CHECKS} distinct output constraints are already being checked (the "
-                    "admission limit on new specs); retry shortly"
+                    "admission limit on new specs); retry shortly",
+                    reason="constraint_checks",
                 )
             shared = _checks[plan.key] = Future()
             _pool.submit(_run_shared, plan, shared)

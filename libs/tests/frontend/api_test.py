@@ -703,6 +703,33 @@ def test_queue_full_is_503_with_retry_after(server, engine):
         time.sleep(0.02)
 
 
+def test_every_overloaded_503_is_counted_as_push_back(server, engine):
+    """The engine's own full queue (not only the frontend's admission) is a 503 overloaded
+    counted by reason: alerting subtracts these from a version's errors; a 503 unavailable
+    (a stopped engine) is an error and is not counted."""
+    from paved.engine.protocol import EngineOverloadedError, EngineUnavailableError
+
+    def count(reason: str) -> float:
+        for line in httpx.get(server + "/metrics").text.splitlines():
+            if line.startswith(f'paved_requests_rejected_total{{model="fake",reason="{reason}"}}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = count("engine_queue_full")
+    try:
+        engine.admission_error = EngineOverloadedError("the waiting queue is full")
+        for _ in range(2):
+            response = post(server, "/v1/chat/completions", CHAT)
+            assert_error(response, 503, "waiting queue")
+            assert response.json()["error"]["code"] == "overloaded" and response.headers["retry-after"] == "1"
+        assert count("engine_queue_full") == before + 2
+        engine.admission_error = EngineUnavailableError("engine has stopped")
+        assert_error(post(server, "/v1/chat/completions", CHAT), 503, "stopped")
+        assert count("engine_queue_full") == before + 2
+    finally:
+        engine.admission_error = None
+
+
 @pytest.mark.parametrize(
     ("route", "stream"),
     [
