@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -172,8 +173,35 @@ async def _wait_ready(url: str, models: list[str], timeout_s: float) -> None:
         await client.close()
 
 
-def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.Namespace) -> dict:
-    """{(server, model): {p50_us_c1, p99_us_c1, rps_c32, p99_ms_c32}} with runs interleaved."""
+def _group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) the live processes of process group `pgid` have used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # The command name (field 2) may hold spaces: the fields after it are split.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def _self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(
+    urls: dict[str, str], pgids: dict[str, int], x: np.ndarray, expected: dict, args: argparse.Namespace
+) -> dict:
+    """{(server, model): {p50_us_c1, p99_us_c1, rps_c32, p99_ms_c32, server_cpu_us_c32,
+    client_cpu_us_c32}} with runs interleaved; the CPU figures are per request, the server's
+    process group (workers and stubs included) and this process (the load generator)."""
     paveds = [server for server in urls if server != "triton"]
     pairs = [(server, model) for model in ("batched", "xgb_python") for server in (*paveds, "triton")]
     pairs += [(server, "xgb_native") for server in paveds]
@@ -182,7 +210,8 @@ def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.
     async def run() -> dict:
         for server, model in pairs:  # warm-up: first requests, stubs' imports, batcher threads
             await drive(urls[server], model, x, expected[model], c, 200, input_name="INPUT")
-        samples: dict = {p: {"c1": [], "rps": [], "p99c": []} for p in pairs}
+        keys = ("c1", "rps", "p99c", "server_cpu", "client_cpu")
+        samples: dict = {p: {k: [] for k in keys} for p in pairs}
         for _ in range(args.repeats):
             for pair in pairs:
                 server, model = pair
@@ -190,9 +219,12 @@ def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.
                     urls[server], model, x, expected[model], 1, args.requests_c1, input_name="INPUT"
                 )
                 samples[pair]["c1"].extend(latencies)
+                server_cpu, client_cpu = _group_cpu_s(pgids[server]), _self_cpu_s()
                 seconds, latencies = await drive(
                     urls[server], model, x, expected[model], c, args.requests, input_name="INPUT"
                 )
+                samples[pair]["server_cpu"].append((_group_cpu_s(pgids[server]) - server_cpu) / args.requests)
+                samples[pair]["client_cpu"].append((_self_cpu_s() - client_cpu) / args.requests)
                 samples[pair]["rps"].append(args.requests / seconds)
                 samples[pair]["p99c"].append(float(np.percentile(latencies, 99)))
         out = {}
@@ -202,6 +234,8 @@ def measure(urls: dict[str, str], x: np.ndarray, expected: dict, args: argparse.
                 "p99_us_c1": round(float(np.percentile(s["c1"], 99)) * 1e6, 1),
                 f"rps_c{c}": round(statistics.median(s["rps"]), 1),
                 f"p99_ms_c{c}": round(statistics.median(s["p99c"]) * 1e3, 2),
+                f"server_cpu_us_c{c}": round(statistics.median(s["server_cpu"]) * 1e6, 1),
+                f"client_cpu_us_c{c}": round(statistics.median(s["client_cpu"]) * 1e6, 1),
             }
         return out
 
@@ -250,21 +284,19 @@ def main() -> int:
             triton = servers.enter_context(
                 triton_server(repository, tmp / "triton", models=["batched", "xgb_python"])
             )
-            urls = {
-                "paved": servers.enter_context(
-                    paved_kserve_server(repository, tmp / "paved", extra_args=quiet)
-                ).grpc
-            }
+            paved = servers.enter_context(paved_kserve_server(repository, tmp / "paved", extra_args=quiet))
+            urls, pgids = {"paved": paved.grpc}, {"paved": paved.pgid, "triton": triton.pgid}
             if args.baseline_src is not None:
                 baseline = paved_kserve_server(
                     repository, tmp / "baseline", extra_args=quiet, source=args.baseline_src
                 )
-                urls["baseline"] = servers.enter_context(baseline).grpc
+                started = servers.enter_context(baseline)
+                urls["baseline"], pgids["baseline"] = started.grpc, started.pgid
             urls["triton"] = triton.grpc
             for server in urls:
                 if server != "triton":
                     asyncio.run(_wait_ready(urls[server], ["batched", "xgb_python", "xgb_native"], 120))
-            results = measure(urls, x, expected, args)
+            results = measure(urls, pgids, x, expected, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -282,7 +314,16 @@ def main() -> int:
             f"throughput_ratio_vs_triton_c{c}_xgboost_native": ratio(nx[f"rps_c{c}"], tx[f"rps_c{c}"]),
             "p99_ratio_vs_triton_c1_xgboost_python": ratio(px["p99_us_c1"], tx["p99_us_c1"]),
             "p50_ratio_vs_triton_c1": ratio(pb["p50_us_c1"], tb["p50_us_c1"]),
+            f"server_cpu_per_request_ratio_vs_triton_c{c}": ratio(
+                pb[f"server_cpu_us_c{c}"], tb[f"server_cpu_us_c{c}"]
+            ),
         }
+
+    # What the machine allows: the load generator's own CPU per request (this process, against
+    # Triton) bounds what any server could be measured at here, however cheap it were.
+    tb = results[("triton", "batched")]
+    goal_rps = 1.5 * tb[f"rps_c{c}"]
+    client_cores_at_goal = goal_rps * tb[f"client_cpu_us_c{c}"] / 1e6
 
     summary: dict = {
         **ratios("paved"),
@@ -294,13 +335,22 @@ def main() -> int:
         "requests_c1": args.requests_c1,
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
+        f"goal_rps_c{c}": round(goal_rps),
+        # > cpus: the throughput goal cannot be measured on this machine, whatever the server.
+        f"client_cores_at_goal_c{c}": round(client_cores_at_goal, 2),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     for (server, model), r in results.items():
         print(
             f"{server:8} {model:10}  c1 p50 {r['p50_us_c1']:8.0f} us  p99 {r['p99_us_c1']:8.0f} us   "
-            f"c{c} {r[f'rps_c{c}']:8.0f} req/s  p99 {r[f'p99_ms_c{c}']:7.2f} ms"
+            f"c{c} {r[f'rps_c{c}']:8.0f} req/s  p99 {r[f'p99_ms_c{c}']:7.2f} ms  "
+            f"CPU/request: server {r[f'server_cpu_us_c{c}']:5.0f} us, "
+            f"client {r[f'client_cpu_us_c{c}']:4.0f} us"
         )
+    print(
+        f"the goal, {goal_rps:.0f} req/s at c{c}, needs {client_cores_at_goal:.2f} cores for the load "
+        f"generator alone ({tb[f'client_cpu_us_c{c}']:.0f} us of CPU per request) on {os.cpu_count()} CPUs"
+    )
     print(
         f"paved vs Triton, python model: throughput x{summary[f'throughput_ratio_vs_triton_c{c}']} at c{c} "
         f"(goal >= 1.5), p99 x{summary['p99_ratio_vs_triton_c1']} at c1 (goal <= 1.0); XGBoost: python on "

@@ -104,7 +104,9 @@ def _model_of(request: Any) -> str | None:
 
 
 class AccessLogInterceptor(grpc.aio.ServerInterceptor):
-    """Assigns each call's ids, answers x-request-id and writes its access line."""
+    """Assigns each call's ids, answers x-request-id (a unary call's in its trailing metadata, a
+    stream's in its initial metadata) and writes its access line. Handlers do not set trailing
+    metadata of their own (it would replace the id)."""
 
     async def intercept_service(
         self,
@@ -124,7 +126,10 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
                 trace = metadata_context(context.invocation_metadata())
                 error: BaseException | None = None
                 try:
-                    await context.send_initial_metadata(((REQUEST_ID_HEADER, trace.request_id),))
+                    # In the trailers, which go out with the answer: sending headers of their own
+                    # first is a write (and a client wake-up) more per call, -25 % requests/s on
+                    # a unary echo. A unary caller reads both at the same moment anyway.
+                    context.set_trailing_metadata(((REQUEST_ID_HEADER, trace.request_id),))
                     return await inner(request, context)
                 except BaseException as e:
                     error = e

@@ -409,7 +409,9 @@ def test_rate_limit_is_resource_exhausted_with_retry_after(gw):
         with pytest.raises(grpc.RpcError) as e:
             call(request.SerializeToString(), metadata=metadata, timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert int(dict(e.value.trailing_metadata())["retry-after"]) >= 1
+        trailing = dict(e.value.trailing_metadata())
+        assert int(trailing["retry-after"]) >= 1
+        assert len(trailing["x-request-id"]) == 32  # kept beside it
 
 
 def test_repository_index_lists_only_the_tenants_models(gw, gc, hc):
@@ -561,7 +563,7 @@ def test_grpc_request_id_and_trace_cross_the_gateway(gw, frontend, caplog):
     with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         _, call = stub.ModelInfer.with_call(request, metadata=metadata, timeout=60)
-        assert dict(call.initial_metadata())["x-request-id"] == "kg-1"
+        assert dict(call.trailing_metadata())["x-request-id"] == "kg-1"
     line = gateway_line(caplog, "kg-1")
     assert line["trace_id"] == TRACE_ID
     assert (line["protocol"], line["method"], line["model"], line["status"]) == (
@@ -598,7 +600,7 @@ def test_grpc_forwards_only_validated_ids(gw, gc, caplog):
     with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         _, call = stub.ModelInfer.with_call(request, metadata=metadata, timeout=30)
-        returned = dict(call.initial_metadata())["x-request-id"]
+        returned = dict(call.trailing_metadata())["x-request-id"]
     forwarded = gw.recorder.metadata[-1]
     assert returned != "bad id!" and forwarded["x-request-id"] == returned
     version, trace, span, flags = forwarded["traceparent"].split("-")

@@ -737,9 +737,9 @@ def test_malformed_request_id_is_replaced_and_sent_back(server, caplog):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         _, call = stub.ModelReady.with_call(request, metadata=(("x-request-id", "kept-1"),), timeout=10)
-        assert dict(call.initial_metadata())["x-request-id"] == "kept-1"
+        assert dict(call.trailing_metadata())["x-request-id"] == "kept-1"
         _, call = stub.ModelReady.with_call(request, metadata=(("x-request-id", "bad id!"),), timeout=10)
-        new_id = dict(call.initial_metadata())["x-request-id"]
+        new_id = dict(call.trailing_metadata())["x-request-id"]
     assert new_id != "bad id!" and len(new_id) == 32
     line = access_line(caplog, new_id)
     assert line["method"] == "ModelReady" and line["parent_span_id"] is None

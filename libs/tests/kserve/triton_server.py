@@ -44,11 +44,14 @@ _HINT = (
 
 class TritonUrls(NamedTuple):
     """Where a started server answers. `http` and `grpc` are `127.0.0.1:PORT`, the form
-    tritonclient's clients take; `metrics` is the full URL of the Prometheus endpoint."""
+    tritonclient's clients take; `metrics` is the full URL of the Prometheus endpoint. `pgid`:
+    the server's process group, it and the processes it started (Python-backend stubs, model
+    workers), for a benchmark that reads their CPU time."""
 
     http: str
     grpc: str
     metrics: str
+    pgid: int = 0
 
 
 class _Layout(NamedTuple):
@@ -265,7 +268,7 @@ def triton_server(
         if proc is None or urls is None:
             raise RuntimeError(f"tritonserver did not start (log {log_path}):\n{log_tail(log_path)}")
         try:
-            yield urls
+            yield urls._replace(pgid=proc.pid)
         except BaseException:
             print(f"--- tritonserver log ({log_path}), tail:\n{log_tail(log_path)}", file=sys.stderr)
             raise
@@ -348,7 +351,10 @@ def paved_kserve_server(
         grpc_port, http_port = ports
         try:
             yield TritonUrls(
-                f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/metrics"
+                f"127.0.0.1:{http_port}",
+                f"127.0.0.1:{grpc_port}",
+                f"http://127.0.0.1:{http_port}/metrics",
+                proc.pid,
             )
         except BaseException:
             print(f"--- paved kserve log ({log_path}), tail:\n{log_tail(log_path)}", file=sys.stderr)

@@ -22,7 +22,8 @@ Invariants:
   * the `authorization` metadata is never forwarded, tensors and keys are never logged;
   * each call's ids follow paved.http.tracing: the validated `x-request-id` (else a new one)
     and the client's trace continued with the gateway's span go upstream, never the client's
-    raw values; the client gets `x-request-id` back in the initial metadata;
+    raw values; the client gets `x-request-id` back in the trailing metadata of a unary call
+    (sent with the answer: no write of its own), in the initial metadata of a stream;
   * one JSON line per call on `paved.gateway.access` (the OpenAI side's logger and key
     names; `status` is the gRPC code name; a stream's line is written when the stream ends);
     the gateway's own probes (ServerLive, ServerReady, ServerMetadata) log at DEBUG;
@@ -521,14 +522,17 @@ class KServeForwarder:
     def _logged_unary(
         method: str, fn: Callable[[bytes, grpc.aio.ServicerContext, CallLog], Awaitable[bytes]]
     ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
-        """`fn` with the call's ids assigned, x-request-id sent back and the access line written."""
+        """`fn` with the call's ids assigned, x-request-id sent back (in the trailing metadata)
+        and the access line written."""
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             started = time.perf_counter()
             call = CallLog(metadata_context(context.invocation_metadata()))
             error: BaseException | None = None
             try:
-                await context.send_initial_metadata(((REQUEST_ID_HEADER, call.trace.request_id),))
+                # In the trailers, sent with the answer (paved.kserve.grpc_server does the same:
+                # headers sent first are a write and a client wake-up more per call).
+                context.set_trailing_metadata(((REQUEST_ID_HEADER, call.trace.request_id),))
                 return await fn(request, context, call)
             except BaseException as e:
                 error = e
@@ -948,15 +952,19 @@ class KServeForwarder:
     async def _abort(self, context: grpc.aio.ServicerContext, error: GatewayError) -> None:
         retry_after = _retry_after(error)
         if retry_after is not None:
-            context.set_trailing_metadata((("retry-after", retry_after),))
+            # Beside the x-request-id a unary call's trailers already hold.
+            kept = context.trailing_metadata() or ()
+            context.set_trailing_metadata((*kept, ("retry-after", retry_after)))
         await context.abort(_code(error), error.message)
 
     async def _pass_through(self, context: grpc.aio.ServicerContext, error: grpc.aio.AioRpcError) -> None:
         trailing = tuple(
-            (k, v) for k, v in (error.trailing_metadata() or ()) if not k.startswith((":", "grpc-"))
+            (k, v)
+            for k, v in (error.trailing_metadata() or ())
+            if not k.startswith((":", "grpc-")) and k != REQUEST_ID_HEADER
         )
         if trailing:
-            context.set_trailing_metadata(trailing)
+            context.set_trailing_metadata((*(context.trailing_metadata() or ()), *trailing))
         await context.abort(error.code(), error.details() or "")
 
 

@@ -19,8 +19,10 @@ import struct
 import threading
 from typing import Any
 
-# meta length, buffer count; then one length per buffer.
-HEADER = struct.Struct("<QI")
+# meta length, buffer count, the buffers' total length; then the body: one length per buffer,
+# the pickle, the buffers. A reader takes a frame in two reads (header, body), whatever its
+# number of buffers: on the hot path of every batch, each read is a system call.
+HEADER = struct.Struct("<QIQ")
 LENGTH = struct.Struct("<Q")
 # A frame larger than this is a broken peer, not a message (tensors this large do not reach a
 # KServe server: its gRPC and HTTP limits are far below).
@@ -32,11 +34,31 @@ def encode(message: tuple) -> list[bytes | memoryview]:
     buffers: list[pickle.PickleBuffer] = []
     meta = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
-    header = HEADER.pack(len(meta), len(views)) + b"".join(LENGTH.pack(v.nbytes) for v in views)
-    return [header, meta, *views]
+    header = HEADER.pack(len(meta), len(views), sum(v.nbytes for v in views))
+    return [header + b"".join(LENGTH.pack(v.nbytes) for v in views) + meta, *views]
 
 
-def decode(meta: bytes, buffers: list[Any]) -> tuple:
+def body_size(header: bytes) -> int:
+    """The length of the body that follows `header` (ValueError for a broken peer's)."""
+    meta_len, count, buffers_len = HEADER.unpack(header)
+    size = count * LENGTH.size + meta_len + buffers_len
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {size} bytes: the channel is broken")
+    return size
+
+
+def decode(header: bytes, body: bytes | bytearray) -> tuple:
+    """The message of a frame; its buffers are views of `body` (writable if it is)."""
+    meta_len, count, _ = HEADER.unpack(header)
+    view = memoryview(body)
+    offset = count * LENGTH.size
+    lengths = [LENGTH.unpack_from(view, i * LENGTH.size)[0] for i in range(count)]
+    meta = view[offset : offset + meta_len]
+    offset += meta_len
+    buffers = []
+    for n in lengths:
+        buffers.append(view[offset : offset + n])
+        offset += n
     message = pickle.loads(meta, buffers=buffers)  # noqa: S301 - our own worker, over a socketpair
     if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
         raise ValueError(f"malformed frame: {type(message).__name__}")
@@ -52,17 +74,22 @@ class BlockingChannel:
         self._send_lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
-        parts = encode(message)
+        parts = [memoryview(p).cast("B") for p in encode(message)]
         with self._send_lock:
-            for part in parts:
-                self._sock.sendall(part)
+            while parts:  # one system call for the frame, unless the socket takes part of it
+                sent = self._sock.sendmsg(parts)
+                while parts and sent >= parts[0].nbytes:
+                    sent -= parts[0].nbytes
+                    parts.pop(0)
+                if parts and sent:
+                    parts[0] = parts[0][sent:]
 
     def _read_exactly(self, size: int) -> bytearray:
         out = bytearray(size)
         view = memoryview(out)
         got = 0
         while got < size:
-            n = self._sock.recv_into(view[got:], size - got)
+            n = self._sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
             if n == 0:
                 raise EOFError("the server closed the channel")
             got += n
@@ -70,9 +97,9 @@ class BlockingChannel:
 
     def receive(self) -> tuple:
         """The next message; EOFError when the server is gone."""
-        meta_len, count = HEADER.unpack(self._read_exactly(HEADER.size))
-        lengths = [LENGTH.unpack(self._read_exactly(LENGTH.size))[0] for _ in range(count)]
-        if meta_len + sum(lengths) > MAX_FRAME_BYTES:
-            raise EOFError(f"frame of {meta_len + sum(lengths)} bytes: the channel is broken")
-        meta = bytes(self._read_exactly(meta_len))
-        return decode(meta, [self._read_exactly(n) for n in lengths])
+        header = bytes(self._read_exactly(HEADER.size))
+        try:
+            size = body_size(header)
+        except ValueError as e:
+            raise EOFError(str(e)) from e
+        return decode(header, self._read_exactly(size))

@@ -258,14 +258,8 @@ class Worker:
     async def _receive(self) -> tuple:
         if self._reader is None:
             raise ConnectionError("not started")
-        meta_len, count = frames.HEADER.unpack(await self._reader.readexactly(frames.HEADER.size))
-        lengths = [
-            frames.LENGTH.unpack(await self._reader.readexactly(frames.LENGTH.size))[0] for _ in range(count)
-        ]
-        if meta_len + sum(lengths) > frames.MAX_FRAME_BYTES:
-            raise ValueError(f"a frame of {meta_len + sum(lengths)} bytes")
-        meta = await self._reader.readexactly(meta_len)
-        return frames.decode(meta, [await self._reader.readexactly(n) for n in lengths])
+        header = await self._reader.readexactly(frames.HEADER.size)
+        return frames.decode(header, await self._reader.readexactly(frames.body_size(header)))
 
     async def _read(self) -> None:
         broken = ""
