@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from hypothesis import given, settings
@@ -33,6 +32,7 @@ from paved.control_plane.metrics_source import (
 )
 from paved.control_plane.rollout import Analysis, RolloutParams
 from paved.gateway.metrics import GatewayMetrics
+from paved.testing.http_stub import LoopbackHTTPServer, reply
 
 NEW = "http://127.0.0.1:31002"  # the new version's replica (a backend id is its URL)
 OLD = "http://127.0.0.1:31001"
@@ -80,28 +80,19 @@ class _Served:
             def do_GET(self) -> None:
                 url = urllib.parse.urlsplit(self.path)
                 if url.path == "/metrics":
-                    self._send(owner.fleet.text().encode(), "text/plain; version=0.0.4")
+                    reply(self, 200, owner.fleet.text().encode(), "text/plain; version=0.0.4")
                 elif url.path == "/api/v1/query":
                     query = urllib.parse.parse_qs(url.query)["query"][0]
                     owner.queries.append(query)
-                    self._send(json.dumps(_prometheus_answer(owner.fleet.text(), query)).encode())
+                    reply(self, 200, json.dumps(_prometheus_answer(owner.fleet.text(), query)).encode())
                 else:
                     self.send_error(404)
 
-            def _send(self, body: bytes, kind: str = "application/json") -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.stub = LoopbackHTTPServer(Handler)
+        self.url = self.stub.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.stub.close()
 
 
 _NAME_MATCHER = re.compile(r'__name__=~"((?:[^"\\]|\\.)*)"')

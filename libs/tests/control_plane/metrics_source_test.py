@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ from paved.control_plane.metrics_source import (
 )
 from paved.control_plane.types import AutoscalePolicy
 from paved.platform.prometheus import LocalPrometheus, PrometheusError
+from paved.testing.http_stub import LoopbackHTTPServer, reply
 
 V1 = "http://127.0.0.1:31001"  # backends are replica URLs
 V2 = "http://127.0.0.1:31002"
@@ -49,27 +50,20 @@ class Exporter:
                 if text is None:
                     self.send_error(404)
                     return
-                body = text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                reply(self, 200, text.encode(), "text/plain; version=0.0.4")
 
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.stub = LoopbackHTTPServer(Handler)
+        self.url = self.stub.url
 
     def set(self, texts: dict[str, str]) -> None:
         with self.lock:
             self.texts = dict(texts)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.stub.close()
 
 
 @dataclass

@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import kubernetes_validate
@@ -28,6 +27,7 @@ from paved.cli.main import main
 from paved.cli.render import command_line_id
 from paved.control_plane import kube_platform as kp
 from paved.control_plane.kube_objects import KubeSettings, replica_objects
+from paved.testing.http_stub import LoopbackHTTPServer, reply
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 IMAGES = {
@@ -545,24 +545,13 @@ def fake_control_plane(body: dict[str, Any], key: str) -> Iterator[str]:
         def do_GET(self) -> None:
             ok = self.path == "/v1/deployments" and self.headers.get("Authorization") == f"Bearer {key}"
             payload = json.dumps(body if ok else {"error": {"message": "bad admin key"}}).encode()
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+            reply(self, 200 if ok else 401, payload)
 
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with LoopbackHTTPServer(Handler) as stub:
+        yield stub.url
 
 
 def _deployment_view(model: str, version: str, **changes: Any) -> dict[str, Any]:

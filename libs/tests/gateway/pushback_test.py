@@ -15,7 +15,7 @@ import json
 import secrets
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,7 @@ from servers import ServerProcess
 
 from paved.control_plane.metrics_source import parse_gateway_metrics
 from paved.http.errors import error_body
+from paved.testing.http_stub import LoopbackHTTPServer, reply
 
 N = 4  # requests per model
 
@@ -46,31 +47,20 @@ class PushesBack:
                 pass
 
             def do_GET(self) -> None:
-                self._send(200 if self.path == "/health/ready" else 404, b"{}")
+                reply(self, 200 if self.path == "/health/ready" else 404, b"{}")
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 with owner.lock:
                     owner.tries += 1
                 body = error_body(503, "the engine's queue is full (2 waiting); retry", code="overloaded")
-                self._send(503, json.dumps(body).encode(), {"Retry-After": "1"})
+                reply(self, 503, json.dumps(body).encode(), headers={"Retry-After": "1"})
 
-            def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.stub = LoopbackHTTPServer(Handler)
+        self.url = self.stub.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.stub.close()
 
 
 @pytest.fixture(scope="module")

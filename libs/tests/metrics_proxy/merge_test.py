@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from paved.launcher.gate import free_port
 from paved.metrics.proxy import MetricsProxy, Upstream, split_families
 from paved.metrics.server import make_server
+from paved.testing.http_stub import LoopbackHTTPServer, reply
 
 WRITER = """
 import os, sys
@@ -58,19 +59,12 @@ class _Upstreams:
                 if self.path == "/slow":
                     time.sleep(3)
                 if self.path == "/error":
-                    self.send_response(500)
-                    self.end_headers()
+                    reply(self, 500, content_type=None)
                     return
-                body = bodies.get(self.path, "ok 1\n").encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                reply(self, 200, bodies.get(self.path, "ok 1\n").encode(), content_type=None)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.stub = LoopbackHTTPServer(H)
+        self.port = self.stub.port
 
     def url(self, path):
         return f"http://127.0.0.1:{self.port}{path}"
@@ -80,7 +74,7 @@ class _Upstreams:
 def upstreams():
     u = _Upstreams()
     yield u
-    u.server.shutdown()
+    u.stub.close()
 
 
 @pytest.fixture()

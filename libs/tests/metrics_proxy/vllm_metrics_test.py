@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -24,6 +23,7 @@ from paved.launcher.build import build_package
 from paved.launcher.gate import free_port
 from paved.launcher.testing import LauncherProcess, subprocess_env
 from paved.testing.fixtures import tiny_model_dir
+from paved.testing.http_stub import LoopbackHTTPServer, reply
 
 TRITON = (
     "# HELP nv_inference_request_success Number of successful inference requests\n"
@@ -41,16 +41,10 @@ def triton():
             pass
 
         def do_GET(self):
-            body = TRITON.encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            reply(self, 200, TRITON.encode(), content_type=None)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
+    with LoopbackHTTPServer(H) as stub:
+        yield f"{stub.url}/metrics"
 
 
 @pytest.fixture(scope="module")
