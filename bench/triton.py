@@ -1,7 +1,7 @@
 """paved's KServe server against the real Triton Inference Server on one model repository.
 
     tools/bazel run //bench:triton -- [--requests N] [--repeats R] [--quick] [--json]
-                                      [--baseline-src DIR]
+                                      [--baseline-src DIR] [--null-server]
 
 Triton: nvidia-pytriton's `tritonserver` 2.51 with its Python backend, from .venv-triton
 (libs/tests/kserve/triton_server.py). paved: `paved.kserve.main --model-repository`, a process.
@@ -31,7 +31,11 @@ Keys (python model `batched` unless named):
   p50_ratio_vs_triton_c1                         paved p50 / Triton p50 at c1 (steadier than p99)
 With --baseline-src DIR (another paved tree, e.g. `git archive OLD libs/paved | tar -x -C DIR`)
 that tree's server runs beside paved's in the same run, and its ratios are reported under
-"baseline". With --json the last stdout line is one JSON object.
+"baseline". With --null-server a third gRPC server that does no work at all (null_grpc_server.cc,
+C++, built here with g++ and gRPC's C++ library, Debian's libgrpc++-dev) is measured at c32 in
+the same run: `null_server_ratio_vs_triton_c32` is the ceiling of every throughput ratio on
+this machine, what the load generator reaches against a server that costs nothing.
+With --json the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -196,32 +200,87 @@ def _self_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@contextlib.contextmanager
+def null_server(tmp: Path, threads: int):
+    """Builds and starts null_grpc_server.cc on a free loopback port; yields (url, pgid)."""
+    import signal
+    import subprocess
+
+    from tritonclient.grpc import service_pb2
+
+    source = Path(__file__).resolve().parent / "null_grpc_server.cc"
+    gxx, pkg_config = shutil.which("g++"), shutil.which("pkg-config")
+    flags = None
+    if gxx and pkg_config:
+        flags = subprocess.run(
+            [pkg_config, "--cflags", "--libs", "grpc++"], capture_output=True, text=True, timeout=30
+        )
+    if flags is None or flags.returncode != 0:
+        raise SystemExit(
+            "--null-server needs g++, pkg-config and gRPC's C++ library "
+            "(Debian: apt-get install g++ pkg-config libgrpc++-dev)"
+        )
+    binary = tmp / "null_grpc_server"
+    subprocess.run(
+        [gxx, "-O2", "-std=c++17", str(source), "-o", str(binary), *flags.stdout.split()],
+        check=True,
+        timeout=600,
+    )
+    # The answer every call gets: one FP32 1.0, what the bench expects of it.
+    response = service_pb2.ModelInferResponse(model_name="batched", model_version="1")
+    response.outputs.add(name="OUTPUT", datatype="FP32", shape=[1, 1])
+    response.raw_output_contents.append(np.ones((1, 1), np.float32).tobytes())
+    answer = tmp / "null_response.bin"
+    answer.write_bytes(response.SerializeToString())
+    proc = subprocess.Popen(
+        [str(binary), "0", str(answer), str(threads)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "listening on 127.0.0.1:PORT", or EOF if it failed
+        if not line.startswith("listening on "):
+            raise SystemExit(f"null_grpc_server did not start (exit {proc.poll()})")
+        yield line.split()[-1], proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 def measure(
     urls: dict[str, str], pgids: dict[str, int], x: np.ndarray, expected: dict, args: argparse.Namespace
 ) -> dict:
     """{(server, model): {p50_us_c1, p99_us_c1, rps_c32, p99_ms_c32, server_cpu_us_c32,
     client_cpu_us_c32}} with runs interleaved; the CPU figures are per request, the server's
     process group (workers and stubs included) and this process (the load generator)."""
-    paveds = [server for server in urls if server != "triton"]
+    paveds = [server for server in urls if server not in ("triton", "null")]
     pairs = [(server, model) for model in ("batched", "xgb_python") for server in (*paveds, "triton")]
     pairs += [(server, "xgb_native") for server in paveds]
+    if "null" in urls:
+        pairs.append(("null", "batched"))
     c = args.concurrency
+
+    def want(server: str, model: str) -> np.ndarray:
+        return np.ones((len(x), 1), np.float32) if server == "null" else expected[model]
 
     async def run() -> dict:
         for server, model in pairs:  # warm-up: first requests, stubs' imports, batcher threads
-            await drive(urls[server], model, x, expected[model], c, 200, input_name="INPUT")
+            await drive(urls[server], model, x, want(server, model), c, 200, input_name="INPUT")
         keys = ("c1", "rps", "p99c", "server_cpu", "client_cpu")
         samples: dict = {p: {k: [] for k in keys} for p in pairs}
         for _ in range(args.repeats):
             for pair in pairs:
                 server, model = pair
                 _, latencies = await drive(
-                    urls[server], model, x, expected[model], 1, args.requests_c1, input_name="INPUT"
+                    urls[server], model, x, want(server, model), 1, args.requests_c1, input_name="INPUT"
                 )
                 samples[pair]["c1"].extend(latencies)
                 server_cpu, client_cpu = _group_cpu_s(pgids[server]), _self_cpu_s()
                 seconds, latencies = await drive(
-                    urls[server], model, x, expected[model], c, args.requests, input_name="INPUT"
+                    urls[server], model, x, want(server, model), c, args.requests, input_name="INPUT"
                 )
                 samples[pair]["server_cpu"].append((_group_cpu_s(pgids[server]) - server_cpu) / args.requests)
                 samples[pair]["client_cpu"].append((_self_cpu_s() - client_cpu) / args.requests)
@@ -253,6 +312,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per server and model (median)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument(
+        "--null-server",
+        action="store_true",
+        help="also measure a C++ gRPC server that does no work (the ceiling on this machine; "
+        "needs g++ and libgrpc++-dev)",
+    )
     parser.add_argument(
         "--baseline-src",
         type=Path,
@@ -293,8 +358,10 @@ def main() -> int:
                 started = servers.enter_context(baseline)
                 urls["baseline"], pgids["baseline"] = started.grpc, started.pgid
             urls["triton"] = triton.grpc
+            if args.null_server:
+                urls["null"], pgids["null"] = servers.enter_context(null_server(tmp, os.cpu_count() or 2))
             for server in urls:
-                if server != "triton":
+                if server not in ("triton", "null"):
                     asyncio.run(_wait_ready(urls[server], ["batched", "xgb_python", "xgb_native"], 120))
             results = measure(urls, pgids, x, expected, args)
     finally:
@@ -325,8 +392,16 @@ def main() -> int:
     goal_rps = 1.5 * tb[f"rps_c{c}"]
     client_cores_at_goal = goal_rps * tb[f"client_cpu_us_c{c}"] / 1e6
 
+    if ("null", "batched") in results:
+        null_rps = results[("null", "batched")][f"rps_c{c}"]
+        # What the load generator reaches against a server that costs nothing: no server's
+        # throughput ratio can be measured above it on this machine.
+        ceiling = {f"null_server_ratio_vs_triton_c{c}": ratio(null_rps, tb[f"rps_c{c}"])}
+    else:
+        ceiling = {}
     summary: dict = {
         **ratios("paved"),
+        **ceiling,
         **({"baseline": ratios("baseline")} if "baseline" in urls else {}),
         "results": {f"{server}/{model}": r for (server, model), r in results.items()},
         "triton_version": "2.51.0 (nvidia-pytriton 0.7.0)",
@@ -346,6 +421,11 @@ def main() -> int:
             f"c{c} {r[f'rps_c{c}']:8.0f} req/s  p99 {r[f'p99_ms_c{c}']:7.2f} ms  "
             f"CPU/request: server {r[f'server_cpu_us_c{c}']:5.0f} us, "
             f"client {r[f'client_cpu_us_c{c}']:4.0f} us"
+        )
+    if ceiling:
+        print(
+            f"a gRPC server doing no work answers {null_rps:.0f} req/s at c{c}: "
+            f"x{ceiling[f'null_server_ratio_vs_triton_c{c}']} of Triton, the ceiling of every ratio here"
         )
     print(
         f"the goal, {goal_rps:.0f} req/s at c{c}, needs {client_cores_at_goal:.2f} cores for the load "
