@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paved.gateway.access.admin_api import admin_router
@@ -186,7 +187,10 @@ def create_app(
     limited = BodyLimitMiddleware(app, max_body_bytes, max_buffered_bytes=max(max_body_bytes, buffered))
     if max_upload_bytes is None or max_upload_bytes <= max_body_bytes:
         return limited
-    uploads = BodyLimitMiddleware(app, max_upload_bytes, max_buffered_bytes=max(max_upload_bytes, buffered))
+    # Uploads stream to a spool file: a chunked one is counted as it passes, never buffered.
+    uploads = BodyLimitMiddleware(
+        app, max_upload_bytes, max_buffered_bytes=max(max_upload_bytes, buffered), stream_chunked=True
+    )
 
     async def by_path(scope: Any, receive: Any, send: Any) -> None:
         is_upload = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/files"
@@ -215,6 +219,14 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code,
             headers=getattr(exc, "headers", None),
         )
+
+    @app.exception_handler(DataError)
+    async def _data(_: Request, exc: DataError) -> JSONResponse:
+        # PostgreSQL refuses a NUL character in text; only a caller's value can carry one to
+        # the state database (SQLite stores it). Any other refusal is a fault of ours: a 500.
+        if "NUL" not in str(exc.orig):
+            raise exc
+        return JSONResponse(error_body(400, "the request holds a NUL character where text is expected"), 400)
 
 
 def _orchestration_routes(app: FastAPI, gateway: Gateway, orchestrator: Orchestrator) -> None:

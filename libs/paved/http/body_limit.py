@@ -23,14 +23,26 @@ class BodyLimitMiddleware:
     The chunked bodies being buffered share `max_buffered_bytes`: a chunk that would take the
     total past it ends its request with 503 (Retry-After) and frees what that request held.
     A buffered body counts until its request ends (the app keeps the replayed copy that long).
+
+    With `stream_chunked` (an app that streams its body to disk, as file uploads do) chunked
+    bodies are not buffered: they reach the app as they arrive, counted, and one that passes
+    `max_bytes` is cut off there (the app sees the client disconnect) and answered 413.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        *,
+        stream_chunked: bool = False,
+    ):
         if max_buffered_bytes < max_bytes:
             raise ValueError("max_buffered_bytes must be at least max_bytes (else a full body never fits)")
         self.app = app
         self.max_bytes = max_bytes
         self.max_buffered_bytes = max_buffered_bytes
+        self.stream_chunked = stream_chunked
         # Chunked-body bytes held right now, by every request together.
         self.buffered_bytes = 0
 
@@ -52,6 +64,9 @@ class BodyLimitMiddleware:
                 await self._too_large(send)
                 return
             await self.app(scope, receive, send)
+            return
+        if self.stream_chunked:
+            await self._counted(scope, receive, send)
             return
         # No declared length (chunked): buffer up to the limit, then replay.
         held = 0
@@ -87,6 +102,38 @@ class BodyLimitMiddleware:
             await self.app(scope, replay, send)
         finally:
             self.buffered_bytes -= held
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A chunked body passed through as it arrives, cut off past `max_bytes` with a 413."""
+        size = 0
+        cut = started = False
+
+        async def counted() -> Message:
+            nonlocal size, cut
+            if cut:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    cut = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def answer(message: Message) -> None:
+            nonlocal started
+            if cut and not started:
+                return  # the app's answer to the disconnect it saw: the 413 below replaces it
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, answer)
+        except Exception:
+            if not cut:
+                raise
+        if cut and not started:
+            await self._too_large(send)
 
     async def _too_large(self, send: Send) -> None:
         message = f"request body is larger than this server's limit of {self.max_bytes} bytes"

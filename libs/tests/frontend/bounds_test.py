@@ -122,6 +122,47 @@ def test_a_disconnect_mid_upload_releases_its_bytes():
     assert asyncio.run(run()) == 0
 
 
+def test_streamed_chunked_bodies_pass_through_counted_and_are_cut_past_the_limit():
+    """With stream_chunked (the gateway's file uploads, which spool to disk) a chunked body
+    reaches the app chunk by chunk, nothing buffered; one past max_bytes is cut off there (the
+    app sees a disconnect) and the client gets the 413, not the app's answer to the cut."""
+    seen: list[list[int]] = []
+
+    async def app(scope, receive, send):
+        sizes: list[int] = []
+        seen.append(sizes)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                await send({"type": "http.response.start", "status": 499, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            sizes.append(len(message["body"]))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps({"size": sum(sizes)}).encode()})
+
+    async def run():
+        middleware = BodyLimitMiddleware(app, max_bytes=100, max_buffered_bytes=100, stream_chunked=True)
+        fits = _Client(middleware)
+        fits.chunk(60, more=True)
+        await _settle()
+        assert seen == [[60]] and middleware.buffered_bytes == 0  # passed on, not held
+        fits.chunk(40, more=False)
+        await fits.task
+        over = _Client(middleware)
+        over.chunk(60, more=True)
+        over.chunk(60, more=True)
+        await over.task
+        return fits, over
+
+    fits, over = asyncio.run(run())
+    assert fits.status == 200 and fits.body() == {"size": 100} and seen[0] == [60, 40]
+    assert seen[1] == [60]  # the app never saw the chunk past the limit
+    assert over.status == 413 and over.body()["error"]["code"] == "request_too_large"
+
+
 def test_buffer_budget_default_and_validation(capsys):
     app = create_app(ModelRegistry([]), max_body_bytes=1024)
     (limit,) = [m for m in app.user_middleware if m.cls is BodyLimitMiddleware]

@@ -538,3 +538,83 @@ def test_an_unwritable_file_store_is_a_503_not_a_500(tmp_path, fleet):
         assert list((state / "gateway-files").rglob(f.id)), "stored beside the gateway's state"
     finally:
         plain.stop()
+
+
+def test_malformed_values_are_4xx_never_500(fleet):
+    """Values of the wrong type, digits int() refuses, and NUL characters (which PostgreSQL's
+    text refuses: each was a 500 on this fleet's database) are answered with a 4xx and the
+    OpenAI error body, wherever they appear: a path's id, a query, a body, a file's line."""
+    # b: a is killed by an earlier test of the module.
+    _, b = fleet["gateways"]
+    b.tenant("odd", models=["tiny"])
+    headers = {"Authorization": f"Bearer {b.key('odd')}"}
+    client = _client(b, b.key("odd"))
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))), purpose="batch")
+
+    def refused(response: httpx.Response, status: int, param: str | None = None) -> None:
+        assert response.status_code == status, (response.status_code, response.text)
+        error = response.json()["error"]
+        assert error["message"] and set(error) >= {"message", "type", "param", "code"}
+        if param is not None:
+            assert error["param"] == param, error
+
+    def create(**body: object) -> httpx.Response:
+        good = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        return httpx.post(b.url + "/v1/batches", json={**good, **body}, headers=headers, timeout=30)
+
+    def upload(data: bytes, **fields: str) -> httpx.Response:
+        return httpx.post(
+            b.url + "/v1/files",
+            files={"file": ("in.jsonl", data)},
+            data={"purpose": "batch", **fields},
+            headers=headers,
+            timeout=30,
+        )
+
+    refused(create(endpoint=["/v1/chat/completions"]), 400, "endpoint")
+    refused(create(completion_window={"24h": True}), 400, "completion_window")
+    refused(create(input_file_id="file-a\x00b"), 404, "input_file_id")
+    line = _chat_lines(1)[0]
+    refused(upload(_jsonl([{**line, "url": {"path": "/v1/chat/completions"}}])), 400, "url")
+    refused(upload(_jsonl([{**line, "custom_id": "a\x00b"}])), 400, "custom_id")
+    for seconds in ("²", "9" * 5000):
+        refused(
+            upload(
+                _jsonl([line]), **{"expires_after[anchor]": "created_at", "expires_after[seconds]": seconds}
+            ),
+            400,
+            "expires_after.seconds",
+        )
+    for method, path in (
+        ("GET", "/v1/files/file-a%00b"),
+        ("GET", "/v1/files/file-a%00b/content"),
+        ("DELETE", "/v1/files/file-a%00b"),
+        ("GET", "/v1/batches/batch_a%00b"),
+        ("POST", "/v1/batches/batch_a%00b/cancel"),
+    ):
+        refused(httpx.request(method, b.url + path, headers=headers, timeout=30), 404)
+    for path, param in (
+        ("/v1/files?after=file-a%00b", "after"),
+        ("/v1/files?purpose=ba%00tch", "purpose"),
+        ("/v1/batches?after=batch_a%00b", "after"),
+    ):
+        refused(httpx.get(b.url + path, headers=headers, timeout=30), 400, param)
+    assert uploaded.id in [f.id for f in client.files.list()]  # the gateway still serves
+
+
+def test_a_file_whose_object_is_gone_is_a_404_not_a_cut_answer(fleet):
+    """The object deleted under a file's row (a DELETE racing the read, or lost): its content and
+    a batch created from it are 404s, answered before any byte of a 200 (the content used to be
+    a 200 whose body was cut at the first chunk, the create a 500)."""
+    _, b = fleet["gateways"]
+    b.tenant("vanishing", models=["tiny"])
+    client = _client(b, b.key("vanishing"))
+    f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(_chat_lines(2)))), purpose="batch")
+    (stored,) = (fleet["tmp"] / "files").rglob(f.id)
+    stored.unlink()
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(f.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert err.value.body["param"] == "input_file_id"
+    assert f.id not in [b.input_file_id for b in client.batches.list()]

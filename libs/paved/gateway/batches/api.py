@@ -102,7 +102,8 @@ class BatchesAPI:
             expires_after = _expires_after(
                 form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
             )
-            filename = (upload.filename or "batch.jsonl")[:255]
+            # Control characters (a NUL, which a database's text refuses) are left out.
+            filename = "".join(c for c in (upload.filename or "") if c.isprintable())[:255] or "batch.jsonl"
             file_id = new_id("file")
             tenant = principal.tenant.name
             key = f"files/{tenant}/{file_id}"
@@ -157,8 +158,8 @@ class BatchesAPI:
         limit = _limit(q.get("limit"), default=10000, most=10000)
         rows, more = await self.store.list_files(
             principal.tenant.name,
-            purpose=q.get("purpose"),
-            after=q.get("after"),
+            purpose=_text_param(q.get("purpose"), "purpose"),
+            after=_text_param(q.get("after"), "after"),
             limit=limit,
             ascending=order == "asc",
         )
@@ -166,12 +167,12 @@ class BatchesAPI:
 
     async def get_file(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
-        row = await self.store.get_file(principal.tenant.name, request.path_params["file_id"])
+        row = await self.store.get_file(principal.tenant.name, _ident(request.path_params["file_id"], "file"))
         return JSONResponse(_file_object(row))
 
     async def delete_file(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
-        tenant, file_id = principal.tenant.name, request.path_params["file_id"]
+        tenant, file_id = principal.tenant.name, _ident(request.path_params["file_id"], "file")
         row = await self.store.get_file(tenant, file_id)
         # The object first: a store that fails leaves the row, so the client's retry (the delete
         # of a missing object succeeds) finishes it; the other order orphaned the object.
@@ -181,10 +182,13 @@ class BatchesAPI:
 
     async def content(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
-        row = await self.store.get_file(principal.tenant.name, request.path_params["file_id"])
+        row = await self.store.get_file(principal.tenant.name, _ident(request.path_params["file_id"], "file"))
         # In a thread: the S3 store asks for the object here, so a failure is a 503 before the
         # response starts rather than a body cut short.
-        chunks: Iterator[bytes] = await asyncio.to_thread(self.objects.open_read, row["object_key"])
+        try:
+            chunks: Iterator[bytes] = await asyncio.to_thread(self.objects.open_read, row["object_key"])
+        except FileNotFoundError:  # deleted since it was looked up (the local store)
+            raise GatewayError(404, f"No such file: '{row['id']}'", code="not_found") from None
         return StreamingResponse(
             chunks, media_type="application/jsonl", headers={"content-length": str(row["bytes"])}
         )
@@ -200,12 +204,12 @@ class BatchesAPI:
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         endpoint = body.get("endpoint")
-        if endpoint not in validate.ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in validate.ENDPOINTS:
             raise GatewayError(
                 400, "endpoint must be one of: " + ", ".join(validate.ENDPOINTS), param="endpoint"
             )
         window = body.get("completion_window")
-        if window not in WINDOWS:
+        if not isinstance(window, str) or window not in WINDOWS:
             raise GatewayError(400, "completion_window must be '24h'", param="completion_window")
         meta = body.get("metadata")
         if meta is not None and (
@@ -232,7 +236,7 @@ class BatchesAPI:
             raise GatewayError(400, "input_file_id must be the id of an uploaded file", param="input_file_id")
         tenant = principal.tenant.name
         try:
-            f = await self.store.get_file(tenant, file_id)
+            f = await self.store.get_file(tenant, _ident(file_id, "file"))
         except GatewayError:
             raise GatewayError(
                 404, f"No such file: '{file_id}'", param="input_file_id", code="not_found"
@@ -269,7 +273,12 @@ class BatchesAPI:
                 obj = json.loads(raw)
                 yield obj["custom_id"], json.dumps(obj["body"], ensure_ascii=False, separators=(",", ":"))
 
-        await self.store.create_batch(row, lines())
+        try:
+            await self.store.create_batch(row, lines())
+        except FileNotFoundError:  # deleted since it was looked up (the local store)
+            raise GatewayError(
+                404, f"No such file: '{file_id}'", param="input_file_id", code="not_found"
+            ) from None
         if self.on_create is not None:
             self.on_create()
         return JSONResponse(_batch_object(await self.store.get_batch(tenant, batch_id)))
@@ -278,19 +287,21 @@ class BatchesAPI:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
         q = request.query_params
         rows, more = await self.store.list_batches(
-            principal.tenant.name, after=q.get("after"), limit=_limit(q.get("limit"), default=20, most=100)
+            principal.tenant.name,
+            after=_text_param(q.get("after"), "after"),
+            limit=_limit(q.get("limit"), default=20, most=100),
         )
         return JSONResponse(_page([_batch_object(r) for r in rows], more))
 
     async def get(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
-        return JSONResponse(
-            _batch_object(await self.store.get_batch(principal.tenant.name, request.path_params["batch_id"]))
-        )
+        batch_id = _ident(request.path_params["batch_id"], "batch")
+        return JSONResponse(_batch_object(await self.store.get_batch(principal.tenant.name, batch_id)))
 
     async def cancel(self, request: Request) -> Response:
         principal = await self.authenticator.authenticate(request.headers.get("authorization"))
-        row = await self.store.cancel(principal.tenant.name, request.path_params["batch_id"], self.clock())
+        batch_id = _ident(request.path_params["batch_id"], "batch")
+        row = await self.store.cancel(principal.tenant.name, batch_id, self.clock())
         return JSONResponse(_batch_object(row))
 
 
@@ -342,13 +353,36 @@ def _expires_after(anchor: object, seconds: object) -> float | None:
     if anchor != "created_at":
         raise GatewayError(400, "expires_after.anchor must be 'created_at'", param="expires_after.anchor")
     low, high = EXPIRES_AFTER_S
-    if not isinstance(seconds, str) or not seconds.strip().isdigit() or not low <= int(seconds) <= high:
+    digits = seconds.strip() if isinstance(seconds, str) else ""
+    # ASCII digits, few of them: "²" is a digit to str.isdigit and not to int().
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 12) or not low <= int(digits) <= high:
         raise GatewayError(
             400,
             f"expires_after.seconds must be an integer from {low} to {high}",
             param="expires_after.seconds",
         )
-    return float(int(seconds))
+    return float(int(digits))
+
+
+# Ids this gateway issues are short printable ASCII; a NUL byte reached PostgreSQL, which
+# refuses it in text (a 500).
+MAX_ID_LEN = 128
+
+
+def _ident(value: str, kind: str) -> str:
+    """`value` if it can name a `kind`; else the 404 of one that does not exist."""
+    if len(value) > MAX_ID_LEN or not value.isascii() or not value.isprintable():
+        raise GatewayError(404, f"No such {kind}: {value[:MAX_ID_LEN]!r}", code="not_found")
+    return value
+
+
+def _text_param(value: str | None, param: str) -> str | None:
+    """A query parameter naming an id or a purpose: printable and short, else a 400."""
+    if value is not None and (len(value) > MAX_ID_LEN or not value.isprintable()):
+        raise GatewayError(
+            400, f"{param} must be a printable string of at most {MAX_ID_LEN} characters", param=param
+        )
+    return value
 
 
 def _ts(value: float | None) -> int | None:

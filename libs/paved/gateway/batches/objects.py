@@ -85,10 +85,11 @@ class LocalObjectStore:
 
     def open_read(self, key: str) -> Iterator[bytes]:
         """The object's bytes in chunks (a blocking iterator: run it in a thread or hand it to
-        a StreamingResponse, which iterates sync iterators in a thread pool)."""
-        with open(self._path(key), "rb") as f:
-            while chunk := f.read(_CHUNK):
-                yield chunk
+        a StreamingResponse, which iterates sync iterators in a thread pool). The file is
+        opened here, not at the first chunk: a missing object raises FileNotFoundError before
+        an answer starts, as the S3 store's does, instead of cutting a 200 short."""
+        f = open(self._path(key), "rb")  # noqa: SIM115 - closed by the generator below
+        return _chunks(f)
 
     async def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -97,6 +98,12 @@ class LocalObjectStore:
     async def delete_prefix(self, prefix: str) -> None:
         """Every object under the folder `prefix` (a key prefix ending in '/')."""
         await asyncio.to_thread(shutil.rmtree, self._path(prefix.rstrip("/")), ignore_errors=True)
+
+
+def _chunks(f: IO[bytes]) -> Iterator[bytes]:
+    with f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
 
 
 class S3ObjectStore:

@@ -118,13 +118,15 @@ def validate_stream(
                 "custom_id",
                 f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID_LEN} characters",
             )
+        if "\x00" in custom_id:  # a database's text cannot hold it
+            raise _bad(n, "custom_id", "custom_id must not contain NUL characters")
         if custom_id in seen:
             raise _bad(n, "custom_id", f"duplicate custom_id '{custom_id}'")
         seen.add(custom_id)
         if obj.get("method") != "POST":
             raise _bad(n, "method", "method must be POST")
         line_url = obj.get("url")
-        if line_url not in ENDPOINTS:
+        if not isinstance(line_url, str) or line_url not in ENDPOINTS:
             raise _bad(n, "url", "url must be one of: " + ", ".join(ENDPOINTS))
         if url is None:
             url = line_url
