@@ -51,7 +51,7 @@ from paved.kserve.repository import (
     ServedModel,
     custom_parameters,
 )
-from paved.kserve.tensors import from_contents, from_raw, to_raw
+from paved.kserve.tensors import DECODE_IN_THREAD_BYTES, from_contents, from_raw, to_raw
 from paved.kserve.wire import ERROR_CODE_PARAMETER
 
 logger = logging.getLogger(__name__)
@@ -206,6 +206,15 @@ def set_parameter(target: Any, key: str, value: Any) -> None:
         target[key].string_param = str(value)
 
 
+async def decode_off_loop(
+    repository: ModelRepository, request: service_pb2.ModelInferRequest, *, decoupled: bool
+) -> tuple[ServedModel, InferRequest]:
+    """decode_request, in a worker thread for a request past DECODE_IN_THREAD_BYTES."""
+    if request.ByteSize() > DECODE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(decode_request, repository, request, decoupled=decoupled)
+    return decode_request(repository, request, decoupled=decoupled)
+
+
 def decode_request(
     repository: ModelRepository, request: service_pb2.ModelInferRequest, *, decoupled: bool
 ) -> tuple[ServedModel, InferRequest]:
@@ -356,7 +365,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         error = None
         try:
             with record.failures():
-                model, infer_request = decode_request(self.repository, request, decoupled=False)
+                model, infer_request = await decode_off_loop(self.repository, request, decoupled=False)
                 responses = await self.repository.infer(model, infer_request)
                 try:
                     results = [r async for r in responses]
@@ -400,7 +409,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             model = None
             try:
                 with record.failures():
-                    model, infer_request = decode_request(self.repository, request, decoupled=True)
+                    model, infer_request = await decode_off_loop(self.repository, request, decoupled=True)
                     responses = await self.repository.infer(model, infer_request)
                     try:
                         sent_final = False

@@ -18,6 +18,7 @@ input order; outputs are returned raw when asked per output (`binary_data`) or f
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -47,7 +48,7 @@ from paved.kserve.repository import (
     ServedModel,
     custom_parameters,
 )
-from paved.kserve.tensors import from_json, from_raw, to_json, to_raw
+from paved.kserve.tensors import DECODE_IN_THREAD_BYTES, from_json, from_raw, to_json, to_raw
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
@@ -105,7 +106,8 @@ def _decode_infer(
     model: ServedModel, body: bytes, header_length: str | None
 ) -> tuple[InferRequest, dict, bool]:
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        # ASCII digits: "²" is a digit to str.isdigit and not to int().
+        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
             raise invalid_argument(
                 f"{HEADER_LENGTH} {header_length!r} does not fit a body of {len(body)} bytes"
             )
@@ -149,6 +151,8 @@ def _decode_infer(
         ):
             raise invalid_argument(f"input '{name}': 'shape' must be a list of integers")
         tparams = t.get("parameters") or {}
+        if not isinstance(tparams, dict):
+            raise invalid_argument(f"input '{name}': 'parameters' must be an object")
         other = sorted(set(tparams) - {"binary_data_size"})
         if other:
             raise unsupported(
@@ -157,7 +161,7 @@ def _decode_infer(
         model.check_input(name, datatype, shape)
         if "binary_data_size" in tparams:
             size = tparams["binary_data_size"]
-            if not isinstance(size, int) or size < 0 or offset + size > len(body):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(body):
                 raise invalid_argument(
                     f"input '{name}': binary_data_size {size!r} runs past the end of the body"
                 )
@@ -184,13 +188,18 @@ def _decode_infer(
             if extra:
                 raise invalid_argument(f"output '{o['name']}': unknown field(s) {extra}")
             oparams = o.get("parameters") or {}
+            if not isinstance(oparams, dict):
+                raise invalid_argument(f"output '{o['name']}': 'parameters' must be an object")
             other = sorted(set(oparams) - {"binary_data"})
             if other:
                 raise unsupported(
                     f"output '{o['name']}': parameters {other} (classification, shared memory) "
                     "are not supported"
                 )
-            binary[o["name"]] = bool(oparams.get("binary_data", binary_default))
+            wants_binary = oparams.get("binary_data", binary_default)
+            if not isinstance(wants_binary, bool):
+                raise invalid_argument(f"output '{o['name']}': parameter 'binary_data' must be a boolean")
+            binary[o["name"]] = wants_binary
             outputs.append(o["name"])
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
@@ -200,7 +209,8 @@ def _decode_infer(
         id=request_id,
         inputs=inputs,
         parameters=custom_parameters(params),
-        outputs=outputs,
+        # An empty list asks for no output in particular: every output, as over gRPC (Triton alike).
+        outputs=outputs or None,
     )
     return infer, binary, binary_default
 
@@ -462,8 +472,9 @@ def create_http_app(
         with record.failures():
             model = repository.get_ready(name, version)
             body = await _read_body(request, max_body_bytes)
-            infer_request, binary, binary_default = _decode_infer(
-                model, body, request.headers.get(HEADER_LENGTH)
+            decode = functools.partial(_decode_infer, model, body, request.headers.get(HEADER_LENGTH))
+            infer_request, binary, binary_default = (
+                await asyncio.to_thread(decode) if len(body) > DECODE_IN_THREAD_BYTES else decode()
             )
             results = await _collect(request, await repository.infer(model, infer_request))
             if len(results) != 1:

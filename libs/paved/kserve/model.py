@@ -16,7 +16,7 @@ holds every version and resolves a request's. Each version keeps its own inferen
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -165,6 +165,21 @@ class ServedModel(abc.ABC):
                 f"expected {sum(not s.optional for s in self.inputs)} required input(s) but got "
                 f"{len(given)} input(s) for model '{self.name}'. Got input(s) {given}, but missing "
                 f"required input(s) {missing}. Please provide all required input(s)."
+            )
+
+    def check_batch(self, inputs: Mapping[str, Any]) -> None:
+        """Every input of a batched model (max_batch_size > 0) has the same batch size, its
+        first dimension: the batcher joins requests input by input, so inputs of different
+        sizes would hand one request's rows to another (Triton refuses them alike)."""
+        if self.max_batch_size <= 0:
+            return
+        sizes = {name: int(array.shape[0]) for name, array in inputs.items() if np.ndim(array) > 0}
+        if len(set(sizes.values())) > 1:
+            first, *rest = sizes.items()
+            name, size = next((n, s) for n, s in rest if s != first[1])
+            raise invalid_argument(
+                f"input '{name}' batch size ({size}) does not match other inputs "
+                f"('{first[0]}': {first[1]}) for '{self.name}'"
             )
 
     def check_outputs(self, names: Iterable[str]) -> None:

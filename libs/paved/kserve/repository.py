@@ -285,6 +285,7 @@ class ModelRepository:
         is recorded in the model's statistics once it ends."""
         if request.outputs is not None:
             model.check_outputs(request.outputs)
+        model.check_batch(request.inputs)
         timing = RequestTiming(model.statistics)
         token = current_timing.set(timing)
         try:

@@ -90,9 +90,23 @@ def datatype_of(array: np.ndarray) -> str:
     raise TypeError(f"no KServe v2 datatype for numpy dtype {array.dtype}")
 
 
+# A request whose tensors take more than this is decoded in a worker thread, not on the event
+# loop: decoding is Python loops over its elements (BYTES, JSON data), seconds for tens of MB,
+# and the loop carries every other request and the health probes.
+DECODE_IN_THREAD_BYTES = 1 << 20
+
+# No tensor dimension is larger (numpy refuses dimensions past 2**63 - 1, and a product of
+# the others can overflow it even when one dimension is 0 and the count is 0).
+MAX_DIMENSION = 2**31 - 1
+
+
 def element_count(shape: Sequence[int], tensor: str) -> int:
     if any(d < 0 for d in shape):
         raise invalid_argument(f"tensor '{tensor}': shape {list(shape)} has a negative dimension")
+    if any(d > MAX_DIMENSION for d in shape):
+        raise invalid_argument(
+            f"tensor '{tensor}': shape {list(shape)} has a dimension larger than {MAX_DIMENSION}"
+        )
     return math.prod(shape)
 
 
@@ -121,6 +135,11 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 def deserialize_bytes(buffer: bytes | memoryview, count: int, tensor: str) -> np.ndarray:
     view = memoryview(buffer)
+    if 4 * count > len(view):  # refused before the per-element loop, however large `count`
+        raise invalid_argument(
+            f"tensor '{tensor}': {len(view)} bytes cannot hold {count} BYTES elements "
+            "(each has a 4-byte length prefix)"
+        )
     values = []
     offset = 0
     for i in range(count):

@@ -460,6 +460,27 @@ def test_contents_and_raw_contents_together_are_invalid_argument(server):
     assert "both contents and raw_input_contents" in info.value.details()
 
 
+def test_malformed_http_infer_fields_are_400(server):
+    """Wrong-typed tensor / output `parameters`, a non-boolean binary_data and a header length
+    of digits int() refuses ('²') are 400s naming the field (each was a 500, or binary output
+    for binary_data "false"); an empty `outputs` list asks for every output, as over gRPC."""
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/{XGB}/infer"
+    good = {"name": "input__0", "datatype": "FP32", "shape": [1, 32], "data": [0.0] * 32}
+    out = {"name": "output__0"}
+    cases = [
+        ({"inputs": [{**good, "parameters": 5}]}, {}, "'parameters' must be an object"),
+        ({"inputs": [{**good, "parameters": ["binary_data_size"]}]}, {}, "'parameters' must be an object"),
+        ({"inputs": [good], "outputs": [{**out, "parameters": 7}]}, {}, "'parameters' must be an object"),
+        ({"inputs": [good], "outputs": [{**out, "parameters": {"binary_data": "false"}}]}, {}, "binary_data"),
+        ({"inputs": [good]}, {"Inference-Header-Content-Length": "²".encode("latin-1")}, "Inference-Header"),
+    ]
+    for body, headers, needle in cases:
+        r = httpx.post(url, content=json.dumps(body).encode(), headers=headers, timeout=30)
+        assert r.status_code == 400 and needle in r.json()["error"], (body, r.status_code, r.text)
+    r = httpx.post(url, json={"inputs": [good], "outputs": []}, timeout=30)
+    assert r.status_code == 200 and [o["name"] for o in r.json()["outputs"]] == ["output__0"], r.text
+
+
 def test_oversized_messages(gc, hc):
     big = np.zeros((LIMIT // 128 + 64, 32), np.float32)  # > 1 MiB
     error = grpc_error(lambda: gc.infer(XGB, [tensor(grpcclient, "input__0", big, "FP32")]))

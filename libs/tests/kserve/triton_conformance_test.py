@@ -435,6 +435,14 @@ ERRORS: dict[str, tuple[str, dict[str, np.ndarray], str, dict[str, str], tuple[s
     "missing input": ("add_sub", {"INPUT0": X4}, "", {}, ("INPUT1",)),
     "unknown input": ("add_sub", {"INPUT0": X4, "INPUT1": X4, "EXTRA": X4}, "", {}, ("EXTRA",)),
     "batch over max_batch_size": ("add_sub", {"INPUT0": _f32(9, 4), "INPUT1": _f32(9, 4)}, "", {}, ("8",)),
+    # The batcher joins requests input by input: differing sizes would mix requests' rows.
+    "batch sizes differ across inputs": (
+        "add_sub",
+        {"INPUT0": _f32(1, 4), "INPUT1": _f32(2, 4)},
+        "",
+        {},
+        ("batch size", "add_sub"),
+    ),
     "model raises": (
         "raises",
         {"X": np.array([-1.0], dtype=np.float32)},
@@ -459,6 +467,7 @@ ERROR_STATUSES = {
     "missing input": ("StatusCode.INVALID_ARGUMENT", "400"),
     "unknown input": ("StatusCode.INVALID_ARGUMENT", "400"),
     "batch over max_batch_size": ("StatusCode.INVALID_ARGUMENT", "400"),
+    "batch sizes differ across inputs": ("StatusCode.INVALID_ARGUMENT", "400"),
     "model raises": ("StatusCode.INTERNAL", "500"),
     "model error response": ("StatusCode.INTERNAL", "500"),
     # Triton 2.51: "ModelInfer RPC doesn't support models with decoupled transaction policy".

@@ -393,3 +393,42 @@ def test_http_access_line_status_of_an_error_escaping_the_app(caplog):
         ("late", "kserve-http", 200),
     ]
     assert [dict(m["headers"])[b"x-request-id"] for m in sent] == [b"late"]
+
+
+def test_huge_dimensions_and_impossible_bytes_counts_are_invalid_argument():
+    """A 0 beside a huge dimension counts 0 elements, and numpy then refused the shape (an
+    INTERNAL); a BYTES count its payload cannot hold is refused before the per-element loop."""
+    for shape in ([0, 2**62], [0, 2**63 - 1], [2**32, 0]):
+        with pytest.raises(KServeError) as info:
+            tensors.from_json("x", "FP32", shape, [])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "larger than" in info.value.message
+        with pytest.raises(KServeError) as info:
+            tensors.from_raw("x", "FP32", shape, b"")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(KServeError) as info:
+        tensors.deserialize_bytes(b"\0" * 40, 11, "s")
+    assert "cannot hold 11 BYTES elements" in info.value.message
+    assert list(tensors.deserialize_bytes(b"\0" * 40, 10, "s")) == [b""] * 10
+
+
+def test_large_grpc_requests_are_decoded_off_the_event_loop(monkeypatch):
+    """Decoding is Python loops over a request's elements (seconds for tens of MB): past
+    DECODE_IN_THREAD_BYTES it runs in a worker thread, so the loop keeps serving the others."""
+    from tritonclient.grpc import service_pb2
+
+    from paved.kserve import grpc_server
+
+    threads: list[threading.Thread] = []
+
+    def decode(repository, request, *, decoupled):
+        threads.append(threading.current_thread())
+        return "model", "request"
+
+    monkeypatch.setattr(grpc_server, "decode_request", decode)
+    small = service_pb2.ModelInferRequest(model_name="m")
+    big = service_pb2.ModelInferRequest(model_name="m")
+    big.raw_input_contents.append(b"\0" * (tensors.DECODE_IN_THREAD_BYTES + 1))
+    for request in (small, big):
+        decoded = asyncio.run(grpc_server.decode_off_loop(None, request, decoupled=False))
+        assert decoded == ("model", "request")
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()

@@ -17,7 +17,6 @@ import pickle
 import socket
 import struct
 import threading
-from typing import Any
 
 # meta length, buffer count, the buffers' total length; then the body: one length per buffer,
 # the pickle, the buffers. A reader takes a frame in two reads (header, body), whatever its
