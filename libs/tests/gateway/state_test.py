@@ -11,8 +11,10 @@ authenticates as another tenant and that no mutation of a valid key authenticate
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 import string
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -595,3 +597,22 @@ def test_mutations_of_a_valid_key_never_authenticate(world, which, edits):
 @given(token=st.text(max_size=80))
 def test_random_tokens_never_authenticate(world, token):
     assert world.authenticate(token) is None
+
+
+def test_database_work_does_not_queue_behind_the_default_thread_pool(store):
+    """Every worker of asyncio's default pool busy (batch files being validated, written):
+    the store's calls, every request's key lookup among them, still run at once on threads of
+    their own. With the old code the call waited for the pool and this timed out."""
+
+    async def go() -> str:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        release = threading.Event()
+        busy = [loop.run_in_executor(None, release.wait, 60) for _ in range(2)]
+        try:
+            return await asyncio.wait_for(store.run(lambda: threading.current_thread().name), 20)
+        finally:
+            release.set()
+            await asyncio.gather(*busy)
+
+    assert run(go()).startswith("paved-db")

@@ -19,9 +19,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import re
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -209,6 +212,9 @@ def _key_from_row(row: Any, tenant_name: str) -> KeyInfo:
     )
 
 
+DB_THREADS = 15
+
+
 def _tenant_not_found(name: str) -> GatewayError:
     return GatewayError(404, f"no tenant named '{name}'", code="tenant_not_found", param="tenant")
 
@@ -219,6 +225,11 @@ class GatewayStore:
     def __init__(self, url: str):
         self._engine = engine_for(url, what="gateway's state store")
         self._is_pg = self._engine.dialect.name == "postgresql"
+        # Database work has threads of its own: on asyncio's default pool (min(32, CPUs + 4)
+        # threads, 6 on a 2-core host) it queued behind batch files being validated and
+        # written, and every request's key lookup waited with it. As many as the PostgreSQL
+        # connection pool holds (5 + 10 overflow): more would only wait for a connection.
+        self._threads = ThreadPoolExecutor(max_workers=DB_THREADS, thread_name_prefix="paved-db")
 
     @property
     def dialect(self) -> str:
@@ -241,7 +252,8 @@ class GatewayStore:
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
-            return await asyncio.to_thread(fn, *args)
+            call = functools.partial(contextvars.copy_context().run, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._threads, call)
         except (OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
             # The database is down, slow or unreachable: a 503 the caller may retry, not a 500.
             # The driver's message can carry connection details, so it is not passed on.
@@ -278,6 +290,7 @@ class GatewayStore:
 
     async def close(self) -> None:
         await asyncio.to_thread(self._engine.dispose)
+        self._threads.shutdown(wait=False)
 
     # -- tenants ---------------------------------------------------------------------------
 
