@@ -565,7 +565,9 @@ def create_http_app(
         doc = _parse_json(body) if body.strip() else {}
         if not isinstance(doc, dict) or set(doc) - {"ready"}:
             raise invalid_argument("the repository index request takes only 'ready'")
-        only_ready = bool(doc.get("ready", False))
+        only_ready = doc.get("ready", False)
+        if not isinstance(only_ready, bool):  # "false" is not false
+            raise invalid_argument("'ready' must be a boolean")
         index = []
         for model in repository.models():
             state, reason = model.state()

@@ -479,6 +479,10 @@ def test_malformed_http_infer_fields_are_400(server):
         assert r.status_code == 400 and needle in r.json()["error"], (body, r.status_code, r.text)
     r = httpx.post(url, json={"inputs": [good], "outputs": []}, timeout=30)
     assert r.status_code == 200 and [o["name"] for o in r.json()["outputs"]] == ["output__0"], r.text
+    index = f"http://127.0.0.1:{server.http_port}/v2/repository/index"
+    r = httpx.post(index, json={"ready": "false"}, timeout=30)  # was read as true
+    assert r.status_code == 400 and "'ready' must be a boolean" in r.json()["error"], r.text
+    assert httpx.post(index, json={"ready": False}, timeout=30).status_code == 200
 
 
 def test_oversized_messages(gc, hc):

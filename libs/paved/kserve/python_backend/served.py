@@ -386,7 +386,13 @@ class PythonModel(ServedModel):
         for name, array in request.inputs.items():
             if name in self._reshape:
                 lead = array.shape[:1] if self.max_batch_size > 0 else ()
-                array = array.reshape(*lead, *self._reshape[name])
+                try:
+                    array = array.reshape(*lead, *self._reshape[name])
+                except ValueError:
+                    raise invalid_argument(
+                        f"input '{name}' of shape {list(array.shape)} does not fit the model's reshape "
+                        f"{list(self._reshape[name])} for '{self.name}'"
+                    ) from None
             inputs.append((name, array))
         pending = _Request(
             key,
