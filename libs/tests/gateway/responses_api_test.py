@@ -6,22 +6,27 @@ duplicate), a background response continued by another replica after a SIGKILL (
 of the one generating it (a follower's sequence contiguous across the takeover; over Redis
 and over the database log), a stream whose replica died resumed and finished on another,
 Last-Event-ID resume of a chat stream (resumable by default; the SDK parses it), cross-tenant
-reads refused, and the stores' bounds. Without processes: the response store's takeover
-claims and their bound, ResponseStream.resumed continuing a sequence exactly, and the
-continuation's chat bodies."""
+reads refused, and the stores' bounds: requests the chat path refuses use up none of them, a
+resume point past what a log holds is a 400, input item ids are unique strings. Without
+processes: the response store's takeover claims and their bound, a cancelled response's final
+output and usage, ResponseStream.resumed continuing a sequence exactly, and the continuation's
+chat bodies."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import secrets
 import signal
+import sqlite3
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+import redis
 from gateway_proc import GatewayProcess, write_routes
 from prometheus_client.parser import text_string_to_metric_families
 from servers import ServerProcess
@@ -64,6 +69,8 @@ def fleet(tmp_path_factory):
                 "gateways": gateways,
                 "keys": keys,
                 "spawn": lambda *extra: _gateway(routes, state, redis, admin, tmp, *extra),
+                "redis": redis,
+                "state": tmp / "gw.sqlite",
             }
     finally:
         for gw in gateways:
@@ -441,6 +448,41 @@ def test_no_resumable_streams_forwards_chat_streams_as_before(fleet):
         assert all(ident is None for ident, _ in events)
     finally:
         plain.stop()
+
+
+def test_refused_requests_store_no_response_and_open_no_stream(fleet):
+    """Requests the chat path refuses (429 past the tenant's requests/min, 404 an unknown
+    model) leave no stored response and no stream: each used to count toward
+    --streams-per-tenant (50) and --responses-per-tenant, so a burst of retries evicted the
+    tenant's real streams (here: the first response's events)."""
+    a, b = fleet["gateways"]
+    a.tenant("capped", models=[MODEL], limits={"requests_per_min": 2})
+    auth = {"authorization": f"Bearer {a.key('capped')}"}
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 20, "stream": True}
+    first = httpx.post(f"{a.url}/v1/responses", json=body, headers=auth, timeout=60)
+    assert first.status_code == 200
+    rid = first.headers["x-paved-stream-id"]
+    codes: collections.Counter[int] = collections.Counter()
+    for _ in range(55):
+        codes[httpx.post(f"{a.url}/v1/responses", json=body, headers=auth, timeout=60).status_code] += 1
+    chat = {"model": "nope", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    for _ in range(55):
+        codes[
+            httpx.post(f"{a.url}/v1/chat/completions", json=chat, headers=auth, timeout=60).status_code
+        ] += 1
+    accepted = codes.pop(200, 0)  # (the limiter may let one more through)
+    assert set(codes) <= {404, 429} and sum(codes.values()) >= 100, codes
+    # Only what was accepted is stored and counted in the tenant's stream index.
+    with sqlite3.connect(fleet["state"]) as db:
+        (stored,) = db.execute("SELECT count(*) FROM gateway_responses WHERE tenant = 'capped'").fetchone()
+    assert stored == 1 + accepted
+    index = redis.Redis.from_url(fleet["redis"])
+    try:
+        assert index.zcard("pvd:et:capped") == 1 + accepted
+    finally:
+        index.close()
+    replay = httpx.get(f"{b.url}/v1/responses/{rid}?stream=true", headers=auth, timeout=60)
+    assert replay.status_code == 200 and replay.content == first.content
 
 
 def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_number_of_times(tmp_path):

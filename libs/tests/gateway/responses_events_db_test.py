@@ -3,12 +3,14 @@ on SQLite, each.
 
 Without processes (two replicas = two GatewayStores on one database, each with its own
 SqlEventLog and LiveStreams): append and replay from N, a follower on the other replica live
-until the final event, a resume past the end gets the final event again, a local reader gets
+until the final event, a resume past the end gets the final event again (of a stream still
+running: once it ends, from memory and from the log), a local reader gets
 an event only once the log holds it, the per-tenant cap, the per-stream bound (StreamTrimmed,
 never a gap), retention (an expired stream is gone and swept), appends that are retried,
 that would leave a hole or that reach a stream gone; one failed flush is retried (the stream
 stays resumable), a log that keeps failing costs the stream its resumability, not its
-delivery. The Redis log's append (a Lua script) keeps the same contract.
+delivery; a deleted stream counts toward no cap. The Redis log's append (a Lua script) keeps
+the same contract; its delete leaves its tenant's index, and an unreachable Redis is a 503.
 
 With processes: two gateway mains sharing the database and no Redis, in front of a paved
 frontend on the simulated engine: a chat stream cut mid-way on one and resumed with
@@ -269,6 +271,37 @@ def test_the_redis_log_appends_under_the_same_contract(monkeypatch):
 
     with redis_server() as url:
         asyncio.run(go(url))
+
+
+def test_the_redis_log_forgets_a_deleted_stream_in_its_tenant_index():
+    """A deleted stream no longer counts toward the tenant's cap (it evicted a live one)."""
+
+    async def go(url: str):
+        log = ev.RedisEventLog(url, ev.LogBounds(max_streams_per_tenant=2))
+        await log.open("k1", "acme")
+        await log.open("gone", "acme")
+        await log.delete("gone")
+        await log.open("k2", "acme")
+        assert await log.info("k1") is not None and await log.info("k2") is not None
+        assert await log._redis.zrange("pvd:et:acme", 0, -1) == [b"k1", b"k2"]
+        await log.close()
+
+    with redis_server() as url:
+        asyncio.run(go(url))
+
+
+def test_a_deleted_stream_counts_toward_no_cap_in_the_database_log(db_url):
+    async def go():
+        a, b = await _replicas(db_url, ev.LogBounds(max_streams_per_tenant=2))
+        await a.log.open("k1", "acme")
+        await a.log.open("gone", "acme")
+        await b.log.delete("gone")
+        await a.log.open("k2", "acme")
+        assert await b.log.info("k1") is not None and await b.log.info("k2") is not None
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
 
 
 def test_bounds_per_tenant_per_stream_and_retention(db_url):

@@ -73,6 +73,9 @@ class _Chat:
         self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.body = b""
         self.streaming = False
+        # The chat path took the request but `on_start` could not (its stream log or its row
+        # would not open): the chat was aborted, and this is the client's answer.
+        self.refused: GatewayError | None = None
 
 
 async def run_chat(
@@ -83,11 +86,15 @@ async def run_chat(
     chat: _Chat,
     on_event: Callable[[bytes], Awaitable[None] | None],
     principal: Principal | None = None,
+    on_start: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """POST `body` to the gateway's own chat path as a client with `headers` would, with no
     client: `abort` set is that client leaving. SSE events go to `on_event` whole (without
     their blank line); a non-stream answer's body is kept in `chat.body`. `principal`: the
-    caller is already known (a takeover has no Authorization to send)."""
+    caller is already known (a takeover has no Authorization to send). `on_start`: awaited
+    once the chat path accepted the request (it answered 200 with an event stream), before
+    `chat.started` is set and before any event; when it raises, the chat is aborted, its
+    events are dropped and `chat.refused` says why."""
     delivered = False
 
     async def receive() -> dict[str, Any]:
@@ -108,10 +115,21 @@ async def run_chat(
             chat.streaming = chat.status == 200 and chat.headers.get("content-type", "").startswith(
                 "text/event-stream"
             )
+            if chat.streaming and on_start is not None:
+                try:
+                    await on_start()
+                except Exception as e:  # noqa: BLE001 - the client gets it; the chat must stop
+                    if not isinstance(e, GatewayError):
+                        logger.warning("could not start recording a chat stream: %s", e)
+                        e = GatewayError(
+                            503, "the stream store is unavailable", code="stream_store_unavailable"
+                        )
+                    chat.refused = e
+                    abort.set()
             if chat.streaming and not chat.started.done():
                 chat.started.set_result(None)
             return
-        if message["type"] != "http.response.body":
+        if message["type"] != "http.response.body" or chat.refused is not None:
             return
         data = message.get("body", b"")
         if not chat.streaming:
@@ -275,37 +293,46 @@ class ResponsesAPI:
         run = oai.ResponseStream(parsed, response_id, queued=parsed.background)
         # Resumable when stored and streamed (or in the background: any later reader may stream).
         logged = parsed.store and (parsed.stream or parsed.background)
-        live = await self.streams.create(response_id, tenant) if logged else None
-        if parsed.store:
+        spec = None
+        if logged:
             # What another replica needs to continue it if this one dies (never the key itself):
             # kept for every response with a log (background, or streamed: resumable).
-            spec = None
-            if logged:
-                passed = [(k, v) for k, v in _passed_headers(request) if k != b"authorization"]
-                spec = {
-                    "key_id": principal.key_id, "request": body, "chat": parsed.chat_body(),
-                    "base": [*parsed.history, *parsed.input_messages],
-                    "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in passed],
-                }  # fmt: skip
-            await self.store.create(tenant, dict(run.response), parsed.input_items, logged, spec)
+            passed = [(k, v) for k, v in _passed_headers(request) if k != b"authorization"]
+            spec = {
+                "key_id": principal.key_id, "request": body, "chat": parsed.chat_body(),
+                "base": [*parsed.history, *parsed.input_messages],
+                "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in passed],
+            }  # fmt: skip
         abort = asyncio.Event()
-        self._running[response_id] = abort
-        job = _Job(self, parsed, run, live, abort, _passed_headers(request), tenant)
-        task = self._spawn(job.run())
-        if live is not None and not parsed.background:
-            self._spawn(self._grace(live, abort, task))
+        job = _Job(self, parsed, run, None, abort, _passed_headers(request), tenant)
         if parsed.background:
-            if parsed.stream and live is not None:
-                return self._follow_response(live.id)
+            # Answered (with its id) before the chat path runs: stored and logged now, and a
+            # refusal by the chat path ends it `failed`.
+            await job.accept(logged, spec)
+        else:
+            # Stored and logged only once the chat path accepted it: a request it refuses (a
+            # limit, the model, max_tokens) must not count toward the tenant's caps.
+            job.defer(logged, spec)
+        self._running[response_id] = abort
+        task = self._spawn(job.run())
+        if parsed.background:
+            if parsed.stream:
+                return self._follow_response(response_id)
             return JSONResponse(run.response)
         await job.chat.started
-        if job.chat.status and not job.chat.streaming:
+        if not job.chat.streaming or job.chat.refused is not None:
             # Refused before any output (limits, model, backend): the chat path's own answer.
             await task
-            return Response(job.chat.body, job.chat.status, media_type="application/json")
+            if job.chat.refused is not None:
+                raise job.chat.refused
+            if job.chat.status:
+                return Response(job.chat.body, job.chat.status, media_type="application/json")
+            raise GatewayError(502, job.error or "the gateway failed before the model answered")
+        if job.live is not None:
+            self._spawn(self._grace(job.live, abort, task))
         if parsed.stream:
-            if live is not None:
-                return self._follow_response(live.id)
+            if job.live is not None:
+                return self._follow_response(job.live.id)
             return StreamingResponse(
                 _until_gone(job.local_events(), abort), media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
@@ -535,33 +562,44 @@ class ResponsesAPI:
             return await self.proxy.forward(request, "chat", CHAT_PATH)
         principal = await self._principal(request)
         stream_id = oai.new_id("chatstream")
-        live = await self.streams.create(stream_id, principal.tenant.name)
         abort = asyncio.Event()
         chat = _Chat()
+        # Opened only once the chat path accepted the request: a refused one (a limit, an
+        # unknown model) must not count toward the tenant's stream cap.
+        live: LiveStream | None = None
+
+        async def accept() -> None:
+            nonlocal live
+            live = await self.streams.create(stream_id, principal.tenant.name)
 
         def on_event(event: bytes) -> None:
+            if live is None:  # (run_chat delivers events only once accepted)
+                return
             end = event.startswith(b"data: [DONE]")
             self.streams.push(live, b"id: %d\n" % live.next_seq + event + b"\n\n", end=end)
 
         async def generate() -> None:
             try:
-                await run_chat(self.proxy, _passed_headers(request), raw, abort, chat, on_event)
+                headers = _passed_headers(request)
+                await run_chat(self.proxy, headers, raw, abort, chat, on_event, on_start=accept)
             except Exception as e:  # noqa: BLE001 - the stream must still end
                 logger.warning("chat stream %s failed: %s", stream_id, e)
             finally:
-                if not live.ended:
-                    # Ended without [DONE] (an error event, an abort): a comment closes the log.
-                    self.streams.push(live, b"id: %d\n: end\n\n" % live.next_seq, end=True)
-                await self.streams.flushed(live)
+                if live is not None:
+                    if not live.ended:
+                        # Ended without [DONE] (an error event, an abort): a comment closes the log.
+                        self.streams.push(live, b"id: %d\n: end\n\n" % live.next_seq, end=True)
+                    await self.streams.flushed(live)
 
         task = self._spawn(generate())
-        self._spawn(self._grace(live, abort, task))
         await chat.started
-        if not chat.streaming:
+        if live is None or chat.refused is not None:
             await task
-            await self.streams.log.delete(stream_id)
+            if chat.refused is not None:
+                return _error(chat.refused)
             headers = {k: v for k, v in chat.headers.items() if k.lower() not in ("content-length",)}
-            return Response(chat.body, chat.status, headers=headers)
+            return Response(chat.body, chat.status or 502, headers=headers)
+        self._spawn(self._grace(live, abort, task))
         headers = {
             k: v for k, v in chat.headers.items() if k.lower() not in ("content-length", "content-type")
         }
@@ -613,7 +651,9 @@ class _Job:
 
     Its events go to `live` (a stream this replica created), else straight to the log under
     `log_id` (a takeover: the stream was created by a replica that died), else to the local
-    queue (`store: false`)."""
+    queue (`store: false`). A response created by a client is stored (and its stream opened)
+    by `accept`: at once (background), or, when `defer`red, only once the chat path accepted
+    the request; until then its events wait in `_pending`."""
 
     def __init__(
         self,
@@ -647,6 +687,12 @@ class _Job:
         self.answered = False
         # Stored with a log (and a job row): another replica can continue it.
         self.logged = parsed.store and (live is not None or log_id is not None)
+        # Its row (when stored) and its log (when logged) exist: a takeover's always do.
+        self.accepted = log_id is not None or live is not None
+        # Set by `defer`: (logged, job spec) to `accept` with once the chat path started.
+        self._deferred: tuple[bool, dict[str, Any] | None] | None = None
+        self._pending: list[tuple[bytes, bool]] = []
+        self._lease: asyncio.Task[None] | None = None
         # A continued response that was already in progress emits no second response.in_progress.
         self._started = run.response["status"] == "in_progress" and log_id is not None
 
@@ -658,10 +704,49 @@ class _Job:
                 self.api.streams.push(self.live, data, end=end)
             elif self.log_id is not None:
                 self._unwritten.append((event["sequence_number"], data, end))
+            elif self._deferred is not None and self._deferred[0]:
+                self._pending.append((data, end))
             else:
                 self._local.put_nowait(data)
         if self.run_.done and self.live is None and self.log_id is None:
             self._local.put_nowait(None)
+
+    def defer(self, logged: bool, spec: dict[str, Any] | None) -> None:
+        """Store the response (and open its log when `logged`) only when the chat path
+        starts answering; a request it refuses leaves nothing behind."""
+        self._deferred = (logged, spec)
+
+    async def start_accepted(self) -> None:
+        """run_chat's on_start: the deferred `accept`."""
+        if self._deferred is not None:
+            logged, spec = self._deferred
+            await self.accept(logged, spec)
+            self._deferred = None
+
+    async def accept(self, logged: bool, spec: dict[str, Any] | None) -> None:
+        """Open the response's log (`logged`) and store it (`store`), leased to this replica,
+        with `spec`, what another replica needs to continue it. Raises GatewayError (503) when
+        either store is unavailable, and then leaves neither behind."""
+        api, response_id = self.api, self.run_.response["id"]
+        if logged:
+            self.live = await api.streams.create(response_id, self.tenant)
+            pending, self._pending = self._pending, []
+            for data, end in pending:
+                api.streams.push(self.live, data, end=end)
+        if self.parsed.store:
+            try:
+                await api.store.create(
+                    self.tenant, dict(self.run_.response), self.parsed.input_items, logged, spec
+                )
+            except BaseException:
+                if self.live is not None:
+                    # Nobody reads it: the flusher finds it gone, and it counts toward no cap.
+                    with contextlib.suppress(Exception):
+                        await api.streams.log.delete(response_id)
+                raise
+            self._lease = asyncio.create_task(self._keep_lease(response_id))
+        self.logged = self.parsed.store and logged
+        self.accepted = True
 
     async def _write(self) -> None:
         """A takeover's events into the log, in order, before the next chunk is read (the
@@ -717,13 +802,12 @@ class _Job:
         continuation with vLLM's continue_final_message, then without it); default: the
         request's own body; none: nothing is left to generate (or `self.error` says why not)."""
         api, store, response_id = self.api, self.api.store, self.run_.response["id"]
-        lease: asyncio.Task[None] | None = None
         try:
             if self.run_.seq < 0:
                 self._emit(self.run_.start())
             await self._write()
-            if self.parsed.store:
-                lease = asyncio.create_task(self._keep_lease(response_id))
+            if self.parsed.store and self.log_id is not None:
+                self._lease = asyncio.create_task(self._keep_lease(response_id))
             if bodies is None:
                 bodies = [json.dumps(self.parsed.chat_body(), ensure_ascii=False).encode()]
 
@@ -741,7 +825,10 @@ class _Job:
                     break
                 if i:
                     self.chat = _Chat()
-                await run_chat(api.proxy, self.headers, body, self.abort, self.chat, on_event, self.principal)
+                await run_chat(
+                    api.proxy, self.headers, body, self.abort, self.chat, on_event, self.principal,
+                    on_start=self.start_accepted,
+                )  # fmt: skip
                 if not (i + 1 < len(bodies) and self.chat.status == 400 and _EXTENSION in self.chat.body):
                     break
             if bodies and self.error is None and self.chat.status != 200:
@@ -750,8 +837,8 @@ class _Job:
             logger.warning("response %s failed: %s", response_id, e)
             self.error = f"the gateway failed while generating: {type(e).__name__}"
         finally:
-            if lease is not None:
-                lease.cancel()
+            if self._lease is not None:
+                self._lease.cancel()
             api._running.pop(response_id, None)
             if self.taken:
                 logger.warning("response %s was taken over by another replica; this one stops", response_id)
@@ -784,7 +871,7 @@ class _Job:
         await self._write()
         if self.live is not None:
             await self.api.streams.flushed(self.live)
-        if self.parsed.store:
+        if self.parsed.store and self.accepted:
             messages = [*self.base, *self.run_.output_messages()]
             with contextlib.suppress(Exception):
                 await self.api.store.finish(

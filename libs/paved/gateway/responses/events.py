@@ -234,10 +234,20 @@ class RedisEventLog:
         return out
 
     async def touch(self, stream_id: str) -> None:
-        await self._redis.hset(f"pvd:em:{stream_id}", "reader", time.time())
+        async with _unavailable_as_503():
+            await self._redis.hset(f"pvd:em:{stream_id}", "reader", time.time())
 
     async def delete(self, stream_id: str) -> None:
-        await self._redis.delete(f"pvd:es:{stream_id}", f"pvd:em:{stream_id}")
+        """The stream's events and meta, and its place in its tenant's index: a deleted
+        stream no longer counts toward the tenant's cap (it would evict live ones)."""
+        meta = f"pvd:em:{stream_id}"
+        async with _unavailable_as_503():
+            tenant = await self._redis.hget(meta, "tenant")
+            async with self._redis.pipeline(transaction=True) as p:
+                p.delete(f"pvd:es:{stream_id}", meta)
+                if tenant is not None:
+                    p.zrem(f"pvd:et:{tenant.decode()}", stream_id)
+                await p.execute()
 
     async def close(self) -> None:
         await self._redis.aclose()
