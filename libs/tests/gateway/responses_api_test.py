@@ -485,6 +485,38 @@ def test_refused_requests_store_no_response_and_open_no_stream(fleet):
     assert replay.status_code == 200 and replay.content == first.content
 
 
+def test_a_response_cancelled_while_it_generates_keeps_its_final_output_and_usage(tmp_path):
+    """The generation ends after the cancel: the stored object (still `cancelled`) gets the
+    output and usage its terminal event has, not the snapshot the cancel took."""
+
+    async def scenario() -> None:
+        db = GatewayStore(f"sqlite:///{tmp_path / 'gw.db'}")
+        responses = ResponseStore(db, StoreBounds(), "one")
+        await responses.start()
+        start = {"id": "resp_c", "status": "in_progress", "output": [], "usage": None, "error": None}
+        await responses.create("acme", start, [], True, {"key_id": "k"})
+        cancelled = await responses.cancel("acme", "resp_c")
+        assert cancelled is not None and cancelled.body["output"] == []
+        output = [{"type": "message", "content": [{"type": "output_text", "text": "partial"}]}]
+        usage = {"input_tokens": 3, "output_tokens": 7, "total_tokens": 10}
+        final = {**start, "status": "cancelled", "output": output, "usage": usage}
+        messages = [{"role": "assistant", "content": "partial"}]
+        assert await responses.finish("resp_c", "cancelled", final, messages) is False
+        got = await responses.get("acme", "resp_c")
+        assert got is not None and got.status == "cancelled" and got.body["status"] == "cancelled"
+        assert got.body["output"] == output and got.body["usage"] == usage and got.messages == messages
+        # A run that finished as if not cancelled (it raced the cancel): still `cancelled`.
+        await responses.create("acme", {**start, "id": "resp_d"}, [], True)
+        await responses.cancel("acme", "resp_d")
+        await responses.finish("resp_d", "completed", {**final, "id": "resp_d", "status": "completed"}, [])
+        raced = await responses.get("acme", "resp_d")
+        assert raced is not None and raced.status == "cancelled" and raced.body["status"] == "cancelled"
+        assert raced.body["usage"] == usage
+        await db.close()
+
+    asyncio.run(scenario())
+
+
 def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_number_of_times(tmp_path):
     async def scenario() -> None:
         db = GatewayStore(f"sqlite:///{tmp_path / 'gw.db'}")

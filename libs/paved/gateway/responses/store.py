@@ -200,8 +200,10 @@ class ResponseStore:
     async def finish(
         self, response_id: str, status: str, body: dict[str, Any], messages: list[dict[str, Any]]
     ) -> bool:
-        """Its final status, object and conversation (kept even when cancelled meanwhile: the
-        body then says so)."""
+        """Its final status, object and conversation. Cancelled meanwhile: the status stays
+        `cancelled`, and the object's output and usage are the final ones all the same (what
+        the terminal event says and the tenant was charged for, not the snapshot `cancel`
+        took)."""
         return await self._store.run(self._set_sync, response_id, status, body, messages)
 
     def _set_sync(
@@ -218,11 +220,20 @@ class ResponseStore:
         with self._store.engine.begin() as conn:
             ours = sa.and_(t.c.id == response_id, t.c.owner == self.owner)
             done = conn.execute(t.update().where(ours, t.c.status.in_(ACTIVE)).values(**values)).rowcount
-            if messages is not None:
-                # Cancelled meanwhile: keep the cancellation, store what was generated.
-                ended = done or conn.execute(t.update().where(ours).values(messages=messages)).rowcount
-                if ended:  # (another owner's job stays: it is still generating)
-                    conn.execute(jobs_table.delete().where(jobs_table.c.id == response_id))
+            if messages is None:
+                return bool(done)
+            ended = done
+            if not done:
+                # Cancelled meanwhile: the cancellation stays, with the final output and usage.
+                cancelled = {**body, "status": "cancelled", "error": None}
+                was_cancelled = sa.and_(ours, t.c.status == "cancelled")
+                ended = conn.execute(
+                    t.update().where(was_cancelled).values(messages=messages, body=cancelled)
+                ).rowcount
+                # Ended otherwise meanwhile (failed): its object stays; the conversation is kept.
+                ended = ended or conn.execute(t.update().where(ours).values(messages=messages)).rowcount
+            if ended:  # (another owner's job stays: it is still generating)
+                conn.execute(jobs_table.delete().where(jobs_table.c.id == response_id))
             return bool(done)
 
     async def renew(self, response_id: str) -> str:
