@@ -195,9 +195,23 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _item_id(raw: dict[str, Any], prefix: str, param: str, seen: set[str]) -> str:
+    """An input item's id: the client's (a string, unique in the input: `input_items`
+    pagination names an item by it), else a new one."""
+    ident = raw.get("id")
+    if ident is None or ident == "":
+        return new_id(prefix)
+    if not isinstance(ident, str):
+        raise _bad("an input item's id must be a string", f"{param}.id")
+    if ident in seen:
+        raise _bad(f"input item id {ident!r} is used twice: ids must be unique", f"{param}.id")
+    seen.add(ident)
+    return ident
+
+
 def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The input items (as stored and listed, each with an id) and the chat messages they
-    become."""
+    """The input items (as stored and listed, each with an id unique among them) and the chat
+    messages they become."""
     if isinstance(value, str):
         item = {
             "id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
@@ -208,6 +222,7 @@ def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         raise _bad("input must be a string or a non-empty list of input items", "input")
     items: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for i, raw in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(raw, dict):
@@ -221,7 +236,7 @@ def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             part = "output_text" if role == "assistant" else "input_text"
             items.append(
                 {
-                    "id": raw.get("id") or new_id("msg"), "type": "message", "role": role,
+                    "id": _item_id(raw, "msg", param, seen), "type": "message", "role": role,
                     "status": "completed", "content": [{"type": part, "text": text}],
                 }
             )  # fmt: skip
@@ -232,7 +247,7 @@ def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 raise _bad("a function_call item needs call_id, name and arguments (strings)", param)
             items.append(
                 {
-                    "id": raw.get("id") or new_id("fc"), "type": "function_call", "call_id": call_id,
+                    "id": _item_id(raw, "fc", param, seen), "type": "function_call", "call_id": call_id,
                     "name": name, "arguments": arguments, "status": "completed",
                 }
             )  # fmt: skip
@@ -248,7 +263,7 @@ def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 raise _bad("a function_call_output item needs call_id and output (strings)", param)
             items.append(
                 {
-                    "id": raw.get("id") or new_id("fco"), "type": "function_call_output",
+                    "id": _item_id(raw, "fco", param, seen), "type": "function_call_output",
                     "call_id": call_id, "output": output, "status": "completed",
                 }
             )  # fmt: skip

@@ -485,6 +485,37 @@ def test_refused_requests_store_no_response_and_open_no_stream(fleet):
     assert replay.status_code == 200 and replay.content == first.content
 
 
+def test_input_item_ids_must_be_unique_strings_and_pages_always_progress(fleet):
+    a, _ = fleet["gateways"]
+    client = _client(a, fleet["keys"]["acme"])
+
+    def item(ident, text: str) -> dict:
+        return {"id": ident, "type": "message", "role": "user", "content": text}
+
+    for items, param in (
+        ([item("m", "a"), item("m", "b")], "input[1].id"),
+        ([item(7, "a")], "input[0].id"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input=items, max_output_tokens=2)
+        assert e.value.body["param"] == param
+    created = client.responses.create(
+        model=MODEL, input=[item("m1", "a"), item("m2", "b"), item("m3", "c")], max_output_tokens=2
+    )
+    auth = {"authorization": f"Bearer {fleet['keys']['acme']}"}
+    seen, after = [], None
+    for _ in range(5):
+        query = "limit=1&order=asc" + (f"&after={after}" if after else "")
+        page = httpx.get(
+            f"{a.url}/v1/responses/{created.id}/input_items?{query}", headers=auth, timeout=60
+        ).json()
+        seen += [d["id"] for d in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert seen == ["m1", "m2", "m3"]
+
+
 def test_a_response_cancelled_while_it_generates_keeps_its_final_output_and_usage(tmp_path):
     """The generation ends after the cancel: the stored object (still `cancelled`) gets the
     output and usage its terminal event has, not the snapshot the cancel took."""

@@ -538,7 +538,9 @@ class ResponsesAPI:
             ids = [i.get("id") for i in items]
             if after not in ids:
                 raise GatewayError(400, "after names no item of this response", param="after")
-            items = items[ids.index(after) + 1 :]
+            # After its last occurrence: ids are unique since they are checked, but a response
+            # stored before may repeat one, and a page must never lead back to itself.
+            items = items[len(ids) - ids[::-1].index(after) :]
         page = items[:limit]
         return JSONResponse(
             {
