@@ -485,6 +485,31 @@ def test_refused_requests_store_no_response_and_open_no_stream(fleet):
     assert replay.status_code == 200 and replay.content == first.content
 
 
+def test_a_resume_point_past_what_a_log_holds_is_a_400_naming_it(fleet):
+    """On a replica that does not own the stream, a huge resume point was a 500 (Redis refused
+    the entry id); it is refused before any read, for a running stream and a finished one."""
+    a, b = fleet["gateways"]
+    key = fleet["keys"]["acme"]
+    auth = {"authorization": f"Bearer {key}"}
+    running = _client(a, key).responses.create(
+        model=MODEL, input="Essay", max_output_tokens=1500, background=True
+    )
+    for huge in (str(10**22), str(2**31)):
+        r = httpx.get(
+            f"{b.url}/v1/responses/{running.id}?stream=true&starting_after={huge}", headers=auth, timeout=60
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    done = httpx.post(f"{a.url}/v1/chat/completions", json=chat, headers=auth, timeout=60)
+    url = f"{b.url}/v1/chat/completions/streams/{done.headers['x-paved-stream-id']}"
+    r = httpx.get(url, headers={**auth, "last-event-id": str(10**22)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID", r.text
+    # The largest a log holds is a resume point like any past the end: the final event again.
+    r = httpx.get(url, headers={**auth, "last-event-id": str(2**31 - 1)}, timeout=60)
+    assert r.status_code == 200 and [e for _, e in _sse(r)] == [e for _, e in _sse(done)][-1:]
+    assert _wait_status(_client(b, key), running.id, {"completed", "incomplete"}).status in TERMINAL
+
+
 def test_input_item_ids_must_be_unique_strings_and_pages_always_progress(fleet):
     a, _ = fleet["gateways"]
     client = _client(a, fleet["keys"]["acme"])

@@ -35,6 +35,7 @@ from gateway_proc import GatewayProcess, write_routes
 from servers import ServerProcess
 
 from paved.gateway.access.state import GatewayStore
+from paved.gateway.errors import GatewayError
 from paved.gateway.responses import events as ev
 from paved.testing.postgres import create_database, postgres_server
 from paved.testing.redis import redis_server
@@ -288,6 +289,22 @@ def test_the_redis_log_forgets_a_deleted_stream_in_its_tenant_index():
 
     with redis_server() as url:
         asyncio.run(go(url))
+
+
+def test_an_unreachable_redis_log_is_a_503_on_every_call():
+    async def go():
+        log = ev.RedisEventLog("redis://127.0.0.1:1", ev.LogBounds(), timeout_s=0.5)
+        calls = (
+            lambda: log.read("x", -1, 0), lambda: log.read("x", -1, 0.1), lambda: log.touch("x"),
+            lambda: log.delete("x"), lambda: log.info("x"), lambda: log.open("x", "acme"),
+        )  # fmt: skip
+        for call in calls:
+            with pytest.raises(GatewayError) as e:
+                await call()
+            assert e.value.status == 503
+        await log.close()
+
+    asyncio.run(go())
 
 
 def test_a_deleted_stream_counts_toward_no_cap_in_the_database_log(db_url):

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
-from paved.gateway.responses.events import HOLE, LiveStream, LiveStreams, StreamTrimmed
+from paved.gateway.responses.events import HOLE, MAX_SEQ, LiveStream, LiveStreams, StreamTrimmed
 from paved.gateway.responses.store import ACTIVE, Claimed, ResponseStore, failed_body
 from paved.http import openai_responses as oai
 from paved.http.errors import error_body
@@ -934,12 +934,14 @@ def _one_event(event: dict[str, Any]) -> Response:
 
 
 def _int_param(value: str | None, name: str, default: int) -> int:
+    """An integer query parameter or header, -1 to MAX_SEQ (else a 400 naming it): a resume
+    point past what a log can hold would fail in the log's read (a 500), not be answered."""
     if value is None or value == "":
         return default
     try:
         number = int(value)
     except ValueError:
         raise GatewayError(400, f"{name} must be an integer", param=name) from None
-    if number < -1:
-        raise GatewayError(400, f"{name} must be -1 or more", param=name)
+    if not -1 <= number <= MAX_SEQ:
+        raise GatewayError(400, f"{name} must be between -1 and {MAX_SEQ}", param=name)
     return number

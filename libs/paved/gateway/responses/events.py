@@ -56,6 +56,10 @@ DB_FLUSH_INTERVAL_S = 0.025
 _STREAMS_PER_CALL = 256
 _EVENTS_PER_CALL = 20_000
 
+# The largest sequence number a log holds (the database's INTEGER column; Redis entry ids and
+# SQLite integers hold more): a resume point past it is a client error, not a read to try.
+MAX_SEQ = 2**31 - 1
+
 # Per stream in an append: the sequence number the log now ends at, or one of these.
 GONE = -2  # the stream is no longer in the log (deleted, evicted by the tenant's cap, expired)
 HOLE = -3  # the append starts after the log's end: refused, so the log never has a gap
@@ -224,7 +228,8 @@ class RedisEventLog:
         """The events after `after` (at most a batch), waiting up to `wait_s` for one."""
         client = self._blocking if wait_s > 0 else self._redis
         block = max(1, int(min(wait_s, READ_BLOCK_S) * 1000)) if wait_s > 0 else None
-        got = await client.xread({f"pvd:es:{stream_id}": f"0-{after + 1}"}, count=_BATCH, block=block)
+        async with _unavailable_as_503():
+            got = await client.xread({f"pvd:es:{stream_id}": f"0-{after + 1}"}, count=_BATCH, block=block)
         out: list[tuple[int, bytes, bool]] = []
         for _, entries in got or ():
             for entry_id, fields in entries:
