@@ -126,6 +126,36 @@ def test_append_replay_follow_live_from_the_other_replica_and_resume_past_the_en
     asyncio.run(go())
 
 
+def test_a_resume_past_the_end_of_a_running_stream_gets_its_final_event(db_url):
+    """Past the end while the stream still runs: the reader waits, then gets the final event
+    (as a resume past the end of a finished stream does), from memory on the generating
+    replica and from the log on the other; it used to get nothing."""
+
+    async def go():
+        a, b = await _replicas(db_url)
+        live = await a.streams.create("p1", "acme")
+        for seq in range(3):
+            a.streams.push(live, _event(seq))
+        local = asyncio.create_task(_collect(a.streams.follow("p1", 50)))
+        before = (await b.log.info("p1")).reader_at
+        remote = asyncio.create_task(_collect(b.streams.follow("p1", 50)))
+        # Both readers are attached before the stream ends (the remote one's heartbeat).
+        while live.readers < 1 or (await b.log.info("p1")).reader_at == before:
+            await asyncio.sleep(0.01)
+        assert not local.done() and not remote.done()
+        a.streams.push(live, _event(3))
+        a.streams.push(live, _event(4, "[DONE]"), end=True)
+        await a.streams.flushed(live)
+        assert _ids(await local) == [4]
+        assert _ids(await remote) == [4]
+        # The largest resume point a log holds reads as past the end (no driver overflow).
+        assert await b.log.read("p1", ev.MAX_SEQ, 0) == []
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
 class _GatedLog:
     """A log whose appends wait for `gate` (and say when one is waiting); the first `failures`
     of them fail."""

@@ -729,14 +729,18 @@ class LiveStreams:
         live.idle.clear()
         try:
             position = after + 1
-            if live.ended and position >= live.next_seq:
-                position = live.next_seq - 1
+            sent = False
             while True:
+                if live.ended and position >= live.next_seq and not sent:
+                    # Resumed at or past the end (also of a stream that was still running
+                    # then): the final event again, so the reader learns how it ended.
+                    position = live.next_seq - 1
                 durable = live.durable
                 if position < durable:
                     # Whatever piled up since the last wake goes out as one write.
                     chunk = b"".join(live.events[position:durable])
                     position = durable
+                    sent = True
                     yield chunk
                     continue
                 if live.ended and position >= live.next_seq:
@@ -752,6 +756,7 @@ class LiveStreams:
         if info is not None and info.ended and after >= info.last >= 0:
             after = info.last - 1
         last_touch = 0.0
+        sent = False
         while True:
             now = time.monotonic()
             if now - last_touch > max(0.5, self.grace_s / 3):
@@ -764,9 +769,15 @@ class LiveStreams:
                 after = seq
                 if final:
                     return
-            if not batch:
-                info = await self.log.info(stream_id)
-                if info is None:
+            if batch:
+                sent = True
+                continue
+            info = await self.log.info(stream_id)
+            if info is None:
+                return
+            if info.ended and info.last <= after:
+                if sent or info.last < 0:
                     return
-                if info.ended and info.last <= after:
-                    return
+                # Resumed past the end of a stream that was still running then: the final
+                # event again, as a resume past the end of a finished one gets it.
+                after = info.last - 1
