@@ -22,6 +22,7 @@ Invariants callers rely on:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,31 @@ _INSTANCE_GROUP_FIELDS = frozenset({"name", "kind", "count"})
 KIND_AUTO = model_config_pb2.ModelInstanceGroup.KIND_AUTO
 KIND_CPU = model_config_pb2.ModelInstanceGroup.KIND_CPU
 KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
+
+
+# A model folder without a config is completed from its model file, as Triton's auto-complete
+# does for backends whose file says what the model takes (not TorchScript: it does not).
+AUTO_COMPLETE_FILES = {"model.onnx": "onnxruntime", "model.py": "python"}
+
+
+def _backend_from_files(directory: str) -> str | None:
+    """The backend the model files of `directory`'s version folders name; None when none
+    does; ModelConfigError when they name more than one."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            version = os.path.join(directory, entry)
+            if entry.isdigit() and os.path.isdir(version):
+                found |= {
+                    b for f, b in AUTO_COMPLETE_FILES.items() if os.path.isfile(os.path.join(version, f))
+                }
+    if len(found) > 1:
+        raise ModelConfigError(
+            f"model '{os.path.basename(os.path.normpath(directory))}': no config, and its version "
+            f"folders hold model files of several backends ({', '.join(sorted(found))}): add a "
+            f"{CONFIG_PBTXT} naming one"
+        )
+    return found.pop() if found else None
 
 
 def find_config(directory: str) -> str | None:
@@ -101,7 +127,16 @@ def read_model_config(directory: str, *, in_repository: bool = True) -> model_co
     dirname = os.path.basename(os.path.normpath(directory))
     present = [os.path.join(directory, n) for n in CONFIG_FILES if os.path.isfile(os.path.join(directory, n))]
     if not present:
-        raise ModelConfigError(f"model '{dirname}': no {CONFIG_PBTXT} or {CONFIG_JSON} in {directory}")
+        backend = _backend_from_files(directory) if in_repository else None
+        if backend is None:
+            raise ModelConfigError(
+                f"model '{dirname}': no {CONFIG_PBTXT} or {CONFIG_JSON} in {directory}, and no model "
+                f"file a config is completed from ({', '.join(sorted(AUTO_COMPLETE_FILES))} in a "
+                "version folder)"
+            )
+        # Triton's auto-complete: the backend from the model file's name, the rest from the
+        # model (ONNX: its inputs and outputs; Python: its auto_complete_config).
+        return model_config_pb2.ModelConfig(name=dirname, backend=backend)
     configs = [parse_config(p) for p in present]
     config = configs[0]
     if len(configs) == 2 and configs[0] != configs[1]:

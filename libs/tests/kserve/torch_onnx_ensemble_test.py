@@ -729,3 +729,45 @@ def test_onnx_config_without_tensors_is_completed_from_the_model(tmp_path, repo,
     assert [t.name for t in model.config().input] == ["input"]
     (expected,) = session.run(["output"], {"input": x})
     assert np.array_equal(response.outputs["output"], expected)
+
+
+def test_a_model_folder_without_a_config_is_completed_from_its_model_file(loop, repo, session, tmp_path):
+    """Triton's auto-complete for a configless folder: model.onnx names the onnxruntime backend
+    and the model its tensors (no batching: max_batch_size 0), model.py the python backend and
+    its auto_complete_config the rest; a folder whose model file tells nothing (model.pt) or
+    names two backends is refused with the reason, the rest serve."""
+    root, _ = repo
+    (tmp_path / "bare_onnx" / "1").mkdir(parents=True)
+    shutil.copy(os.path.join(root, "onnx_linear", "1", "model.onnx"), tmp_path / "bare_onnx" / "1")
+    shutil.copytree(os.path.join(root, "torch_linear"), tmp_path / "bare_torch")
+    (tmp_path / "bare_torch" / "config.pbtxt").unlink()
+    (tmp_path / "two_files" / "1").mkdir(parents=True)
+    shutil.copy(os.path.join(root, "onnx_linear", "1", "model.onnx"), tmp_path / "two_files" / "1")
+    (tmp_path / "two_files" / "1" / "model.py").write_text("class TritonPythonModel: pass\n")
+    # A Python model declaring itself in auto_complete_config (the backend from model.py).
+    shutil.copytree(os.path.join(HERE, "testdata", "python_backend", "auto"), tmp_path / "bare_python")
+    (tmp_path / "bare_python" / "config.pbtxt").unlink()
+    kserve = KServeServer(host="127.0.0.1", grpc_port=0, http_port=0, model_repository=str(tmp_path))
+    x = rows(1, seed=5)[0]  # max_batch_size 0: the model's own shape, batch included
+    with serving(loop, kserve, ready=False) as started:
+        loop.run(started.repository.wait_loaded())
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{started.http_port}")
+        try:
+            listed = client.get_model_repository_index()
+            index = {m["name"]: (m["state"], m.get("reason", "")) for m in listed}
+            config = client.get_model_config("bare_onnx")
+            result = client.infer("bare_onnx", [tensor(httpclient, "input", x[None, :], "FP32")])
+            doubled = client.infer("bare_python", [tensor(httpclient, "X", np.ones((1, 2)), "FP64")])
+        finally:
+            client.close()
+    assert index["bare_onnx"] == ("READY", "")
+    assert config["backend"] == "onnxruntime" and config.get("max_batch_size", 0) == 0
+    assert [t["name"] for t in config["input"]] == ["input"]
+    (expected,) = session.run(["output"], {"input": x[None, :]})
+    assert np.array_equal(result.as_numpy("output"), expected)
+    assert index["bare_python"] == ("READY", "")
+    assert np.array_equal(doubled.as_numpy("Y"), np.full((1, 2), 2.0))
+    state, reason = index["bare_torch"]
+    assert state == "UNAVAILABLE" and "no config.pbtxt" in reason and "model.onnx" in reason
+    state, reason = index["two_files"]
+    assert state == "UNAVAILABLE" and "several backends (onnxruntime, python)" in reason
