@@ -68,8 +68,35 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_STREAM_QUEUE_SIZE,
         help="responses one ModelStreamInfer call holds for a slow client (then its requests pause)",
     )
+    p.add_argument(
+        "--exit-on-error",
+        type=_flag,
+        default=False,
+        metavar="BOOL",
+        help="Triton's flag: exit (status 1, the reasons on stderr) if a model of the repository "
+        "fails to load at startup; default false: serve the others, the failed ones listed "
+        "UNAVAILABLE with their reason",
+    )
+    p.add_argument(
+        "--strict-readiness",
+        type=_flag,
+        default=True,
+        metavar="BOOL",
+        help="Triton's flag: ServerReady only once every model is ready (default true); false: "
+        "ready while the server serves",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
+
+
+def _flag(value: str) -> bool:
+    """Triton's boolean flag values."""
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def _models(config_path: str | None) -> list:
@@ -119,6 +146,7 @@ async def start_server(args: argparse.Namespace, engines: list, limits: dict[str
         draining=lambda: registry.draining,
         stream_max_in_flight=args.stream_max_in_flight,
         stream_queue_size=args.stream_queue_size,
+        strict_readiness=args.strict_readiness,
     )
     return registry, server
 
@@ -132,6 +160,21 @@ async def _serve(args: argparse.Namespace, engines: list, limits: dict[str, int]
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     failed = False
+    if args.exit_on_error:
+        await server.wait_ready()
+        # The repository's models (an engine that fails to start ends the server anyway).
+        classic = [m for versions in server.repository.classic.values() for m in versions.values()]
+        refused = [m for m in classic if m.state()[0] == "UNAVAILABLE"]
+        if refused:
+            for model in refused:
+                version = f" version {model.version}" if model.version else ""
+                reason = model.state()[1]
+                print(f"serve: model '{model.name}'{version} failed to load: {reason}", file=sys.stderr)
+            print("serve: exiting (--exit-on-error)", file=sys.stderr)
+            await server.stop()
+            for engine in reversed(engines):
+                await engine.stop()
+            return 1
 
     async def start_engines() -> None:
         nonlocal failed

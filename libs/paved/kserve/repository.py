@@ -101,6 +101,9 @@ class ModelRepository:
         # True once the owning process is shutting down: ServerReady turns false so load
         # balancers stop routing here while in-flight requests finish.
         self._draining = draining or (lambda: False)
+        # Triton's --strict-readiness: False reports the server ready while it serves at all,
+        # whatever its models' states (their own readiness still says).
+        self.strict_readiness = True
         self.engines = list(engines)
         # name -> version -> model
         self.classic: dict[str, dict[str, ServedModel]] = {}
@@ -198,9 +201,12 @@ class ModelRepository:
 
     def ready(self) -> bool:
         """Server readiness (Triton's strict readiness): not draining, every classic model
-        version loaded and every engine ready. A model listed UNAVAILABLE keeps it false."""
+        version loaded and every engine ready. A model listed UNAVAILABLE keeps it false.
+        With `strict_readiness` False: not draining."""
         if self._draining():
             return False
+        if not self.strict_readiness:
+            return True
         return all(m.ready() for m in self._all()) and all(e.ready() for e in self.engines)
 
     # ---- lookup ----------------------------------------------------------------------------

@@ -91,12 +91,15 @@ class KServeServer:
         stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
         metrics_registry: CollectorRegistry | None = None,
         model_repository: str | None = None,
+        strict_readiness: bool = True,
     ):
         """`model_repository`: a Triton model repository directory whose models are served
-        beside `classic_models` (a model it cannot build is listed UNAVAILABLE with the reason)."""
+        beside `classic_models` (a model it cannot build is listed UNAVAILABLE with the reason).
+        `strict_readiness`: Triton's flag (ModelRepository.ready)."""
         if grpc_port is None and http_port is None:
             raise ValueError("KServe needs a gRPC port, an HTTP port, or both")
         self.repository = ModelRepository(engines, classic_models, admission, draining)
+        self.repository.strict_readiness = strict_readiness
         if model_repository is not None:
             self.repository.load_repository_dir(model_repository)
         self.host = host
@@ -196,6 +199,7 @@ async def serve_kserve(
     stream_max_in_flight: int = DEFAULT_STREAM_MAX_IN_FLIGHT,
     stream_queue_size: int = DEFAULT_STREAM_QUEUE_SIZE,
     model_repository: str | None = None,
+    strict_readiness: bool = True,
 ) -> KServeServer:
     """Start KServe v2 over `engines` (their models, by ModelCard id) plus XGBoost model
     directories and the models of a Triton model repository directory; returns the running
@@ -218,6 +222,7 @@ async def serve_kserve(
         stream_max_in_flight=stream_max_in_flight,
         stream_queue_size=stream_queue_size,
         model_repository=model_repository,
+        strict_readiness=strict_readiness,
     )
     await server.start()
     return server

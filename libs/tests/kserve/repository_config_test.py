@@ -383,3 +383,45 @@ def test_the_main_serves_a_repository_and_refuses_a_missing_one(repo, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tritons_exit_on_error_and_strict_readiness_flags(repo):
+    """--exit-on-error true: a repository model that fails to load ends the server at startup
+    (status 1, each failure on stderr), as Triton's default; --strict-readiness false: the
+    server reports ready while it serves, its refused models still not ready; a flag value
+    that is not a boolean exits 2."""
+    code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    base = [sys.executable, "-c", code, "--model-repository", repo, "--grpc-port", "0", "--http-port", "0"]
+    exited = subprocess.run(
+        [*base, "--exit-on-error", "true", "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert exited.returncode == 1, exited.stderr
+    assert "model 'tf' failed to load" in exited.stderr and "tensorflow_savedmodel" in exited.stderr
+    assert "model 'cached'" in exited.stderr and "response_cache" in exited.stderr
+    assert "--exit-on-error" in exited.stderr
+    bad = subprocess.run(
+        [*base, "--strict-readiness", "maybe"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert bad.returncode == 2 and "expected true or false" in bad.stderr
+    args = [*base[3:], "--strict-readiness", "false", "--log-level", "error"]
+    proc = subprocess.Popen([*base[:3], *args], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        match = re.search(r"gRPC (\d+) HTTP (\d+)", proc.stdout.readline())
+        assert match
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+        try:
+            assert wait_for(lambda: client.is_model_ready("scorer", "1"), timeout=60)
+            assert client.is_server_ready() and not client.is_model_ready("tf")
+        finally:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
