@@ -90,12 +90,16 @@ def segment(value: str) -> str:
 
 
 def json_value(text: str) -> Any:
-    """json.loads without NaN/Infinity, which JSON lacks (httpx refuses to send them)."""
+    """json.loads without NaN/Infinity, which JSON lacks (httpx refuses to send them);
+    ValueError for anything it refuses, nesting too deep for the parser included."""
 
     def constant(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
-    return json.loads(text, parse_constant=constant)
+    try:
+        return json.loads(text, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
 
 
 def base_url(text: str) -> str:

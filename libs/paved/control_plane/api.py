@@ -266,9 +266,10 @@ def create_app(
             route=body.route,
             placement=body.placement,
         )
-        d = await store.create_deployment(spec, fingerprint)
-        # Registered, not running: a rollout (or the first deploy) starts it.
-        await store.update_deployment(d.id, state="inactive")
+        # Registered, not running: a rollout (or the first deploy) starts it. Inserted inactive
+        # in one write: created active and then updated, a failed or interrupted update left it
+        # active, and the controller started its replicas with no rollout or health gate.
+        d = await store.create_deployment(spec, fingerprint, state="inactive")
         await store.audit(
             "deployment.created",
             f"registered {spec.model_id}@{spec.version} ({spec.strategy}) from {spec.package_uri}",
@@ -396,6 +397,10 @@ def create_app(
         if target.spec.strategy == "red_black" and active:
             source = max(active, key=lambda d: d.created_at)
             rollout_mod.check_fingerprint(source.fingerprint, target.fingerprint, params.force)
+            if params.waves:
+                mismatch = rollout_mod.waves_mismatch(params.waves, target.spec.regions)
+                if mismatch is not None:
+                    raise BadRequest(mismatch)
         record = await store.create_rollout(
             body.model_id,
             source.spec.version if source is not None else None,

@@ -407,7 +407,14 @@ class Controller:
                 version=d.spec.version,
             )
             return
-        await self.store.add_replica(replica)
+        try:
+            await self.store.add_replica(replica)
+        except BaseException:
+            # Unrecorded, nothing would ever stop it (adoption reads the records), and the next
+            # pass would start another: the process goes now.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(driver.delete(replica))
+            raise
         self._started_at[replica.id] = time.monotonic()
         await self.store.audit(
             "scale",

@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -174,6 +175,15 @@ def _int(name: str, v: Any, low: int, high: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
         raise BadRequest(f"params.{name} must be an integer in [{low}, {high}] (got {v!r})")
     return v
+
+
+def waves_mismatch(waves: Sequence[Sequence[str]], regions: Sequence[str]) -> str | None:
+    """Why `waves` cannot roll out a deployment in `regions` (they must name each once), or None."""
+    flat = [r for w in waves for r in w]
+    if sorted(flat) != sorted(regions):
+        listed = [list(w) for w in waves]
+        return f"params.waves {listed} must cover exactly the deployment's regions {list(regions)}"
+    return None
 
 
 def _waves(v: Any) -> tuple[tuple[str, ...], ...] | None:
@@ -483,10 +493,9 @@ class _Step:
         else:
             mode = "red_black"
         waves = [list(w) for w in self.p.waves] if (self.p.waves and mode == "red_black") else [regions]
-        flat = [r for w in waves for r in w]
-        if sorted(flat) != sorted(regions):
-            msg = f"params.waves {waves} must cover exactly the deployment's regions {regions}"
-            await self._finish("failed", msg, msg)
+        mismatch = waves_mismatch(waves, regions)
+        if mismatch is not None:  # checked when the rollout was started; the deployment may differ now
+            await self._finish("failed", mismatch, mismatch)
             return
         per_region: dict[str, dict[str, Any]] = {}
         for region in regions:

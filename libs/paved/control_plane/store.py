@@ -661,14 +661,21 @@ class ControlStore:
 
     # -- deployments -----------------------------------------------------------------------
 
-    async def create_deployment(self, spec: DeploymentSpec, fingerprint: dict[str, Any]) -> Deployment:
+    async def create_deployment(
+        self,
+        spec: DeploymentSpec,
+        fingerprint: dict[str, Any],
+        state: Literal["active", "inactive", "deleted"] = "active",
+    ) -> Deployment:
+        """Insert the deployment in `state` (one write: a registration is never seen, nor
+        left by a crash, in a state it was not meant to have)."""
         validate_spec(spec)
         deployment = Deployment(
             id="dep_" + uuid.uuid4().hex,
             spec=spec,
             fingerprint=_json_obj(fingerprint, "fingerprint"),
             created_at=utc_now(),
-            state="active",
+            state=state,
         )
         return await self._run(self._create_deployment_sync, deployment)
 

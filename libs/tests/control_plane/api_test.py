@@ -393,3 +393,86 @@ def test_a_models_audit_shows_the_leader_change_and_its_replicas_adoption(tmp_pa
             await store.close()
 
     asyncio.run(main())
+
+
+def test_a_registration_is_stored_inactive_in_one_write(plane, monkeypatch):
+    """Registering starts nothing: the deployment is inserted inactive. It was inserted active
+    and then updated; a failed (or interrupted) update left it active, and the controller started
+    its replicas with no rollout, while the client got a 503 and then 409s."""
+    client, store, _ = plane
+
+    async def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the store failed this write")
+
+    monkeypatch.setattr(store, "update_deployment", unavailable)
+    base = {"model_id": "tiny", "version": "v1", "package_uri": tiny_package(), "engine": "sim://tiny"}
+    r = client.post("/v1/deployments", json=base)
+    assert r.status_code == 201, r.text
+    assert client.get("/v1/deployments/tiny/v1").json()["state"] == "inactive"
+
+
+def test_rollout_waves_naming_other_regions_are_a_400_at_start(plane):
+    """Checked when the rollout is started, not at its first step (it was a 201, then failed)."""
+    client, store, _ = plane
+    base = {"model_id": "tiny", "package_uri": tiny_package(), "engine": "sim://tiny"}
+    assert client.post("/v1/deployments", json={**base, "version": "v1"}).status_code == 201
+    assert client.post("/v1/deployments", json={**base, "version": "v2"}).status_code == 201
+    v1 = asyncio.run(store.get_deployment("tiny", "v1"))
+    asyncio.run(store.update_deployment(v1.id, state="active"))
+    bad = client.post(
+        "/v1/rollouts", json={"model_id": "tiny", "version": "v2", "params": {"waves": [["mars"]]}}
+    )
+    assert "must cover exactly the deployment's regions" in _error(bad, 400)["message"]
+    assert client.post("/v1/rollouts", json={"model_id": "tiny", "version": "v2"}).status_code == 201
+
+
+def test_a_replica_started_but_not_recorded_is_stopped(plane, monkeypatch):
+    """The driver started the process, the store failed to record it: nothing would ever stop
+    an unrecorded replica (adoption reads the records) and the next pass starts another, so the
+    controller deletes it at once and the error propagates."""
+    _, store, controller = plane
+    deployment = asyncio.run(store.create_deployment(DeploymentSpec("tiny", "v1", tiny_package()), {}))
+    started: list[Replica] = []
+    deleted: list[str] = []
+
+    class Driver:
+        async def create(self, req):
+            replica = Replica(
+                req.replica_id, req.deployment_id, req.region, "starting", "http://x", "http://y"
+            )
+            started.append(replica)
+            return replica
+
+        async def delete(self, replica):
+            deleted.append(replica.id)
+
+    async def fail(replica):
+        raise RuntimeError("the store failed this write")
+
+    controller.drivers["local"] = Driver()
+    monkeypatch.setattr(store, "add_replica", fail)
+    with pytest.raises(RuntimeError, match="failed this write"):
+        asyncio.run(controller._create(deployment, "local"))
+    assert [r.id for r in started] == deleted and len(deleted) == 1
+
+
+def test_the_cli_refuses_json_nested_too_deep_with_exit_2(capsys, monkeypatch):
+    """json.loads' RecursionError escaped as a traceback (exit 1). A --param value that is not
+    JSON is a string, so there it is sent (and this control plane is unreachable: exit 1)."""
+    from paved.cli.main import main
+
+    monkeypatch.setenv("PAVED_CONTROL_PLANE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("PAVED_ADMIN_KEY", KEY)
+    deep = "[" * 100_000
+    for argv, expected in (
+        (["deploy", "create", "tiny", "v1", "/x", "--route", deep], 2),
+        (["rollout", "start", "tiny", "v1", "--param", "x=" + deep], 1),
+    ):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == expected and "Traceback" not in err, err[-300:]
+        if expected == 2:
+            assert "nested too deeply" in err
