@@ -467,3 +467,39 @@ def test_priority_header_values():
 def test_config_is_validated(kwargs):
     with pytest.raises(ValueError):
         FlowConfig(**kwargs)
+
+
+def test_waiters_reaching_their_deadline_in_one_turn_are_each_refused_queue_timeout():
+    """Several deadlines in one loop turn while the window shows room (the dispatched request
+    pushed back and requeued, nothing in flight, no probe before the deadline): the first
+    waiter's removal pumps the queue, which unlinks the others, whose futures their own
+    timeouts had cancelled. Each must still get queue_timeout: they raised a bare TimeoutError
+    (a 500 at the gateway)."""
+
+    async def outcome(coro) -> str:
+        try:
+            await coro
+            return "granted"
+        except QueueRefusedError as e:
+            return e.code
+        except BaseException as e:  # noqa: BLE001 - what the gateway would answer 500
+            return type(e).__name__
+
+    async def main() -> list[str]:
+        flow = FlowController(FlowConfig(retry_interval_s=60))  # no probe before the deadline
+        deadline = time.monotonic() + 0.5
+        first = await flow.acquire("m", "a", Priority.INTERACTIVE, deadline)
+
+        async def pushed_back_twice() -> None:
+            await first.requeue()
+            await first.requeue()
+
+        pushed = asyncio.ensure_future(outcome(pushed_back_twice()))
+        await asyncio.sleep(0)
+        waiters = [
+            asyncio.ensure_future(outcome(flow.acquire("m", t, Priority.INTERACTIVE, deadline)))
+            for t in ("b", "c", "d")
+        ]
+        return await asyncio.gather(pushed, *waiters)
+
+    assert asyncio.run(main()) == ["queue_timeout"] * 4

@@ -616,3 +616,14 @@ def test_database_work_does_not_queue_behind_the_default_thread_pool(store):
             await asyncio.gather(*busy)
 
     assert run(go()).startswith("paved-db")
+
+
+def test_a_key_expiry_past_year_9999_in_utc_is_a_400(store):
+    """9999-12-31T23:59:59-14:00 is a valid time whose UTC conversion overflows (it was a 500)."""
+    from datetime import datetime, timedelta, timezone
+
+    run(store.create_tenant("acme"))
+    late = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-14)))
+    with pytest.raises(GatewayError) as info:
+        run(store.create_key("acme", expires_at=late))
+    assert info.value.status == 400 and info.value.param == "expires_at"

@@ -129,3 +129,24 @@ def test_with_the_models_tokenizer_the_count_is_the_engines_tools_included(tmp_p
     # The byte bound, for a route naming no tokenizer, is above the same engine's count.
     for (bound, _), (_, engine) in zip(asyncio.run(_counts(bodies)), exact, strict=True):
         assert bound >= engine
+
+
+def test_a_backends_malformed_usage_counts_what_it_can_and_fails_nothing():
+    """`usage` fields that are not counts (a bool, a negative number, a string) are left out, and
+    with none left the usage is unknown (the reservation stands); they raised in the limiter or
+    the Prometheus counter, turning an answered 200 into a 500."""
+    from types import SimpleNamespace
+
+    from paved.gateway.forwarding.proxy import OpenAIProxy
+    from paved.gateway.metrics import GatewayMetrics
+
+    proxy = SimpleNamespace(metrics=GatewayMetrics())
+
+    def count(usage: dict[str, Any]) -> int | None:
+        return OpenAIProxy._count_usage(proxy, {"tenant": "t"}, "tiny", usage)  # type: ignore[arg-type]
+
+    assert count({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}) == 7
+    assert count({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": True}) == 7
+    assert count({"prompt_tokens": -5, "completion_tokens": 4}) == 4
+    assert count({"prompt_tokens": "3", "completion_tokens": None, "total_tokens": -1}) is None
+    assert count({}) is None

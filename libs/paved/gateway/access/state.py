@@ -381,7 +381,10 @@ class GatewayStore:
         if expires_at is not None:
             if not isinstance(expires_at, datetime) or expires_at.tzinfo is None:
                 raise _bad("expires_at must be a timezone-aware datetime", param="expires_at")
-            expires_at = expires_at.astimezone(UTC)
+            try:
+                expires_at = expires_at.astimezone(UTC)
+            except OverflowError:  # e.g. 9999-12-31T23:59:59-14:00: past year 9999 in UTC
+                raise _bad("expires_at must be before the year 10000 in UTC", param="expires_at") from None
             if expires_at <= utc_now():
                 raise _bad("expires_at must be in the future", param="expires_at")
         return await self._run(self._create_key_sync, tenant_name, name, expires_at, limits)

@@ -378,7 +378,11 @@ class FlowController:
             error = future.exception() if future.done() and not future.cancelled() else None
             if error is not None:
                 raise error from None
-            raise
+            # Unlinked by another waiter's pump after this one's own timeout had cancelled its
+            # future (several deadlines in one turn): the deadline is still the answer (a bare
+            # TimeoutError here was a 500).
+            self._count_refusal(slot, "deadline")
+            raise self._timeout_error(slot) from None
         except asyncio.CancelledError:
             if slot._state is _State.QUEUED:
                 self._remove(slot)

@@ -640,18 +640,23 @@ class OpenAIProxy:
             logger.warning("could not settle reservation %s: %s", reservation.id, e.message)
 
     def _count_usage(self, log: dict[str, Any], alias: str, usage: dict[str, Any]) -> int | None:
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens") or 0
-        total = usage.get("total_tokens")
-        if not isinstance(total, int):
-            total = (prompt if isinstance(prompt, int) else 0) + (
-                completion if isinstance(completion, int) else 0
-            )
+        """The tokens an answer used, from its `usage`; a backend's field that is not a count
+        (a bool, a negative number, a string) is left out, and the whole is unknown (None:
+        the reservation stands) when no count is left: an answered request is never failed
+        over the backend's bookkeeping."""
+
+        def count(key: str) -> int | None:
+            value = usage.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+        prompt, completion, total = count("prompt_tokens"), count("completion_tokens"), count("total_tokens")
+        if total is None and (prompt is not None or completion is not None):
+            total = (prompt or 0) + (completion or 0)
         tenant = log.get("tenant", "")
-        if isinstance(prompt, int):
+        if prompt is not None:
             self.metrics.tokens.labels(tenant, alias, "prompt").inc(prompt)
             log["prompt_tokens"] = prompt
-        if isinstance(completion, int):
+        if completion is not None:
             self.metrics.tokens.labels(tenant, alias, "completion").inc(completion)
             log["completion_tokens"] = completion
         return total
