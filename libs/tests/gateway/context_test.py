@@ -950,3 +950,27 @@ def test_concurrent_appends_from_two_replicas_on_postgresql(pg_server):
         await asyncio.gather(*(s.close() for s in stores))
 
     run(go())
+
+
+def test_recording_an_answer_never_fails_the_answered_request():
+    """Orchestrator.complete runs after the client has its answer: a store refusing the record
+    with anything, not only a GatewayError (PostgreSQL refusing a lone surrogate's UTF-8 in a
+    conversation, say), is logged, and the request is not failed after the fact."""
+    import json
+    from types import SimpleNamespace
+
+    from paved.gateway.orchestration.orchestrate import Orchestrator, Plan
+
+    appended: list[str] = []
+
+    class Refusing:
+        async def append(self, tenant, conversation_id, messages):
+            appended.append(conversation_id)
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    orchestrator = SimpleNamespace(exact=None, semantic=None, conversations=Refusing(), recorder=None)
+    plan = Plan(model="tiny", alias="tiny", endpoint="chat", tenant="t", conversation=("c1", []))
+    answer = {"choices": [{"message": {"role": "assistant", "content": "\ud800"}}]}
+    data = json.dumps(answer).encode()
+    asyncio.run(Orchestrator.complete(orchestrator, plan, 200, data, 0.1))  # type: ignore[arg-type]
+    assert appended == ["c1"] and plan.completed

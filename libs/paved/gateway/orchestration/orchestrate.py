@@ -645,6 +645,9 @@ class Orchestrator:
                     await self.conversations.append(plan.tenant, conversation_id, [*new, message])
         except GatewayError as e:
             logger.warning("could not record the answer of a %s request: %s", plan.alias, e.message)
+        except Exception:  # the answer is the client's already: a store's refusal must not fail it
+            # (e.g. a backend's text with a lone surrogate, which PostgreSQL's UTF-8 refuses)
+            logger.exception("could not record the answer of a %s request", plan.alias)
         if plan.experiment is not None and self.recorder is not None:
             usage = answer.get("usage") if isinstance(answer, dict) else None
             usage = usage if isinstance(usage, dict) else {}
