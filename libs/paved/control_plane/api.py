@@ -300,6 +300,16 @@ def create_app(
     ) -> dict[str, Any]:
         auth(request)
         d = await _deployment(model, version)
+        if body.replicas is not None:
+            # A rollout sets both versions' counts phase by phase (and restores them on abort):
+            # a count set beside it would disagree with its weights (traffic weighted to a version
+            # scaled to 0), as the autoscaler also stays out while one runs.
+            running = await store.list_rollouts(model_id=model, status="running")
+            if running:
+                raise Conflict(
+                    f"{model} has a running rollout ({running[0].id}); scale it once the rollout ends",
+                    code="rollout_running",
+                )
         autoscale = AutoscalePolicy(**body.autoscale.model_dump()) if body.autoscale is not None else None
         d = await store.update_deployment(
             d.id,

@@ -412,7 +412,8 @@ def test_a_registration_is_stored_inactive_in_one_write(plane, monkeypatch):
 
 
 def test_rollout_waves_naming_other_regions_are_a_400_at_start(plane):
-    """Checked when the rollout is started, not at its first step (it was a 201, then failed)."""
+    """Checked when the rollout is started, not at its first step (it was a 201, then failed);
+    and a running rollout's versions are not scaled beside it."""
     client, store, _ = plane
     base = {"model_id": "tiny", "package_uri": tiny_package(), "engine": "sim://tiny"}
     assert client.post("/v1/deployments", json={**base, "version": "v1"}).status_code == 201
@@ -424,6 +425,10 @@ def test_rollout_waves_naming_other_regions_are_a_400_at_start(plane):
     )
     assert "must cover exactly the deployment's regions" in _error(bad, 400)["message"]
     assert client.post("/v1/rollouts", json={"model_id": "tiny", "version": "v2"}).status_code == 201
+    # While it runs, the rollout sets both versions' counts: a count set beside it is a 409.
+    error = _error(client.patch("/v1/deployments/tiny/v1", json={"replicas": 0}), 409)
+    assert error["code"] == "rollout_running"
+    assert client.patch("/v1/deployments/tiny/v1", json={"no_gc": True}).status_code == 200
 
 
 def test_a_replica_started_but_not_recorded_is_stopped(plane, monkeypatch):
