@@ -197,7 +197,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     listing.set_defaults(run=run_list)
 
-    scale = dsub.add_parser("scale", parents=[common], help="set the replicas per region")
+    scale = dsub.add_parser(
+        "scale", parents=[common], help="set the replicas per region (0 also lowers min_replicas to 0)"
+    )
     scale.add_argument("model", type=resource_name)
     scale.add_argument("version", type=resource_name)
     scale.add_argument("replicas", type=bounded_int(0, MAX_REPLICAS))
@@ -206,7 +208,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         d = _client(args, scale).request(
             "PATCH",
             f"/deployments/{segment(args.model)}/{segment(args.version)}",
-            json={"replicas": args.replicas},
+            # Scaling to zero is meant whole: a deployment's min_replicas (1 by default) would
+            # refuse it, with no other CLI way to lower it.
+            json={"replicas": 0, "min_replicas": 0} if args.replicas == 0 else {"replicas": args.replicas},
         )
         return _print(args, d, [f"{d['model_id']}@{d['version']}: {d['replicas']} replicas per region"])
 
@@ -224,7 +228,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     current.set_defaults(run=run_current)
 
-    delete = dsub.add_parser("delete", parents=[common], help="scale away and delete a deployment")
+    delete = dsub.add_parser(
+        "delete", parents=[common], help="delete a deployment that no longer serves (scale it to 0 first)"
+    )
     delete.add_argument("model", type=resource_name)
     delete.add_argument("version", type=resource_name)
 

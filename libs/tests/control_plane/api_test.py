@@ -481,3 +481,26 @@ def test_the_cli_refuses_json_nested_too_deep_with_exit_2(capsys, monkeypatch):
         assert code == expected and "Traceback" not in err, err[-300:]
         if expected == 2:
             assert "nested too deeply" in err
+
+
+def test_cli_scale_to_zero_lowers_min_replicas_with_it(monkeypatch, capsys):
+    """`paved deploy scale M V 0` means zero: min_replicas (1 by default) went unchanged and
+    the API refused the PATCH, with no other CLI way to lower it."""
+    from paved.cli import control
+    from paved.cli.main import main
+
+    sent: list[dict[str, Any]] = []
+
+    class Client:
+        def request(self, method: str, path: str, json: dict[str, Any]) -> dict[str, Any]:
+            sent.append({"method": method, "path": path, **json})
+            return {"model_id": "tiny", "version": "v1", "replicas": json["replicas"]}
+
+    monkeypatch.setattr(control, "_client", lambda args, parser: Client())
+    monkeypatch.setenv("PAVED_ADMIN_KEY", KEY)
+    assert main(["deploy", "scale", "tiny", "v1", "0"]) == 0
+    assert main(["deploy", "scale", "tiny", "v1", "3"]) == 0
+    assert sent == [
+        {"method": "PATCH", "path": "/deployments/tiny/v1", "replicas": 0, "min_replicas": 0},
+        {"method": "PATCH", "path": "/deployments/tiny/v1", "replicas": 3},
+    ]
