@@ -24,6 +24,7 @@ from paved.engine.protocol import (
     GenerateStream,
     InvalidRequestError,
     ModelCard,
+    PromptTooLongError,
     SamplingOptions,
     TextPrompt,
     TokenPrompt,
@@ -412,13 +413,27 @@ async def rank(body: schemas.RankRequest, request: Request):
     log.model = body.model
     served = _generative(state, body.model)
     engine = served.engine
+    max_model_len = served.card.max_model_len
     context = await engine.tokenize(body.model, body.context, add_special_tokens=True)
     if not context:
         raise InvalidRequestError("context tokenizes to nothing", param="context")
+    # Refused before any prompt is built: each candidate's prompt is a copy of the context,
+    # so a context that cannot fit would otherwise cost up to 256 copies of itself first.
+    if len(context) >= max_model_len:  # every candidate adds at least one token
+        raise PromptTooLongError(
+            prompt_tokens=len(context) + 1, max_tokens=0, max_model_len=max_model_len, param="context"
+        )
     candidates = [await engine.tokenize(body.model, c, add_special_tokens=False) for c in body.candidates]
     for i, ids in enumerate(candidates):
         if not ids:
             raise InvalidRequestError(f"candidates[{i}] tokenizes to nothing", param="candidates")
+        if len(context) + len(ids) > max_model_len:
+            raise PromptTooLongError(
+                prompt_tokens=len(context) + len(ids),
+                max_tokens=0,
+                max_model_len=max_model_len,
+                param="candidates",
+            )
     request_id = engine_request_id("rank", request)
     sampling = SamplingOptions(max_tokens=0, prompt_logprobs=0)
     generates = [

@@ -26,6 +26,9 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_BATCH = 2048
+# /v1/rank's context, in characters: about half a million tokens of English, past any served
+# model's context; the bound stops a body's worth of text being tokenized only to be refused.
+MAX_RANK_CONTEXT_CHARS = 2 * 1024 * 1024
 
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -339,7 +342,7 @@ class RankRequest(Body):
     """Score candidate continuations of one context by log-likelihood (one batched prefill)."""
 
     model: NonEmptyStr
-    context: NonEmptyStr
+    context: Annotated[str, StringConstraints(min_length=1, max_length=MAX_RANK_CONTEXT_CHARS)]
     candidates: list[NonEmptyStr] = Field(min_length=1, max_length=256)
     user: str | None = Field(default=None, max_length=512)
 

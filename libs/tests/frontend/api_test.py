@@ -666,6 +666,22 @@ def test_rank_orders_by_loglikelihood(server, engine):
     )
 
 
+def test_rank_refuses_what_cannot_fit_before_building_prompts(server, engine):
+    """A context (or context + candidate) past max_model_len is a 400 naming the field, refused
+    before any engine request: each candidate's prompt would copy the whole context."""
+    before = len(engine.requests)
+    body = {"model": "fake", "context": "x" * 300, "candidates": ["a"] * 256}
+    error = assert_error(post(server, "/v1/rank", body), 400, "maximum context length is 256", "context")
+    assert error["code"] == "context_length_exceeded"
+    body = {"model": "fake", "context": "x" * 200, "candidates": ["a", "b" * 100]}
+    error = assert_error(post(server, "/v1/rank", body), 400, "maximum context length is 256", "candidates")
+    assert error["code"] == "context_length_exceeded"
+    assert len(engine.requests) == before
+    too_long = {"model": "fake", "context": "x" * (schemas.MAX_RANK_CONTEXT_CHARS + 1), "candidates": ["a"]}
+    with pytest.raises(ValueError, match="at most"):
+        schemas.RankRequest.model_validate(too_long)
+
+
 # ---- load: body limit, admission, disconnects -----------------------------------------------------
 def test_oversized_body_is_413(server):
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}
