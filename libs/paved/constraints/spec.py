@@ -55,6 +55,16 @@ def _fail(message: str) -> NoReturn:
     raise ValueError(f"invalid {EXTRA_ARGS_KEY}: {message}")
 
 
+def _loads(text: str, what: str) -> Any:
+    # json.loads raises RecursionError, not a ValueError, past ~1000 levels of nesting.
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(f"{what} is not valid JSON ({e})")
+    except RecursionError:
+        _fail(f"{what} is nested too deeply")
+
+
 def validate_spec(obj: Any, *, size: int | None = None) -> dict:
     """Return the normalized spec or raise ValueError saying what is wrong and where.
 
@@ -63,10 +73,7 @@ def validate_spec(obj: Any, *, size: int | None = None) -> dict:
     if isinstance(obj, str):
         if len(obj.encode()) > MAX_SPEC_BYTES:
             _fail(f"spec is larger than {MAX_SPEC_BYTES} bytes")
-        try:
-            obj = json.loads(obj)
-        except json.JSONDecodeError as e:
-            _fail(f"not valid JSON ({e})")
+        obj = _loads(obj, "spec")
     if not isinstance(obj, dict):
         _fail(f"expected an object, got {type(obj).__name__}")
     kind = obj.get("type")
@@ -83,10 +90,7 @@ def validate_spec(obj: Any, *, size: int | None = None) -> dict:
 def _json_schema(obj: dict) -> dict:
     schema = obj.get("schema")
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            _fail(f"'schema' is not valid JSON ({e})")
+        schema = _loads(schema, "'schema'")
     if not isinstance(schema, dict):
         _fail("'schema' must be a JSON Schema object")
     whitespace = obj.get("whitespace", "compact")

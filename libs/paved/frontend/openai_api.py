@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import math
 import struct
 import time
@@ -34,6 +33,7 @@ from paved.frontend.errors import APIError
 from paved.frontend.registry import ServedModel, Ticket
 from paved.frontend.state import AppState
 from paved.frontend.tracing import counted, engine_request_id, request_log
+from paved.http.json_body import JSONBodyError, JSONTooDeepError, parse_json
 
 router = APIRouter()
 
@@ -187,7 +187,7 @@ def _headers(resolved: structured.Resolved) -> dict[str, str]:
 
 
 # ---- chat completions -----------------------------------------------------------------------
-def _message_dict(message: schemas.ChatMessage) -> dict[str, Any]:
+def _message_dict(message: schemas.ChatMessage, index: int) -> dict[str, Any]:
     # Chat templates rarely know "developer"; it is OpenAI's newer name for "system".
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
     out["content"] = message.text() or ""
@@ -197,11 +197,18 @@ def _message_dict(message: schemas.ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         calls = []
-        for call in message.tool_calls:
-            # HF templates index arguments as a mapping; OpenAI sends them as JSON text.
+        for j, call in enumerate(message.tool_calls):
+            # HF templates index arguments as a mapping; OpenAI sends them as JSON text (text
+            # that is not JSON is passed on as it is; JSON nested past the bound is refused).
             try:
-                arguments: Any = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
+                arguments: Any = parse_json(call.function.arguments)
+            except JSONTooDeepError as e:
+                raise APIError(
+                    400,
+                    f"the tool call's arguments are {e}",
+                    param=f"messages.{index}.tool_calls.{j}.function.arguments",
+                ) from None
+            except JSONBodyError:
                 arguments = call.function.arguments
             calls.append(
                 {
@@ -226,7 +233,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt = ChatPrompt(
-        messages=[_message_dict(m) for m in body.messages],
+        messages=[_message_dict(m, i) for i, m in enumerate(body.messages)],
         tools=tools,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,

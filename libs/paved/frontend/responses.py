@@ -172,7 +172,7 @@ def tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
         ]
     try:
         calls = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # a recursive tool schema can nest that deep
         return None
     if not isinstance(calls, list):
         return None

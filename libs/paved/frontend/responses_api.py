@@ -37,7 +37,12 @@ async def create_response(request: Request) -> Response:
         chat = schemas.ChatCompletionRequest.model_validate(parsed.chat_body())
     except pydantic.ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-    answer = await openai_api.chat_completions(chat, request)
+    try:
+        answer = await openai_api.chat_completions(chat, request)
+    except APIError as e:
+        if e.param is not None and e.param.startswith("messages."):
+            e.param = "input"  # the chat messages were built from `input` (and instructions)
+        raise
     if not isinstance(answer, StreamingResponse):
         return answer  # an error answered as JSON
     run = oai.ResponseStream(parsed, oai.new_id("resp"))

@@ -43,6 +43,7 @@ from paved.frontend.schemas import (
     SamplingFields,
     Tool,
 )
+from paved.http.json_body import JSONBodyError, parse_json
 
 PAVED_CONSTRAINT_XARG = "paved_constraint"
 BACKEND_HEADER = "x-paved-constraint-backend"
@@ -308,9 +309,9 @@ def _plan(request: SamplingFields, card: ModelCard) -> Resolved | _Check:
 def _json(schema: Any, card: ModelCard, param: str, json_object: bool = False) -> _Check:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"the JSON schema is not valid JSON: {e}", param=param) from e
+            schema = parse_json(schema)
+        except JSONBodyError as e:
+            raise APIError(400, f"the JSON schema is {e}", param=param) from None
     if not isinstance(schema, dict):
         raise APIError(400, "a JSON schema must be an object", param=param)
     try:

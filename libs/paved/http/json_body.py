@@ -21,18 +21,24 @@ class JSONBodyError(ValueError):
     """A body that is not acceptable JSON; the message completes "the request body is ..."."""
 
 
+class JSONTooDeepError(JSONBodyError):
+    """Valid JSON (as far as read) nested past the bound: refused even where a caller would take
+    text that is not JSON as plain text (a tool call's arguments)."""
+
+
 def parse_json(raw: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
-    """The parsed body, or JSONBodyError (not valid UTF-8, not valid JSON, nested too deep)."""
+    """The parsed body, or JSONBodyError (not valid UTF-8, not valid JSON, or JSONTooDeepError:
+    nested too deep). Never RecursionError, however deep the text nests."""
     try:
         value = json.loads(raw)
     except UnicodeDecodeError:
         raise JSONBodyError("not valid UTF-8") from None
     except RecursionError:
-        raise JSONBodyError(f"nested more than {max_depth} levels deep") from None
+        raise JSONTooDeepError(f"nested more than {max_depth} levels deep") from None
     except ValueError as e:
         raise JSONBodyError(f"not valid JSON: {e}") from None
     if _brackets(raw) > max_depth and _deeper_than(value, max_depth):
-        raise JSONBodyError(f"nested more than {max_depth} levels deep")
+        raise JSONTooDeepError(f"nested more than {max_depth} levels deep")
     return value
 
 

@@ -98,6 +98,77 @@ def test_a_valid_surrogate_pair_nul_and_invalid_utf8(url):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError, not a ValueError
+ASSISTANT_CALL = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}],
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "fake", "messages": [{"role": "user", "content": "x"}, ASSISTANT_CALL]},
+            "messages.1.tool_calls.0.function.arguments",
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "fake",
+                "input": [
+                    {"role": "user", "content": "x"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+                    {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                ],
+            },
+            "input",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "fake",
+                "messages": [{"role": "user", "content": "x"}],
+                "structured_outputs": {"json": DEEP},
+            },
+            "structured_outputs.json",
+        ),
+        (
+            "/v1/completions",
+            {"model": "fake", "prompt": "x", "vllm_xargs": {"paved_constraint": DEEP}},
+            "vllm_xargs.paved_constraint",
+        ),
+        (
+            "/v1/completions",
+            {
+                "model": "fake",
+                "prompt": "x",
+                "vllm_xargs": {"paved_constraint": json.dumps({"type": "json_schema", "schema": DEEP})},
+            },
+            "vllm_xargs.paved_constraint",
+        ),
+    ],
+)
+def test_json_text_nested_too_deep_in_a_field_is_400_naming_it(url, path, body, param):
+    r = httpx.post(url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert "nested" in error["message"], error
+
+
+def test_tool_call_arguments_that_are_not_json_pass_through(url):
+    """Text that is not JSON reaches the chat template as text; nesting within the bound is
+    parsed into a mapping (what Hugging Face templates index)."""
+    for arguments in ("not json {", "[" * 100 + "]" * 100):
+        call = {**ASSISTANT_CALL, "tool_calls": [{**ASSISTANT_CALL["tool_calls"][0]}]}
+        call["tool_calls"][0]["function"] = {"name": "f", "arguments": arguments}
+        body = {"model": "fake", "messages": [{"role": "user", "content": "x"}, call], "max_tokens": 2}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+
+
 def test_a_slow_constraint_check_does_not_hold_the_event_loop(url, monkeypatch):
     """The check of a heavy spec runs on the admission pool: a small request sent while it is
     still being checked is answered, and the heavy one completes after."""

@@ -17,7 +17,7 @@ from paved.frontend.registry import ModelRegistry
 from paved.frontend.responses import MERGE_QUEUE_SIZE, merge
 from paved.frontend.server import main
 from paved.http.body_limit import DEFAULT_MAX_BUFFERED_BYTES, BodyLimitMiddleware
-from paved.http.json_body import MAX_DEPTH, JSONBodyError, parse_json
+from paved.http.json_body import MAX_DEPTH, JSONBodyError, JSONTooDeepError, parse_json
 
 
 # ---- chunked bodies buffered at once --------------------------------------------------------------
@@ -64,13 +64,13 @@ def test_json_bodies_are_bounded_in_depth():
         '{"a":' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1),
         b"[" * 100000 + b"]" * 100000,  # json.loads itself overflows: RecursionError
     ):
-        with pytest.raises(JSONBodyError, match=f"nested more than {MAX_DEPTH} levels deep"):
+        with pytest.raises(JSONTooDeepError, match=f"nested more than {MAX_DEPTH} levels deep"):
             parse_json(raw)
     with pytest.raises(JSONBodyError, match="not valid UTF-8"):
         parse_json(b'{"a": "\xff"}')
     with pytest.raises(JSONBodyError, match="not valid JSON"):
         parse_json(b"{nope")
-    assert issubclass(JSONBodyError, ValueError)
+    assert issubclass(JSONBodyError, ValueError) and issubclass(JSONTooDeepError, JSONBodyError)
 
 
 def test_chunked_bodies_share_one_buffer_budget():
