@@ -34,6 +34,7 @@ ROUTES = frozenset(
         "/v1/completions",
         "/v1/embeddings",
         "/v1/rank",
+        "/v1/responses",
         "/health/live",
         "/health/ready",
         "/metrics",

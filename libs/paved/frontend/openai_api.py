@@ -150,8 +150,9 @@ class _SSEResponse(StreamingResponse):
             await self._admitted.close()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it if the client disconnects first (frees the engine request).
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (frees the engine request);
+    APIError 499 then. `request`'s body must have been read already.
 
     Streaming responses get this from Starlette; non-streaming handlers have to watch for it.
     """
@@ -264,7 +265,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
         )
         return _SSEResponse(events, admitted, headers)
     try:
-        result = await _unless_disconnected(request, responses.collect(counted(stream, log), body.n))
+        result = await unless_disconnected(request, responses.collect(counted(stream, log), body.n))
     finally:
         await admitted.close()
     payload = responses.chat_completion(
@@ -325,7 +326,7 @@ async def completions(body: schemas.CompletionRequest, request: Request):
         return _SSEResponse(events, admitted, headers)
     streams = [counted(s, log, i) for i, s in enumerate(admitted.streams)]
     try:
-        results = await _unless_disconnected(
+        results = await unless_disconnected(
             request, asyncio.gather(*(responses.collect(s, body.n) for s in streams))
         )
     finally:
@@ -377,7 +378,7 @@ async def embeddings(body: schemas.EmbeddingRequest, request: Request):
         embed = EmbedRequest(
             engine_request_id("embd", request), body.model, inputs, dimensions=body.dimensions
         )
-        result = await _unless_disconnected(request, served.engine.embed(embed))
+        result = await unless_disconnected(request, served.engine.embed(embed))
     finally:
         await admitted.close()
     log.prompt_tokens = result.prompt_tokens
@@ -449,7 +450,7 @@ async def rank(body: schemas.RankRequest, request: Request):
     ]
     admitted = await _admit(state, served, generates, len(generates))
     try:
-        results = await _unless_disconnected(
+        results = await unless_disconnected(
             request,
             asyncio.gather(
                 *(responses.collect(counted(s, log, i), 1) for i, s in enumerate(admitted.streams))

@@ -49,11 +49,17 @@ async def create_response(request: Request) -> Response:
     if parsed.stream:
         return _Translated(_events(run, answer), answer)
     try:
-        async for _ in _events(run, answer):
-            pass
+        # Watched as chat's non-streaming answers are: a client that leaves aborts the engine
+        # request and frees its admission at once (499), not when the generation ends.
+        await openai_api.unless_disconnected(request, _drain(_events(run, answer)))
     finally:
         await _close(answer)
     return JSONResponse(run.response)
+
+
+async def _drain(events: AsyncIterator[bytes]) -> None:
+    async for _ in events:
+        pass
 
 
 async def _events(run: oai.ResponseStream, answer: StreamingResponse) -> AsyncIterator[bytes]:

@@ -754,13 +754,20 @@ def test_every_overloaded_503_is_counted_as_push_back(server, engine):
         # Its prompts are gathered: a cancelled gather ends with a CancelledError exception
         # rather than cancelled, which once escaped as "Exception in ASGI application".
         ("/v1/completions", False),
+        # Drains its internal chat stream: watched for the disconnect like chat itself.
+        ("/v1/responses", False),
+        ("/v1/responses", True),
     ],
 )
 def test_client_disconnect_aborts_engine_request(server, engine, route, stream):
     engine.step_delay_s = 0.05
     try:
-        request_body = CHAT if route == "/v1/chat/completions" else {"model": "fake", "prompt": ["a", "b"]}
-        body = {**request_body, "stream": stream, "max_tokens": 40}
+        request_body = {
+            "/v1/chat/completions": {**CHAT, "max_tokens": 40},
+            "/v1/completions": {"model": "fake", "prompt": ["a", "b"], "max_tokens": 40},
+            "/v1/responses": {"model": "fake", "input": "hi", "max_output_tokens": 40},
+        }[route]
+        body = {**request_body, "stream": stream}
         before = set(engine.aborted)
 
         def request():
