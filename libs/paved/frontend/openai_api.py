@@ -29,13 +29,14 @@ from paved.engine.protocol import (
     TokenPrompt,
 )
 from paved.frontend import responses, schemas, structured
+from paved.frontend.bodies import OffLoopBodyRoute
 from paved.frontend.errors import APIError
 from paved.frontend.registry import ServedModel, Ticket
 from paved.frontend.state import AppState
 from paved.frontend.tracing import counted, engine_request_id, request_log
 from paved.http.json_body import JSONBodyError, JSONTooDeepError, parse_json
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBodyRoute)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": schemas.ErrorResponse, "description": text}
@@ -230,6 +231,13 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
     served = _generative(state, body.model)
     card = served.card
     _check_logprobs(card, body.top_logprobs, "top_logprobs")
+    if len(body.messages) > card.max_model_len:  # refused before rendering them all
+        raise InvalidRequestError(
+            f"{len(body.messages)} messages cannot fit this model's maximum context length of "
+            f"{card.max_model_len} tokens (each message takes at least one)",
+            param="messages",
+            code="context_length_exceeded",
+        )
     resolved = await _resolve(state, body, card)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -275,14 +283,20 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
 
 
 # ---- completions ----------------------------------------------------------------------------
-def _prompts(prompt: Any) -> list[TextPrompt | TokenPrompt]:
+def _prompts(prompt: Any, max_model_len: int, param: str) -> list[TextPrompt | TokenPrompt]:
+    """The engine prompts; token-id prompts longer than the context are refused here, before
+    an engine checks every id against its vocabulary."""
     if isinstance(prompt, str):
         return [TextPrompt(prompt)]
     if prompt and isinstance(prompt[0], str):
         return [TextPrompt(p) for p in prompt]
-    if prompt and isinstance(prompt[0], int):
-        return [TokenPrompt(prompt)]
-    return [TokenPrompt(p) for p in prompt]
+    token_lists = [prompt] if prompt and isinstance(prompt[0], int) else prompt
+    for ids in token_lists:
+        if len(ids) > max_model_len:
+            raise PromptTooLongError(
+                prompt_tokens=len(ids), max_tokens=0, max_model_len=max_model_len, param=param
+            )
+    return [TokenPrompt(ids) for ids in token_lists]
 
 
 @router.post("/v1/completions", response_model=schemas.Completion, responses=_ERRORS)
@@ -294,7 +308,7 @@ async def completions(body: schemas.CompletionRequest, request: Request):
     card = served.card
     _check_logprobs(card, body.logprobs, "logprobs")
     resolved = await _resolve(state, body, card)
-    prompts = _prompts(body.prompt)
+    prompts = _prompts(body.prompt, card.max_model_len, "prompt")
     request_id = engine_request_id("cmpl", request)
     sampling = structured.sampling_options(
         body,
@@ -372,7 +386,7 @@ async def embeddings(body: schemas.EmbeddingRequest, request: Request):
     served = state.models.get(body.model)
     if served.card.kind != "embed":
         raise APIError(400, f"model {body.model!r} is not an embedding model", param="model")
-    inputs = _prompts(body.input)
+    inputs = _prompts(body.input, served.card.max_model_len, "input")
     admitted = await _admit(state, served, [], len(inputs))
     try:
         embed = EmbedRequest(

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paved.frontend import openai_api, schemas
+from paved.frontend.bodies import off_loop_if_large
 from paved.frontend.errors import APIError
 from paved.http import openai_responses as oai
 from paved.http.json_body import JSONBodyError, parse_json
@@ -25,18 +26,8 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    try:
-        body = parse_json(await request.body())
-    except JSONBodyError as e:
-        raise APIError(400, f"the request body is {e}") from None
-    try:
-        parsed = oai.parse_request(body, stateless=True)
-    except oai.ResponsesError as e:
-        raise APIError(e.status, e.message, param=e.param, code=e.code) from None
-    try:
-        chat = schemas.ChatCompletionRequest.model_validate(parsed.chat_body())
-    except pydantic.ValidationError as e:
-        raise RequestValidationError(e.errors()) from None
+    raw = await request.body()
+    parsed, chat = await off_loop_if_large(len(raw), _decode, raw)
     try:
         answer = await openai_api.chat_completions(chat, request)
     except APIError as e:
@@ -55,6 +46,22 @@ async def create_response(request: Request) -> Response:
     finally:
         await _close(answer)
     return JSONResponse(run.response)
+
+
+def _decode(raw: bytes) -> tuple[oai.ParsedRequest, schemas.ChatCompletionRequest]:
+    try:
+        body = parse_json(raw)
+    except JSONBodyError as e:
+        raise APIError(400, f"the request body is {e}") from None
+    try:
+        parsed = oai.parse_request(body, stateless=True)
+    except oai.ResponsesError as e:
+        raise APIError(e.status, e.message, param=e.param, code=e.code) from None
+    try:
+        chat = schemas.ChatCompletionRequest.model_validate(parsed.chat_body())
+    except pydantic.ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+    return parsed, chat
 
 
 async def _drain(events: AsyncIterator[bytes]) -> None:

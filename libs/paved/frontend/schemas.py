@@ -7,7 +7,7 @@ marked as such. The same models generate the OpenAPI document served at /openapi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -15,9 +15,11 @@ from pydantic import (
     Field,
     StrictBool,
     StringConstraints,
+    ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails
 
 from paved.engine import text
 
@@ -26,6 +28,11 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_BATCH = 2048
+# A prompt (or embedding input) given as token ids, and a chat's messages: past any served
+# model's context (a message renders to at least one token), and bounded so that a body of
+# millions of them is refused by its length rather than walked and validated whole.
+MAX_TOKEN_IDS = 1024 * 1024
+MAX_MESSAGES = 128 * 1024
 # /v1/rank's context, in characters: about half a million tokens of English, past any served
 # model's context; the bound stops a body's worth of text being tokenized only to be refused.
 MAX_RANK_CONTEXT_CHARS = 2 * 1024 * 1024
@@ -43,15 +50,44 @@ class Request(BaseModel):
 
 class Body(Request):
     """A whole request body: every string in it must be Unicode text (see paved.engine.text),
-    checked once here rather than per field (nested models do not repeat the walk)."""
+    checked once here rather than per field (nested models do not repeat the walk).
+
+    `_BOUNDED` (field, bound) are list fields whose length (or, for a list of lists, whose
+    lists' lengths) is checked before that O(body) walk: a body refused for its size costs its
+    length, and the error names the field as the schema's own max_length would."""
+
+    _BOUNDED: ClassVar[tuple[tuple[str, int], ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
     def _unicode_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for field, bound in cls._BOUNDED:
+                _check_length(data.get(field), field, bound)
         path = text.unencodable_path(data)
         if path is not None:
             raise ValueError(text.message(path))
         return data
+
+
+def _check_length(value: Any, field: str, bound: int) -> None:
+    if not isinstance(value, list):
+        return
+    where: tuple[str | int, ...] = (field,)
+    too_long = value if len(value) > bound else None
+    if too_long is None and value and isinstance(value[0], list):
+        for i, item in enumerate(value):
+            if isinstance(item, list) and len(item) > bound:
+                where, too_long = (field, i), item
+                break
+    if too_long is None:
+        return
+    # Raised as the schema's own too_long error would be (the field in `loc`), not as a
+    # ValueError of this model-level validator (which has no field to name).
+    ctx = {"field_type": "List", "max_length": bound, "actual_length": len(too_long)}
+    raise ValidationError.from_exception_data(
+        "request", [InitErrorDetails(type="too_long", loc=where, input=[], ctx=ctx)]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +283,9 @@ class NamedToolChoice(Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    _BOUNDED = (("messages", MAX_MESSAGES),)
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     logprobs: StrictBool | None = False
@@ -290,12 +328,15 @@ class ChatCompletionRequest(SamplingFields):
 # Completions.
 # ---------------------------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
+    _BOUNDED = (("prompt", MAX_TOKEN_IDS),)
+
     prompt: (
         NonEmptyStr
         | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
-        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
         | Annotated[
-            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)
+            list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]],
+            Field(min_length=1, max_length=MAX_BATCH),
         ]
     )
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
@@ -321,13 +362,16 @@ class CompletionRequest(SamplingFields):
 # Embeddings.
 # ---------------------------------------------------------------------------------------------
 class EmbeddingRequest(Body):
+    _BOUNDED = (("input", MAX_TOKEN_IDS),)
+
     model: NonEmptyStr
     input: (
         NonEmptyStr
         | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH)]
-        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
         | Annotated[
-            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)
+            list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]],
+            Field(min_length=1, max_length=MAX_BATCH),
         ]
     )
     encoding_format: Literal["float", "base64"] = "float"
@@ -343,6 +387,8 @@ class RankRequest(Body):
 
     model: NonEmptyStr
     context: Annotated[str, StringConstraints(min_length=1, max_length=MAX_RANK_CONTEXT_CHARS)]
+    _BOUNDED = (("candidates", 256),)
+
     candidates: list[NonEmptyStr] = Field(min_length=1, max_length=256)
     user: str | None = Field(default=None, max_length=512)
 

@@ -15,11 +15,11 @@ import uuid
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import MAX_MODEL_LEN, FakeEngine
 from servers import serve_engines
 
 from paved.constraints import spec as specs
-from paved.frontend import structured
+from paved.frontend import schemas, structured
 
 JSON = {"content-type": "application/json"}
 BURST = 300
@@ -167,6 +167,86 @@ def test_tool_call_arguments_that_are_not_json_pass_through(url):
         body = {"model": "fake", "messages": [{"role": "user", "content": "x"}, call], "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
+
+
+@pytest.fixture
+def unicode_walks(monkeypatch):
+    """The thread names the request bodies' Unicode walk (part of their validation) ran on."""
+    text = schemas.text  # the module the schemas call
+    threads: list[str] = []
+    real = text.unencodable_path
+
+    def recording(value, path=""):
+        threads.append(threading.current_thread().name)
+        return real(value, path)
+
+    monkeypatch.setattr(text, "unencodable_path", recording)
+    return threads
+
+
+def test_large_bodies_are_decoded_off_the_event_loop(url, unicode_walks):
+    from paved.frontend.bodies import OFF_LOOP_BYTES
+
+    big = "x" * (OFF_LOOP_BYTES + 1)
+    for path, body in (
+        ("/v1/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": big}]}),
+        ("/v1/completions", {"model": "fake", "prompt": big}),
+        ("/v1/responses", {"model": "fake", "input": big}),
+    ):
+        unicode_walks.clear()
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text  # decoded, then refused
+        assert unicode_walks and all(name.startswith("paved-body") for name in unicode_walks), unicode_walks
+    # Decoded there, a body's errors are the same 400s naming the field.
+    body = {"model": "fake", "messages": [{"role": "user", "content": big}], "temperature": 3}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    r = httpx.post(url + "/v1/chat/completions", content=b"[" + b" " * OFF_LOOP_BYTES, headers=JSON)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    unicode_walks.clear()  # small bodies: inline, no thread hop
+    r = httpx.post(
+        url + "/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert r.status_code == 200 and unicode_walks and not unicode_walks[0].startswith("paved-body")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "fake", "messages": [{"role": "user", "content": "a"}] * (schemas.MAX_MESSAGES + 1)},
+            "messages",
+        ),
+        ("/v1/completions", {"model": "fake", "prompt": [1] * (schemas.MAX_TOKEN_IDS + 1)}, "prompt"),
+        (
+            "/v1/completions",
+            {"model": "fake", "prompt": [[1], [1] * (schemas.MAX_TOKEN_IDS + 1)]},
+            "prompt.1",
+        ),
+        ("/v1/embeddings", {"model": "fake-embed", "input": [1] * (schemas.MAX_TOKEN_IDS + 1)}, "input"),
+    ],
+)
+def test_lists_past_their_bound_are_refused_before_the_body_is_walked(url, unicode_walks, path, body, param):
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "at most" in error["message"], error
+    assert unicode_walks == []  # refused on its length, before the O(body) walk
+
+
+def test_what_cannot_fit_the_context_is_refused_before_the_engine(url):
+    """More messages, or more prompt token ids, than max_model_len tokens: a 400 at once."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "a"}] * (MAX_MODEL_LEN + 1)}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    assert f"{MAX_MODEL_LEN + 1} messages cannot fit" in error["message"]
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "fake", "prompt": [[1], [1] * (MAX_MODEL_LEN + 1)]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
 def test_a_slow_constraint_check_does_not_hold_the_event_loop(url, monkeypatch):
