@@ -43,7 +43,7 @@ from paved.frontend.schemas import (
     SamplingFields,
     Tool,
 )
-from paved.http.json_body import JSONBodyError, parse_json
+from paved.http.json_body import MAX_DEPTH, JSONBodyError, parse_json
 
 PAVED_CONSTRAINT_XARG = "paved_constraint"
 BACKEND_HEADER = "x-paved-constraint-backend"
@@ -409,7 +409,6 @@ def _tool_mode(request: ChatCompletionRequest) -> tuple[ToolMode | None, dict | 
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     if choice == "auto":
         raise APIError(400, _AUTO_UNSUPPORTED, param="tool_choice")
-    defs = _hoisted_defs(tools)
     if isinstance(choice, NamedToolChoice):
         by_name = {t.function.name: t for t in tools}
         tool = by_name.get(choice.function.name)
@@ -417,11 +416,12 @@ def _tool_mode(request: ChatCompletionRequest) -> tuple[ToolMode | None, dict | 
             raise APIError(
                 400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
             )
-        schema: dict[str, Any] = _parameters(tool)
-        if defs:
-            schema["$defs"] = defs
-        return ToolMode("named", tool.function.name), schema
-    # "required": a non-empty JSON array of {"name", "parameters"} calls (vLLM's shape).
+        # The tool's parameters are the root: its local $refs resolve as written.
+        return ToolMode("named", tool.function.name), _parameters(tool)
+    # "required": a non-empty JSON array of {"name", "parameters"} calls (vLLM's shape). Each
+    # tool's parameters sit inside the combined schema, so its local $refs ("#/$defs/X",
+    # "#/definitions/X", "#") are rewritten to that position; its definitions stay with it (two
+    # tools may define the same name differently).
     schema = {
         "type": "array",
         "minItems": 1,
@@ -431,19 +431,17 @@ def _tool_mode(request: ChatCompletionRequest) -> tuple[ToolMode | None, dict | 
                     "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [t.function.name]},
-                        "parameters": _parameters(t),
+                        "parameters": _rebased(_parameters(t), f"#/items/anyOf/{i}/properties/parameters"),
                     },
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
-                for t in tools
+                for i, t in enumerate(tools)
             ]
         },
     }
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return ToolMode("required"), schema
 
 
@@ -454,25 +452,35 @@ _AUTO_UNSUPPORTED = (
 
 
 def _parameters(tool) -> dict[str, Any]:
-    params = dict(tool.function.parameters or {"type": "object", "properties": {}})
-    params.pop("$defs", None)
-    return params
+    return dict(tool.function.parameters or {"type": "object", "properties": {}})
 
 
-def _hoisted_defs(tools) -> dict[str, Any]:
-    """Tools' `$defs`, moved to the root of the combined schema so `#/$defs/...` still resolve."""
-    defs: dict[str, Any] = {}
-    for tool in tools:
-        own = (tool.function.parameters or {}).get("$defs")
-        if own is None:
-            continue
-        if not isinstance(own, dict):
-            raise APIError(400, f"tool {tool.function.name!r}: $defs must be an object", param="tools")
-        for key, value in own.items():
-            if key in defs and defs[key] != value:
-                raise APIError(400, f"tools define $defs/{key} differently; rename one", param="tools")
-            defs[key] = value
-    return defs
+# Keywords whose values are JSON data, not subschemas: a "$ref" inside them is data.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords mapping names (any name, "default" included) to subschemas.
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, prefix: str, depth: int = 0) -> Any:
+    """`schema` with each local `$ref` ("#" or "#/...") made relative to `prefix` instead of
+    the root. Bounded in depth (a 400 past MAX_DEPTH, never a RecursionError)."""
+    if depth > MAX_DEPTH:
+        raise APIError(400, f"tool parameters are nested more than {MAX_DEPTH} levels deep", param="tools")
+    if isinstance(schema, list):
+        return [_rebased(item, prefix, depth + 1) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = prefix + value[1:]
+        elif key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, prefix, depth + 2) for name, sub in value.items()}
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, prefix, depth + 1)
+    return out
 
 
 def sampling_options(

@@ -554,6 +554,65 @@ def test_required_tool_choice():
         assert [d.function.name for d in deltas] == ["get_time", "get_weather"]
 
 
+def test_required_tool_choice_resolves_each_tools_local_refs():
+    """Tools whose parameters use `definitions` (pydantic v1, zod-to-json-schema), `$defs`
+    (the same name meaning different things) or a root `#` ref: each ref still points into its
+    own tool once the tools are combined into one array schema."""
+    import jsonschema
+
+    move = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "definitions": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}},
+                "properties": {"to": {"$ref": "#/definitions/Loc"}},
+                "required": ["to"],
+            },
+        },
+    }
+    wait = {
+        "type": "function",
+        "function": {
+            "name": "wait",
+            "parameters": {
+                "type": "object",
+                "$defs": {"Loc": {"type": "integer"}},
+                "properties": {"default": {"$ref": "#/$defs/Loc"}},
+                "required": ["default"],
+            },
+        },
+    }
+    engine, ctx = _tool_server('[{"name":"move","parameters":{"to":{"city":"Oslo"}}}]')
+    with ctx as url:
+        _wait_ready(url)
+        body = {**CHAT, "tools": [move, wait], "tool_choice": "required", "max_tokens": 150}
+        response = post(url, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"]) == {"to": {"city": "Oslo"}}
+        schema = engine.requests[-1].sampling.constraint.value["schema"]
+        named = {"type": "function", "function": {"name": "move"}}
+        response = post(url, "/v1/chat/completions", {**body, "tools": [move], "tool_choice": named})
+        assert response.status_code == 200, response.text
+        (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+        assert isinstance(json.loads(call["function"]["arguments"])["to"], dict)
+    jsonschema.validate(
+        [
+            {"name": "move", "parameters": {"to": {"city": "Oslo"}}},
+            {"name": "wait", "parameters": {"default": 3}},
+        ],
+        schema,
+    )
+    for bad in (
+        [{"name": "move", "parameters": {"to": 3}}],
+        [{"name": "wait", "parameters": {"default": "x"}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
