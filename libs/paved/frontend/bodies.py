@@ -51,7 +51,7 @@ def decode_model(raw: bytes, model: type[pydantic.BaseModel]) -> pydantic.BaseMo
     try:
         return model.model_validate(value)
     except pydantic.ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+        raise RequestValidationError(e.errors(include_url=False, include_input=False), body=value) from None
 
 
 class _Decoded(Request):

@@ -74,7 +74,7 @@ def to_api_error(exc: Exception) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc.errors())
+        message, param = validation_message(exc.errors(), exc.body)
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

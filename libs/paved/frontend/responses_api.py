@@ -57,10 +57,13 @@ def _decode(raw: bytes) -> tuple[oai.ParsedRequest, schemas.ChatCompletionReques
         parsed = oai.parse_request(body, stateless=True)
     except oai.ResponsesError as e:
         raise APIError(e.status, e.message, param=e.param, code=e.code) from None
+    chat_body = parsed.chat_body()
     try:
-        chat = schemas.ChatCompletionRequest.model_validate(parsed.chat_body())
+        chat = schemas.ChatCompletionRequest.model_validate(chat_body)
     except pydantic.ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+        raise RequestValidationError(
+            e.errors(include_url=False, include_input=False), body=chat_body
+        ) from None
     return parsed, chat
 
 

@@ -19,7 +19,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from paved.engine import text
 
@@ -68,6 +68,15 @@ class Body(Request):
         if path is not None:
             raise ValueError(text.message(path))
         return data
+
+
+def _invalid(field: str, message: str, value: Any = None) -> ValidationError:
+    """A validation error located at `field`: raised by a model-level validator that checks
+    several fields, so that the 400 names the field to change (a ValueError there names none)."""
+    error = PydanticCustomError("value_error", message)
+    return ValidationError.from_exception_data(
+        "request", [InitErrorDetails(type=error, loc=(field,), input=value)]
+    )
 
 
 def _check_length(value: Any, field: str, bound: int) -> None:
@@ -204,7 +213,7 @@ class SamplingFields(Body):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise _invalid("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -306,18 +315,24 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise _invalid("top_logprobs", "top_logprobs requires logprobs: true", self.top_logprobs)
         if self.continue_final_message:
             if self.add_generation_prompt:
-                raise ValueError("continue_final_message needs add_generation_prompt: false")
+                raise _invalid(
+                    "add_generation_prompt", "continue_final_message needs add_generation_prompt: false", True
+                )
             if self.messages[-1].role != "assistant":
-                raise ValueError("continue_final_message needs the last message to be the assistant's")
+                raise _invalid(
+                    "messages", "continue_final_message needs the last message to be the assistant's"
+                )
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None
             and self.max_tokens != self.max_completion_tokens
         ):
-            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+            raise _invalid(
+                "max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one of them"
+            )
         return self
 
     def output_budget(self) -> int | None:
@@ -348,13 +363,15 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
         if self.suffix is not None:
-            raise ValueError("suffix is not supported: paved serves no fill-in-the-middle models")
+            raise _invalid("suffix", "suffix is not supported: paved serves no fill-in-the-middle models")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            raise _invalid("best_of", "best_of other than n is not supported", self.best_of)
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens=0 generates nothing; it is only meaningful with echo: true")
+            raise _invalid(
+                "max_tokens", "max_tokens=0 generates nothing; it is only meaningful with echo: true", 0
+            )
         if self.max_tokens == 0 and self.stream:
-            raise ValueError("max_tokens=0 (prompt scoring) cannot be streamed")
+            raise _invalid("max_tokens", "max_tokens=0 (prompt scoring) cannot be streamed", 0)
         return self
 
 

@@ -244,10 +244,10 @@ def test_developer_role_and_text_parts(client, engine):
         ({**CHAT, "messages": []}, "messages", "messages"),
         ({**CHAT, "temperature": 3}, "temperature", "temperature"),
         ({**CHAT, "n": 0}, "n", "n"),
-        ({**CHAT, "top_logprobs": 3}, "requires logprobs", None),
+        ({**CHAT, "top_logprobs": 3}, "requires logprobs", "top_logprobs"),
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
         ({**CHAT, "frobnicate": 1}, "unrecognized request argument supplied: frobnicate", "frobnicate"),
-        ({**CHAT, "stream_options": {"include_usage": True}}, "only allowed when stream", None),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "only allowed when stream", "stream_options"),
         ({**CHAT, "stream": "yes"}, "valid boolean", "stream"),
         ({**CHAT, "stream": 1}, "valid boolean", "stream"),
         ({**CHAT, "logprobs": "true"}, "valid boolean", "logprobs"),
@@ -259,17 +259,31 @@ def test_developer_role_and_text_parts(client, engine):
         ),
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "role", None),
         ({**CHAT, "logit_bias": {"abc": 1}}, "token ids", "logit_bias"),
-        ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "disagree", None),
+        ({**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "disagree", "max_completion_tokens"),
         ({**CHAT, "store": True}, "store", "store"),
         ({**CHAT, "seed": 2**64}, "seed", "seed"),
         ({**CHAT, "stop": ["a"] * 17}, "stop", "stop"),
         ({**CHAT, "response_format": {"type": "yaml"}}, "response_format", None),
         ({**CHAT, "response_format": {"type": "json_schema"}}, "json_schema", None),
-        ({**CHAT, "continue_final_message": True}, "add_generation_prompt: false", None),
+        ({**CHAT, "continue_final_message": True}, "add_generation_prompt: false", "add_generation_prompt"),
         (
             {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
             "last message to be the assistant's",
-            None,
+            "messages",
+        ),
+        # Union members' labels (`stop.str`, `messages.0.content.str`, a tagged union's tag)
+        # are not the client's field paths.
+        ({**CHAT, "stop": 5}, "stop", "stop"),
+        ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "content", "messages.0.content"),
+        (
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "bad name!"}}},
+            "name",
+            "response_format.json_schema.name",
+        ),
+        (
+            {**CHAT, "tool_choice": {"type": "function", "function": {}}},
+            "",
+            "tool_choice",
         ),
         ({**CHAT, "continue_final_message": "yes"}, "valid boolean", "continue_final_message"),
     ],
@@ -364,7 +378,7 @@ def test_json_object_with_a_schema_is_constrained_by_it(server, engine, stream):
     ("schema", "fragment", "param"),
     [
         ({"properties": {"a": {"type": 3}}}, "invalid JSON schema", "response_format.schema"),
-        ("not an object", "valid dictionary", "response_format.json_object.schema"),
+        ("not an object", "valid dictionary", "response_format.schema"),
     ],
 )
 def test_json_object_with_an_invalid_schema_is_400_naming_it(server, schema, fragment, param):
@@ -698,6 +712,22 @@ def test_echo_prefill_only_scores_prompt(client, engine):
 )
 def test_invalid_completion_requests(server, extra, fragment):
     assert_error(post(server, "/v1/completions", {"model": "fake", "prompt": "x", **extra}), 400, fragment)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt"),
+    ],
+)
+def test_completion_400s_name_the_field(server, extra, param):
+    """Checks across fields name the one to change; union labels never reach `param`."""
+    assert_error(post(server, "/v1/completions", {"model": "fake", "prompt": "x", **extra}), 400, param=param)
 
 
 # ---- embeddings and rank ----------------------------------------------------------------------
