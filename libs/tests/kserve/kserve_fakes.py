@@ -16,6 +16,10 @@ import inspect
 import json
 import os
 import queue
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -284,3 +288,37 @@ def stream(gc, requests, *, model=LLM, headers=None, cancel_after=None, timeout=
         return out
     finally:
         gc.stop_stream(cancel_requests=cancel_after is not None)
+
+
+# `python -c` rather than `-m`: the tests' sys.path (runfiles) is passed on as PYTHONPATH.
+KSERVE_MAIN = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+def run_kserve_main(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """paved.kserve.main with `args`, run to its end (for the ones that exit: bad flags, ...)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run(
+        [sys.executable, "-c", KSERVE_MAIN, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+@contextlib.contextmanager
+def kserve_main(*args: str) -> Iterator[tuple[int, int]]:
+    """paved.kserve.main as a process with `args` on any free ports: yields (gRPC port, HTTP
+    port) once it printed them; on leaving, SIGTERM, which must end it with status 0 (it is
+    killed whatever happens)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    command = [sys.executable, "-c", KSERVE_MAIN, *args, "--grpc-port", "0", "--http-port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r"gRPC (\d+) HTTP (\d+)", line)
+        assert match, f"paved.kserve.main printed {line!r} (exit {proc.poll()})"
+        yield int(match.group(1)), int(match.group(2))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -18,11 +18,7 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -31,7 +27,7 @@ import tritonclient.http as httpclient
 import xgboost
 from tritonclient.utils import InferenceServerException
 
-from libs.tests.kserve.kserve_fakes import serving, wait_for, xgb_model_dir
+from libs.tests.kserve.kserve_fakes import kserve_main, run_kserve_main, serving, wait_for, xgb_model_dir
 from paved.kserve.backends import ModelConfigError
 from paved.kserve.model_config import (
     KIND_CPU,
@@ -350,26 +346,14 @@ def test_refused_models_are_listed_with_their_reason_while_the_rest_serve(gc, hc
 
 
 def test_the_main_serves_a_repository_and_refuses_a_missing_one(repo, tmp_path):
-    code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    missing = subprocess.run(
-        [sys.executable, "-c", code, "--model-repository", str(tmp_path / "nope")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    missing = run_kserve_main("--model-repository", str(tmp_path / "nope"))
     assert (
         missing.returncode == 2
         and "--model-repository" in missing.stderr
         and "not a directory" in missing.stderr
     )
-    args = ["--model-repository", repo, "--grpc-port", "0", "--http-port", "0", "--log-level", "error"]
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        match = re.search(r"gRPC (\d+) HTTP (\d+)", proc.stdout.readline())
-        assert match
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+    with kserve_main("--model-repository", repo, "--log-level", "error") as (grpc_port, _):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         try:
             assert wait_for(
                 lambda: client.is_model_ready("scorer", "1") and client.is_model_ready("scorer"), timeout=60
@@ -377,12 +361,6 @@ def test_the_main_serves_a_repository_and_refuses_a_missing_one(repo, tmp_path):
             assert _infer(grpcclient, client, "scorer", "1").as_numpy("output__0").shape == (3, 3)
         finally:
             client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_tritons_exit_on_error_and_strict_readiness_flags(repo):
@@ -390,38 +368,19 @@ def test_tritons_exit_on_error_and_strict_readiness_flags(repo):
     (status 1, each failure on stderr), as Triton's default; --strict-readiness false: the
     server reports ready while it serves, its refused models still not ready; a flag value
     that is not a boolean exits 2."""
-    code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    base = [sys.executable, "-c", code, "--model-repository", repo, "--grpc-port", "0", "--http-port", "0"]
-    exited = subprocess.run(
-        [*base, "--exit-on-error", "true", "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    base = ["--model-repository", repo, "--grpc-port", "0", "--http-port", "0"]
+    exited = run_kserve_main(*base, "--exit-on-error", "true", "--log-level", "error")
     assert exited.returncode == 1, exited.stderr
     assert "model 'tf' failed to load" in exited.stderr and "tensorflow_savedmodel" in exited.stderr
     assert "model 'cached'" in exited.stderr and "response_cache" in exited.stderr
     assert "--exit-on-error" in exited.stderr
-    bad = subprocess.run(
-        [*base, "--strict-readiness", "maybe"], capture_output=True, text=True, env=env, timeout=60
-    )
+    bad = run_kserve_main(*base, "--strict-readiness", "maybe")
     assert bad.returncode == 2 and "expected true or false" in bad.stderr
-    args = [*base[3:], "--strict-readiness", "false", "--log-level", "error"]
-    proc = subprocess.Popen([*base[:3], *args], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        match = re.search(r"gRPC (\d+) HTTP (\d+)", proc.stdout.readline())
-        assert match
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+    lenient = ("--model-repository", repo, "--strict-readiness", "false", "--log-level", "error")
+    with kserve_main(*lenient) as ports:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
         try:
             assert wait_for(lambda: client.is_model_ready("scorer", "1"), timeout=60)
             assert client.is_server_ready() and not client.is_model_ready("tf")
         finally:
             client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

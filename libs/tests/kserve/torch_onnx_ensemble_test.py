@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +32,7 @@ from libs.tests.kserve.kserve_fakes import (
     LLM,
     XGB,
     FakeEngine,
+    kserve_main,
     llm_inputs,
     serving,
     stream,
@@ -670,35 +667,14 @@ def test_the_main_serves_the_repository(repo, session, tmp_path):
     root, refs = repo
     for name in ("torch_linear", "ens_scores", "onnx_linear", "torch_head"):
         shutil.copytree(os.path.join(root, name), tmp_path / name)
-    code = "import sys; from paved.kserve.main import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    args = [
-        "--model-repository",
-        str(tmp_path),
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--log-level",
-        "error",
-    ]
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        match = re.search(r"gRPC (\d+) HTTP (\d+)", proc.stdout.readline())
-        assert match
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+    with kserve_main("--model-repository", str(tmp_path), "--log-level", "error") as (grpc_port, _):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         try:
             assert wait_for(client.is_server_ready, timeout=60)
             x = rows(4, seed=9)
             result = client.infer("ens_scores", [tensor(grpcclient, "features", x, "FP32")])
         finally:
             client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     (hidden,) = session.run(["output"], {"input": x})
     assert np.array_equal(result.as_numpy("hidden"), hidden)
     assert np.array_equal(result.as_numpy("scores"), torch_ref(refs["torch_head"], hidden))
