@@ -46,6 +46,7 @@ from paved.procs import marked_processes, proc_start_time
 log = logging.getLogger(__name__)
 
 MARKER_ENV = "PAVED_REPLICA_MARKER"
+MARKER_FILE = "marker"  # in a replica's work dir: its processes' MARKER_ENV value
 _HOST = "127.0.0.1"
 # Bounds on the kill loop: a replica that keeps forking is still gone after this many rounds.
 _KILL_ROUNDS = 50
@@ -198,6 +199,9 @@ class LocalDriver:
             paths.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env[MARKER_ENV] = marker
+        # Written before the spawn: a replica whose record never made it to the store (the
+        # control plane killed in between) is still found, and stopped, by the next adopt.
+        (rdir / MARKER_FILE).write_text(marker)
         argv = self._argv(req, ports, rdir)
         with open(log_path, "ab") as out:
             out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {shlex.join(argv)}\n".encode())
@@ -361,7 +365,35 @@ class LocalDriver:
                 self._kill_all(ref)  # an engine orphaned by its dead launcher
             self._release(r.id)
             gone.append(r)
+        self._reap_unrecorded({r.id for r in replicas})
         return adopted, gone
+
+    def _reap_unrecorded(self, recorded: set[str]) -> None:
+        """Stop the processes of every replica this work dir started that has no live record:
+        one spawned as the control plane stopped, before its record was written."""
+        with contextlib.suppress(OSError):
+            for rdir in self.work_dir.iterdir():
+                marker_file = rdir / MARKER_FILE
+                if rdir.name in recorded or not marker_file.is_file():
+                    continue
+                with contextlib.suppress(OSError):
+                    marker = marker_file.read_text().strip()
+                    if marker and marked_processes(MARKER_ENV, marker):
+                        log.warning("replica %s runs without a record: stopping it", rdir.name)
+                        self._kill_marked(marker)
+                    marker_file.unlink()  # nothing of it runs: never looked at again
+
+    def _kill_marked(self, marker: str) -> None:
+        """SIGKILL every process carrying `marker` until none is left (bounded)."""
+        for _ in range(_KILL_ROUNDS):
+            pids = list(marked_processes(MARKER_ENV, marker))
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        log.error("replica processes with marker %s survived %d kill rounds", marker, _KILL_ROUNDS)
 
     async def adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:
         wrong = [r.id for r in replicas if r.region != self.region]

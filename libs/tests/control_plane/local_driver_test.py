@@ -277,3 +277,28 @@ def test_start_failure_reason_and_bad_requests(tmp_path: Path, cleanup: list[Rep
             assert "escape" not in os.listdir(tmp_path)
 
     asyncio.run(go())
+
+
+def test_adopt_stops_a_replica_started_but_never_recorded(tmp_path: Path, cleanup: list[Replica]) -> None:
+    """The control plane killed between a replica's spawn and its record: nothing would ever
+    stop the process (adoption reads the records). The next adopt finds it by the marker file
+    its work dir holds and stops it; a recorded replica beside it is adopted and kept."""
+    lo, hi = free_range(6)
+
+    async def go() -> None:
+        first = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
+        kept = await first.create(request("r-kept"))
+        cleanup.append(kept)
+        lost = await first.create(request("r-lost"))
+        cleanup.append(lost)
+        assert marked(lost.driver_ref["marker"])
+        await first.close()
+        second = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
+        adopted, gone = await second.adopt([kept])  # r-lost has no record
+        assert [r.id for r in adopted] == ["r-kept"] and gone == []
+        assert marked(lost.driver_ref["marker"]) == {}
+        assert marked(kept.driver_ref["marker"]) and await second.alive(kept)
+        assert not (tmp_path / "work" / "r-lost" / "marker").exists()
+        await second.delete(kept)
+
+    asyncio.run(go())
