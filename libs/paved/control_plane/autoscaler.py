@@ -124,17 +124,23 @@ class Autoscaler:
             raise ValueError(f"now must be finite, got {value!r}")
         return value
 
-    def observe(self, samples: list[ReplicaMetrics], now: float | None = None) -> None:
+    def observe(
+        self, samples: list[ReplicaMetrics], now: float | None = None, *, of: int | None = None
+    ) -> None:
         """Record one scrape round: `samples` holds one entry per ready replica scraped (an empty
-        list records zero load)."""
+        list records zero load). `of`: how many ready replicas the round was meant to read;
+        when fewer answered, the totals are theirs scaled up to `of` (the unread ones are
+        taken to carry the average, as Knative's KPA does), never read as idle. A round with
+        `of` > 0 and no sample at all carries no reading: callers hold instead of observing."""
         t = self._now(now)
         for s in samples:
             if not isinstance(s, ReplicaMetrics):
                 raise TypeError(f"samples must be ReplicaMetrics, got {type(s).__name__}")
+        scale = of / len(samples) if of and samples and of > len(samples) else 1.0
         totals = {
-            "waiting": sum(s.waiting for s in samples),
-            "in_flight": sum(s.running + s.waiting for s in samples),
-            "kv_usage": sum(s.kv_usage for s in samples),
+            "waiting": scale * sum(s.waiting for s in samples),
+            "in_flight": scale * sum(s.running + s.waiting for s in samples),
+            "kv_usage": scale * sum(s.kv_usage for s in samples),
         }
         # A clock that goes back (another caller's `now`) must not reorder the window.
         if self._obs and t < self._obs[-1][0]:

@@ -46,6 +46,7 @@ from paved.control_plane.probes import probe_live, probe_ready
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import Deployment, Replica
+from paved.metrics.gauges import ReplicaMetrics
 
 logger = logging.getLogger("paved.control_plane")
 
@@ -88,7 +89,8 @@ class Controller:
         self._retired: set[str] = set()  # deleted deployments the drivers were told about
         self._wake: dict[str, float] = {}
         self._traffic_checked = 0.0
-        self._scalers: dict[str, Autoscaler] = {}
+        # One per (deployment, region): each region is sized for its own load.
+        self._scalers: dict[tuple[str, str], Autoscaler] = {}
         # Deployment id -> its idle clock (wall time), while awake with a scale-to-zero policy.
         self._idle: dict[str, IdleClock] = {}
         # Wakes from several gateways at once decide one after the other: one scale-up, one
@@ -664,24 +666,29 @@ class Controller:
             if not any(effective_desired(d, desired, region) for region in d.spec.regions):
                 # At zero (asleep, or scaled there by the API): no replica to read, and demand
                 # wakes it (`wake`), not the KPA.
-                self._scalers.pop(d.id, None)
+                self._forget_scalers(d.id)
                 self._idle.pop(d.id, None)
                 continue
-            scaler = self._scalers.get(d.id)
-            if scaler is None:
-                scaler = self._scalers[d.id] = Autoscaler(policy)
             replicas = await self.store.list_replicas(deployment_id=d.id)
-            ready = [r for r in replicas if r.state == "ready" and r.metrics_url]
-            # The analyzer's source: the replicas scraped here, or their series in Prometheus.
-            samples = await self.analyzer.source.replica_gauges(ready, d.spec.model_id)
-            scaler.observe(samples)
+            # Per region: (the gauges read, how many ready replicas there were to read). The
+            # analyzer's source: the replicas scraped here, or their series in Prometheus.
+            readings: dict[str, tuple[list[ReplicaMetrics], int]] = {}
+            for region in d.spec.regions:
+                ready = [r for r in replicas if r.region == region and r.state == "ready" and r.metrics_url]
+                samples = await self.analyzer.source.replica_gauges(ready, d.spec.model_id) if ready else []
+                readings[region] = (samples, len(ready))
+            # Replicas that could not be read are not idle ones: a metrics outage read as zero
+            # load scaled busy deployments down, and to zero.
+            unread = any(n and not samples for samples, n in readings.values())
             if wants_scale_to_zero(policy, d.spec.min_replicas):
                 clock = self._idle.get(d.id)
                 if clock is None:
                     clock = self._idle[d.id] = IdleClock(now)
                 # Demand: a request in flight at a replica now, or one the gateways answered or
                 # held (a wake) since; `_traffic` and `wake` keep last_traffic_at.
-                if any(s.running + s.waiting > 0 for s in samples):
+                if unread or any(
+                    s.running + s.waiting > 0 for samples, _ in readings.values() for s in samples
+                ):
                     clock.demand(now)
                 # A replica still starting (a wake's, under a slow cold start) has had no chance
                 # to serve what woke it: the idle time counts from when it is up.
@@ -698,6 +705,13 @@ class Controller:
                 current = desired.get(region, d.spec.replicas)
                 if current == 0:
                     continue  # a region scaled to 0 by the API stays there
+                samples, n_read = readings[region]
+                if n_read and not samples:
+                    continue  # no reading at all: held, as Knative holds without metrics
+                scaler = self._scalers.get((d.id, region))
+                if scaler is None:
+                    scaler = self._scalers[(d.id, region)] = Autoscaler(policy)
+                scaler.observe(samples, of=n_read)
                 live = [r for r in replicas if r.region == region and r.state in _LIVE]
                 n_ready = sum(1 for r in live if r.state == "ready")
                 decision = scaler.decide(
@@ -723,12 +737,16 @@ class Controller:
                         },
                     )
 
+    def _forget_scalers(self, deployment_id: str) -> None:
+        for key in [k for k in self._scalers if k[0] == deployment_id]:
+            del self._scalers[key]
+
     async def _scale_to_zero(self, d: Deployment, desired: dict[str, int], idle_s: float) -> None:
         before = {region: effective_desired(d, desired, region) for region in d.spec.regions}
         for region, n in before.items():
             if n:
                 await self.store.set_desired(d.id, region, 0)
-        self._scalers.pop(d.id, None)
+        self._forget_scalers(d.id)
         self._idle.pop(d.id, None)
         after = d.spec.autoscale.scale_to_zero_after_s
         reason = f"no demand for {idle_s:.0f} s (scale_to_zero_after_s {after:g})"

@@ -26,6 +26,7 @@ Invariants callers rely on:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -72,6 +73,8 @@ GATEWAY_FAMILIES = (REQUESTS, RETRIES, PUSHBACK, FIRST_BYTE_BUCKET)
 GAUGE_FAMILIES = (WAITING, RUNNING, KV_USAGE, QUEUED, MAX_QUEUED)
 # The labels the control plane's service discovery puts on every target (prometheus.py).
 DEFAULT_GATEWAY_SELECTOR = 'paved_role="gateway"'
+# Replica scrapes in flight at once (each has its own deadline).
+SCRAPE_CONCURRENCY = 16
 QUERY_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 64 << 20
 _MATCHER = r'\s*[A-Za-z_][A-Za-z0-9_]*\s*(?:=|!=|=~|!~)\s*"(?:[^"\\]|\\.)*"\s*'
@@ -249,13 +252,19 @@ class ScrapeSource:
         return merged
 
     async def replica_gauges(self, replicas: Sequence[ReplicaRef], model_id: str) -> list[ReplicaMetrics]:
-        out = []
-        for r in replicas:
-            if not r.metrics_url:
-                continue
-            with contextlib.suppress(ScrapeError, ValueError):
-                out.append(await scrape(r.metrics_url, model_id=model_id))
-        return out
+        """The gauges of every replica that answered (all at once: one after another, replicas
+        that hang each cost their whole deadline and held the controller's pass)."""
+        gate = asyncio.Semaphore(SCRAPE_CONCURRENCY)
+
+        async def one(url: str) -> ReplicaMetrics | None:
+            async with gate:
+                try:
+                    return await scrape(url, model_id=model_id)
+                except (ScrapeError, ValueError):
+                    return None
+
+        read = await asyncio.gather(*(one(r.metrics_url) for r in replicas if r.metrics_url))
+        return [m for m in read if m is not None]
 
 
 class PrometheusSource:
@@ -352,7 +361,7 @@ class PrometheusSource:
                 f'paved_replica=~"{_regex(ids)}"',
             )
         except MetricsSourceError:
-            return []  # as every scrape failing: the autoscaler records zero load
+            return []  # as every scrape failing: the controller holds (no reading is not idle)
         by_replica: dict[str, list[tuple[str, dict[str, str], float]]] = {}
         for name, labels, value in series:
             by_replica.setdefault(labels.get("paved_replica", ""), []).append((name, labels, value))

@@ -332,3 +332,30 @@ def test_prometheus_source_refusals_and_failures(world: tuple[Exporter, LocalPro
 def test_local_prometheus_refuses_a_bad_config(tmp_path: Path) -> None:
     with pytest.raises(PrometheusError, match="exited"), LocalPrometheus("scrape_configs: [[[", tmp_path):
         pass
+
+
+def test_the_scrape_source_reads_every_replica_at_once(monkeypatch):
+    """Each replica's gauges are read concurrently: one after another, replicas that hang each
+    cost their whole deadline, and the controller's pass (wakes included) waited for them all.
+    Here no scrape returns before all five have started; read in turn, the first never would."""
+    from types import SimpleNamespace
+
+    from paved.control_plane import metrics_source
+    from paved.metrics.gauges import ReplicaMetrics
+
+    started = 0
+
+    async def scrape(url: str, *, model_id: str) -> ReplicaMetrics:
+        nonlocal started
+        started += 1
+        while started < 5:
+            await asyncio.sleep(0.01)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"only {started} of 5 scrapes started: they are read in turn")
+        return ReplicaMetrics(waiting=0, running=1, kv_usage=0.1)
+
+    monkeypatch.setattr(metrics_source, "scrape", scrape)
+    replicas = [SimpleNamespace(id=f"r{i}", metrics_url=f"http://127.0.0.1:9/{i}") for i in range(5)]
+    deadline = time.monotonic() + 20
+    read = asyncio.run(metrics_source.ScrapeSource([]).replica_gauges(replicas, "tiny"))
+    assert len(read) == 5

@@ -18,6 +18,7 @@ from paved.control_plane.analysis import GatewayAnalyzer
 from paved.control_plane.api import create_app
 from paved.control_plane.autoscaler import Autoscaler, IdleClock, wants_scale_to_zero
 from paved.control_plane.controller import Controller
+from paved.control_plane.metrics_source import MetricsSourceError
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
 from paved.control_plane.types import AutoscalePolicy, DeploymentSpec, Replica
@@ -25,6 +26,7 @@ from paved.gateway.access.auth import AdminAuth
 from paved.gateway.errors import GatewayError
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import RoutesError, parse_routes
+from paved.metrics.gauges import ReplicaMetrics
 
 KEY = "admin-key-for-tests-0123456789"
 ZERO = AutoscalePolicy(enabled=True, scale_to_zero_after_s=30.0)
@@ -284,10 +286,108 @@ def test_the_kpa_never_chooses_zero_for_an_idle_deployment(tmp_path):
             # Its own clock, a second on at every reading: by the second pass the scale-down
             # delay has passed.
             ticks = iter(range(10_000))
-            controller._scalers[d.id] = Autoscaler(policy, clock=lambda: float(next(ticks)))
+            controller._scalers[(d.id, "local")] = Autoscaler(policy, clock=lambda: float(next(ticks)))
             await controller._autoscale(await store.list_deployments())
             await controller._autoscale(await store.list_deployments())
             assert await store.get_desired(d.id) == {"local": 1}
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+class _Gauges:
+    """A metrics source whose replicas all carry `load` (ReplicaMetrics), or none answers."""
+
+    name = "test"
+    configured = True
+
+    def __init__(self, load: ReplicaMetrics) -> None:
+        self.load = load
+        self.up = True
+        self.asked: list[list[str]] = []
+
+    async def gateway_counters(self) -> Any:
+        raise MetricsSourceError("no gateway counters in this test")
+
+    async def replica_gauges(self, replicas: Any, model_id: str) -> list[ReplicaMetrics]:
+        self.asked.append([r.id for r in replicas])
+        return [self.load for _ in replicas] if self.up else []
+
+
+async def _ready(store: ControlStore, d: Any, n: int, region: str = "local", start: int = 0) -> None:
+    for i in range(start, start + n):
+        await store.add_replica(
+            Replica(
+                id=f"rep_{region}_{i}", deployment_id=d.id, region=region, state="ready",
+                url=f"http://127.0.0.1:{9 + i}", admin_url="http://127.0.0.1:9",
+                metrics_url=f"http://127.0.0.1:{9 + i}/metrics",
+            )
+        )  # fmt: skip
+
+
+def test_a_metrics_outage_is_held_not_read_as_zero_load(tmp_path):
+    """Replicas whose gauges cannot be read (Prometheus down, every scrape failing) are not
+    idle: the KPA holds (a loaded deployment kept its size), and the idle clock does not run
+    (a scale-to-zero deployment is not taken to zero while it serves). Both happened before."""
+
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        source = _Gauges(ReplicaMetrics(waiting=8, running=16, kv_usage=0.9))
+        controller = Controller(
+            store, {"local": _Records()}, RoutesFeed(store), GatewayAnalyzer([], source=source)
+        )
+        try:
+            policy = AutoscalePolicy(enabled=True, scale_down_delay_s=2.0)
+            d = await _deployment(store, "busy", dataclasses.replace(policy), replicas=4)
+            await _ready(store, d, 4)
+            await store.set_desired(d.id, "local", 4)
+            ticks = iter(range(10_000))
+            controller._scalers[(d.id, "local")] = Autoscaler(policy, clock=lambda: float(next(ticks)))
+            for _ in range(3):
+                await controller._autoscale(await store.list_deployments())
+            assert await store.get_desired(d.id) == {"local": 4}
+            source.up = False
+            for _ in range(80):  # well past the scale-down delay on the scaler's clock
+                await controller._autoscale(await store.list_deployments())
+            assert await store.get_desired(d.id) == {"local": 4}
+
+            z = await _deployment(store, "sleepy", ZERO)
+            await _ready(store, z, 1, start=10)
+            controller._idle[z.id] = IdleClock(time.time() - 60)  # last demand long ago
+            await controller._autoscale(await store.list_deployments())
+            assert await store.get_desired(z.id) == {}  # still serving, not taken to zero
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_each_region_is_sized_for_its_own_load(tmp_path):
+    """Two regions of two replicas, each exactly at its target: each keeps two. One scaler for
+    the whole deployment sized every region for the total load (4 each, 8 for a load of 4)."""
+
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        source = _Gauges(ReplicaMetrics(waiting=0, running=8, kv_usage=0.2))
+        drivers = {"a": _Records(), "b": _Records()}
+        controller = Controller(store, drivers, RoutesFeed(store), GatewayAnalyzer([], source=source))  # type: ignore[arg-type]
+        try:
+            policy = AutoscalePolicy(enabled=True, target_in_flight=8)
+            spec = DeploymentSpec(
+                model_id="m", version="v1", package_uri="/pkg", min_replicas=1, max_replicas=8,
+                replicas=2, regions=("a", "b"), engine="sim://tiny", autoscale=policy,
+            )  # fmt: skip
+            d = await store.create_deployment(spec, {"kind": "generate"})
+            for region in ("a", "b"):
+                await _ready(store, d, 2, region=region)
+                await store.set_desired(d.id, region, 2)
+            for _ in range(3):
+                await controller._autoscale(await store.list_deployments())
+            assert await store.get_desired(d.id) == {"a": 2, "b": 2}
+            assert sorted(len(ids) for ids in source.asked[:2]) == [2, 2]  # read region by region
         finally:
             await store.close()
 
