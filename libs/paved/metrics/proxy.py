@@ -93,10 +93,14 @@ def _family_of(sample: str, current: str | None) -> bool:
 
 
 def split_families(text: str) -> list[_Block]:
-    """Split a valid text exposition into per-family blocks (HELP/TYPE plus samples)."""
+    """Split a valid text exposition into per-family blocks (HELP/TYPE plus samples).
+
+    Lines end at "\n" only, as for Prometheus and the validating parser: str.splitlines() would
+    also break at \x0b, \x0c, \x1c-\x1e, \x85, U+2028 and U+2029, and so re-emit one validated
+    HELP line as several lines, one of them any sample the upstream chose to smuggle in."""
     blocks: list[_Block] = []
     current: _Block | None = None
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if not line.strip():
             continue
         if line.startswith("#"):

@@ -44,12 +44,26 @@ vllm:prompt_tokens_total{model_name="x"} 99
 plain_untyped 3
 """
 
+# Valid expositions whose HELP text / label value holds a character str.splitlines() breaks at
+# (and Prometheus does not): re-emitted split there, they would carry a sample of the upstream's
+# choosing, or not parse at all.
+SMUGGLE_HELP = (
+    '# HELP triton_up Server up.\x0binjected_metric{tenant="victim"} 42\n'
+    "# TYPE triton_up gauge\ntriton_up 1\n"
+)
+SMUGGLE_LABEL = '# TYPE triton_up gauge\ntriton_up{model="a\u2028injected_metric{tenant=\\"victim\\"} 1"} 1\n'
+
 
 class _Upstreams:
     """Real HTTP servers on loopback, one behaviour per path."""
 
     def __init__(self):
-        bodies = {"/triton": TRITON, "/garbage": "this is {not prometheus\n\x00\x01"}
+        bodies = {
+            "/triton": TRITON,
+            "/garbage": "this is {not prometheus\n\x00\x01",
+            "/smuggle-help": SMUGGLE_HELP,
+            "/smuggle-label": SMUGGLE_LABEL,
+        }
 
         class H(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -173,6 +187,22 @@ def test_failing_upstreams_are_up_0_and_everything_else_still_served(prom_dir, u
     }
     assert reasons == {"down": "connect", "slow": "timeout", "garbage": "parse", "error": "http_status"}
     assert "vllm:prompt_tokens" in fams and "nv_inference_count" in fams
+
+
+@pytest.mark.parametrize("path", ["/smuggle-help", "/smuggle-label"])
+def test_upstream_lines_split_at_newline_only(path, upstreams):
+    """An upstream's validated text is re-emitted as the same lines: no other line breaks."""
+    proxy = MetricsProxy(None, [Upstream("triton", upstreams.url(path))])
+    try:
+        fams = _parse(proxy.render())
+    finally:
+        proxy.close()
+    assert _value(fams, "paved_metrics_proxy_up", source="triton") == 1
+    assert "injected_metric" not in fams
+    expected = {
+        f.name: f for f in text_string_to_metric_families(SMUGGLE_HELP if "help" in path else SMUGGLE_LABEL)
+    }
+    assert fams["triton_up"] == expected["triton_up"]
 
 
 def test_corrupt_db_file_is_skipped_and_counted(prom_dir):
