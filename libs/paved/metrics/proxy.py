@@ -30,6 +30,7 @@ import http.client
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -129,14 +130,32 @@ def split_families(text: str) -> list[_Block]:
 def _header_problem(path: str) -> str | None:
     """Cheap check of a prometheus_client mmap file: its first 4 bytes are the used length,
     which must cover the header and fit the file. A garbage header would otherwise read as an
-    empty file, silently."""
+    empty file, silently. Anything but a regular file (a directory, a FIFO, a device, a link
+    named like one) is a problem too: the merge would fail on it, losing every file's metrics,
+    or block on it forever. "gone" means the file vanished: not a problem to count."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        st = os.lstat(path)
     except FileNotFoundError:
         return "gone"
+    except OSError as e:
+        return f"cannot stat: {type(e).__name__}: {e}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file (mode {stat.filemode(st.st_mode)})"
     try:
-        size = os.fstat(fd).st_size
+        # O_NONBLOCK/O_NOFOLLOW: the path may have been replaced by a FIFO or a link since.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        return f"cannot open: {type(e).__name__}: {e}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"not a regular file (mode {stat.filemode(st.st_mode)})"
+        size = st.st_size
         head = os.pread(fd, 4, 0)
+    except OSError as e:
+        return f"cannot read: {type(e).__name__}: {e}"
     finally:
         os.close(fd)
     if len(head) < 4:

@@ -219,6 +219,27 @@ def test_corrupt_db_file_is_skipped_and_counted(prom_dir):
     )
 
 
+def test_foreign_entries_named_db_are_skipped_and_counted(prom_dir):
+    """A directory or a FIFO named like a metrics file is counted as corrupt and skipped: the
+    directory failed every merge (no engine metric at all), the FIFO blocked the scrape."""
+    (prom_dir / "backup.db").mkdir()
+    fifo = prom_dir / "gauge_all_99.db"
+    os.mkfifo(fifo)
+    proxy = MetricsProxy(str(prom_dir))
+    result = {}
+    scrape = threading.Thread(target=lambda: result.update(body=proxy.render_safely()), daemon=True)
+    scrape.start()
+    scrape.join(60)
+    if scrape.is_alive():  # blocked opening the FIFO: a writer lets it go, so the test ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        scrape.join()
+        pytest.fail("the scrape blocked on a FIFO named like a metrics file")
+    fams = _parse(result["body"])
+    assert _value(fams, "paved_metrics_proxy_corrupt_files") == 2
+    assert _value(fams, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model_name="tiny") == 30
+    proxy.close()
+
+
 def test_missing_multiproc_dir_is_up_0_not_an_error(tmp_path):
     fams = _parse(MetricsProxy(str(tmp_path / "nope")).render())
     assert _value(fams, "paved_metrics_proxy_up", source="engine") == 0
