@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from paved.launcher import plugins
 from paved.launcher.build import sha256_file
 from paved.launcher.cache import Cache, FileLock
-from paved.launcher.package import MODEL_JSON, ModelPackage, is_absolute_uri, join_uri, parse_model_json
+from paved.launcher.package import (
+    MODEL_JSON,
+    ModelPackage,
+    PackageError,
+    is_absolute_uri,
+    join_uri,
+    parse_model_json,
+)
 from paved.launcher.progress import Progress, human_bytes
 from paved.launcher.storage import Downloader, Fetch, TransferError, local_path
 
@@ -166,12 +173,20 @@ class Materializer:
         return m
 
     def _complete_package(self, digest: str) -> ModelPackage | None:
-        """The package if its directory is complete (sizes, or hashes with verify=True)."""
+        """The package if its directory is complete (sizes, or hashes with verify=True); None
+        if it is absent or damaged (the caller rebuilds it). A model.json that does not parse
+        (cut short by a power loss, say) is damage like a missing file, not a malformed
+        package: it was validated before it was written."""
         pdir = self.cache.package_dir(digest)
         try:
             with open(os.path.join(pdir, MODEL_JSON), "rb") as f:
                 package = parse_model_json(f.read(), os.path.join(pdir, MODEL_JSON))
         except FileNotFoundError:
+            return None
+        except (PackageError, OSError) as e:
+            log.warning(
+                "cache: package %s is damaged (%s: %s); materializing it again", digest[:12], MODEL_JSON, e
+            )
             return None
         for _, entry in package.model_files():
             path = os.path.join(pdir, "model", entry.path)
@@ -344,6 +359,9 @@ class Materializer:
                 )
             with open(os.path.join(staging, MODEL_JSON), "w") as f:
                 json.dump(package.model_dump(mode="json"), f, indent=2, sort_keys=True)
+                # Its presence marks the package complete: on disk before the rename publishes it.
+                f.flush()
+                os.fsync(f.fileno())
             cache.publish_package(staging, digest)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -241,3 +241,29 @@ def test_verify_rehashes_a_warm_package(tmp_path):
     assert not again.warm
     with open(os.path.join(again.model_dir, "w.bin"), "rb") as f, open(hf / "w.bin", "rb") as g:
         assert f.read() == g.read()
+
+
+def _small_package(tmp_path, name="pkg", size=MiB):
+    hf = tmp_path / f"hf-{name}"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    (hf / "w.bin").write_bytes(os.urandom(size))
+    build_package(str(hf), str(tmp_path / name), "m", name)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+def test_damaged_cached_model_json_is_rebuilt(tmp_path, refresh):
+    """A cached package whose model.json was cut short (a power loss) is rebuilt, warm or with
+    --refresh, instead of failing every later start."""
+    pkg = _small_package(tmp_path)
+    first = _materializer(tmp_path / "cache", None).materialize(pkg)
+    first.hold.release()
+    with open(os.path.join(first.package_dir, "model.json"), "w"):
+        pass  # zero-length
+    again = _materializer(tmp_path / "cache", None).materialize(pkg, refresh=refresh)
+    assert not again.warm and again.digest == first.digest
+    with open(os.path.join(again.package_dir, "model.json"), "rb") as f:
+        assert json.loads(f.read())["version"] == "pkg"
+    assert _materializer(tmp_path / "cache", None).materialize(pkg).warm
