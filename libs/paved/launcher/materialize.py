@@ -49,6 +49,10 @@ class ChecksumError(RuntimeError):
     """A fetched file does not match the sha256 of the package manifest."""
 
 
+class CacheBudgetError(RuntimeError):
+    """The package's missing bytes exceed the cache's whole budget; the cache was not touched."""
+
+
 @dataclass
 class Materialized:
     uri: str
@@ -127,8 +131,16 @@ class Materializer:
                 n.size for n in self._needs(uri, package, False) if not cache.has_blob(n.sha256, n.size)
             )
         if cache.max_bytes is not None:
+            if estimate > cache.max_bytes:
+                # Evicting could not make room, only empty the cache for nothing (a manifest's
+                # sizes are whatever its author wrote: 1 PiB would evict every package).
+                raise CacheBudgetError(
+                    f"{uri}: the package needs {human_bytes(estimate)} ({estimate} bytes) not in the "
+                    f"cache, more than its whole budget of {human_bytes(cache.max_bytes)} "
+                    f"({cache.max_bytes} bytes, --cache-max-bytes); nothing was evicted"
+                )
             # Make room first; evicting needs the gc lock exclusively, so not while we hold it.
-            cache.evict(max(cache.max_bytes - estimate, 0))
+            cache.evict(cache.max_bytes - estimate)
         hold = None
         try:
             with ExitStack() as stack:

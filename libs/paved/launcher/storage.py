@@ -151,7 +151,14 @@ class _FileJob:
         self.part_size = part_size
         self.fsync = fsync
         self.fd = os.open(fetch.dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self.fd, fetch.size)
+        try:
+            os.ftruncate(self.fd, fetch.size)
+        except OSError as e:
+            os.close(self.fd)
+            # The bare error ("File too large") named neither the file nor the size asked for.
+            raise OSError(
+                e.errno, f"{fetch.label}: cannot size the download to {fetch.size} bytes: {e.strerror}"
+            ) from None
         self._lock = threading.Lock()
         self._done = [False] * nparts
         self._next = 0

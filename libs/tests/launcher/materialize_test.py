@@ -7,6 +7,7 @@ Cold start, warm start with the server gone, a corrupted object, a connection cu
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 
 from paved.launcher.build import build_package, upload_package
 from paved.launcher.cache import Cache
-from paved.launcher.materialize import ChecksumError, Materializer
+from paved.launcher.materialize import CacheBudgetError, ChecksumError, Materializer
 from paved.launcher.storage import Downloader, TransferConfig, make_s3_client
 from paved.launcher.testing import CREDENTIALS, FlakyProxy, MotoServer, make_wheel, subprocess_env
 from paved.testing.fixtures import tiny_model_dir
@@ -267,3 +268,22 @@ def test_damaged_cached_model_json_is_rebuilt(tmp_path, refresh):
     with open(os.path.join(again.package_dir, "model.json"), "rb") as f:
         assert json.loads(f.read())["version"] == "pkg"
     assert _materializer(tmp_path / "cache", None).materialize(pkg).warm
+
+
+def test_package_larger_than_the_budget_is_refused_without_evicting(tmp_path):
+    """A manifest declaring more bytes than the whole budget (here a lying 1 PiB size) fails
+    with an error naming both, and evicts nothing: the cache keeps every package."""
+    good = _small_package(tmp_path, "good")
+    m = _materializer(tmp_path / "cache", None, max_bytes=64 * MiB)
+    m.materialize(good).hold.release()  # its launcher exited: evictable
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    manifest = json.loads((bad / "model.json").read_text())
+    manifest["model_id"] = "bad"
+    manifest["weights"]["files"][0]["size"] = 1 << 50
+    (bad / "model.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        CacheBudgetError, match=rf"\({1 << 50} bytes\).*\({64 * MiB} bytes, --cache-max-bytes\)"
+    ):
+        m.materialize(str(bad))
+    assert m.materialize(good).warm
