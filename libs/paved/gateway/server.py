@@ -482,6 +482,11 @@ async def _serve(args: argparse.Namespace) -> int:
                 gateway.authenticator,
                 gateway.limiter,
                 lambda: gateway.proxy.session,
+                # The gateway-wide bounds, as on the OpenAI side (the defaults were their own).
+                deadline_s=args.upstream_timeout,
+                stream_deadline_s=args.upstream_timeout,
+                connect_timeout_s=args.connect_timeout,
+                max_body_bytes=args.max_body_bytes,
                 # One queue, one wake loop and one held count per model, over every protocol.
                 held=gateway.proxy.held,
             )
@@ -511,9 +516,17 @@ async def _serve(args: argparse.Namespace) -> int:
         from paved.gateway.forwarding.kserve_grpc import KServeForwarder
 
         forwarder = KServeForwarder(
-            gateway.router, gateway.authenticator, gateway.limiter, held=gateway.proxy.held
+            gateway.router,
+            gateway.authenticator,
+            gateway.limiter,
+            held=gateway.proxy.held,
+            deadline_s=args.upstream_timeout,
+            stream_deadline_s=args.upstream_timeout,
+            connect_timeout_s=args.connect_timeout,
+            max_message_bytes=args.max_body_bytes,
         )
-        grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        # --max-body-bytes bounds a gRPC message as it bounds an HTTP body (it was 64 MiB here).
+        grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_body_bytes)])
         grpc_server.add_generic_rpc_handlers((forwarder.handler(),))
         grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.kserve_grpc_port}")
         await grpc_server.start()

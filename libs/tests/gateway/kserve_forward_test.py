@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import socket
 import tempfile
 import threading
@@ -25,6 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import uvicorn
+from gateway_proc import GatewayProcess, write_routes
 from servers import ServerProcess
 from starlette.applications import Starlette
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -483,6 +485,25 @@ def test_read_head_reads_routing_fields_and_max_tokens():
         read_head(b"\xff\xff\xff", infer=True)
 
 
+def test_read_head_parses_in_protobufs_runtime_not_a_python_walk(monkeypatch):
+    """A crafted ModelInfer of millions of empty fields held the event loop (the OpenAI side's
+    too) ~13 s per 16 MiB while a Python scan walked it: the head is parsed by protobuf's C
+    runtime, as the instance parses it, and never walked field by field here."""
+    from paved.gateway.forwarding import kserve_grpc
+
+    def walked(*args, **kwargs):
+        raise AssertionError("read_head walked the message in Python")
+
+    monkeypatch.setattr(kserve_grpc, "scan_fields", walked)
+    crafted = service_pb2.ModelInferRequest(model_name="m").SerializeToString() + b"\x3a\x00" * (1 << 18)
+    head = read_head(crafted, infer=True)
+    assert (head.name, head.max_tokens) == ("m", 0)
+    ready = service_pb2.ModelReadyRequest(name="r", version="2").SerializeToString()
+    assert (read_head(ready, infer=False).name, read_head(ready, infer=False).version) == ("r", "2")
+    with pytest.raises(Exception, match="not a valid protobuf"):
+        read_head(b"\n\x02\xff\xfe", infer=False)  # a model name that is not UTF-8
+
+
 def test_body_max_tokens_forms():
     assert (
         body_max_tokens(
@@ -642,3 +663,42 @@ def test_http_request_id_and_trace_cross_the_gateway(gw, hc, frontend, caplog):
     returned = r.headers["x-request-id"]
     assert r.status_code == 404 and returned != "bad id!"
     assert gateway_line(caplog, returned)["status"] == 404
+
+
+def test_the_gateway_mains_grpc_port_takes_the_gateway_wide_body_bound(frontend, tmp_path):
+    """--max-body-bytes bounds a gRPC message as it bounds an HTTP body (the gRPC port took
+    64 MiB whatever the flag said): a 2 MiB ModelInfer under a 1 MiB bound is
+    RESOURCE_EXHAUSTED; one under it is forwarded."""
+    backend = {
+        "id": "f1",
+        "url": frontend.url,
+        "version": "v1",
+        "kserve_grpc": f"127.0.0.1:{frontend.kserve_grpc_port}",
+    }
+    routes = write_routes(tmp_path / "routes.json", [{"alias": XGB, "kind": "kserve", "backends": [backend]}])
+    gateway = GatewayProcess(
+        routes,
+        "--kserve-grpc-port",
+        "0",
+        "--max-body-bytes",
+        str(1 << 20),
+        admin_key="adm-" + secrets.token_hex(16),
+        state_dir=tmp_path,
+    )
+    try:
+        gateway.tenant("big", models=["*"])
+        metadata = (("authorization", f"Bearer {gateway.key('big')}"),)
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+            for rows, expected in ((16 * 1024, grpc.StatusCode.RESOURCE_EXHAUSTED), (2, None)):
+                request = service_pb2.ModelInferRequest(model_name=XGB)
+                request.inputs.add(name="input__0", datatype="FP32", shape=[rows, 32])
+                request.raw_input_contents.append(np.zeros((rows, 32), np.float32).tobytes())
+                if expected is None:
+                    assert len(infer(request, metadata=metadata, timeout=60).outputs) == 1
+                else:
+                    with pytest.raises(grpc.RpcError) as e:
+                        infer(request, metadata=metadata, timeout=60)
+                    assert e.value.code() == expected
+    finally:
+        gateway.stop()

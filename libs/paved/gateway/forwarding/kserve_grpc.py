@@ -103,10 +103,6 @@ _PROBES = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
 _FIELD = service_pb2.ModelInferRequest.DESCRIPTOR.fields_by_name
 _F_NAME = _FIELD["model_name"].number
 _F_VERSION = _FIELD["model_version"].number
-_F_ID = _FIELD["id"].number
-_F_PARAMETERS = _FIELD["parameters"].number
-_F_INPUTS = _FIELD["inputs"].number
-_F_RAW = _FIELD["raw_input_contents"].number
 _F_STREAM_ERROR = service_pb2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name["error_message"].number
 _F_STREAM_RESPONSE = service_pb2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name["infer_response"].number
 _F_RESPONSE_PARAMETERS = service_pb2.ModelInferResponse.DESCRIPTOR.fields_by_name["parameters"].number
@@ -120,6 +116,10 @@ for _message in (
     _fields = _message.DESCRIPTOR.fields_by_name
     if (_fields["name"].number, _fields["version"].number) != (_F_NAME, _F_VERSION):
         raise ImportError(f"{_message.__name__}: name/version are not fields 1/2; the scan needs updating")
+# Responses one ModelStreamInfer relay holds for its client at most.
+RELAY_QUEUE = 64
+# What read_head parses any of them as.
+_HEAD_MESSAGE = service_pb2.ModelMetadataRequest
 
 
 # ---- protobuf wire scan (no decode of the tensors) ------------------------------------------
@@ -232,59 +232,44 @@ def _parameter_value(raw: memoryview) -> Any:
 
 def read_head(data: bytes, *, infer: bool) -> RequestHead:
     """The routing fields of a model request (and `max_tokens` for an infer request).
-    Raises GatewayError 400 for a message that is not protobuf."""
-    head = RequestHead()
-    params: dict[str, Any] = {}
-    sampling_index: int | None = None
-    sampling_contents: memoryview | None = None
-    raws: list[memoryview] = []
-    inputs = 0
+    Raises GatewayError 400 for a message that is not protobuf.
+
+    Parsed by protobuf's C runtime (upb), as the instances parse it: a scan of every field in
+    Python let one crafted message of millions of empty fields hold the event loop (every
+    request, the OpenAI side included) for seconds per megabyte."""
     try:
-        for number, wire, value in scan_fields(data):
-            if wire != 2:
-                continue
-            if number == _F_NAME:
-                head.name = _text(value)
-            elif number == _F_VERSION:
-                head.version = _text(value)
-            elif not infer:
-                continue
-            elif number == _F_ID:
-                head.id = _text(value)
-            elif number == _F_PARAMETERS:
-                key, param = "", None
-                for n, w, v in scan_fields(value):
-                    if n == 1 and w == 2:
-                        key = _text(v)
-                    elif n == 2 and w == 2:
-                        param = v
-                if key == "max_tokens" and param is not None:
-                    params[key] = _parameter_value(param)
-            elif number == _F_INPUTS:
-                tensor = service_pb2.ModelInferRequest.InferInputTensor.FromString(bytes(value))
-                if tensor.name == "sampling_parameters":
-                    sampling_index = inputs
-                    if tensor.contents.bytes_contents:
-                        sampling_contents = memoryview(tensor.contents.bytes_contents[0])
-                inputs += 1
-            elif number == _F_RAW:
-                raws.append(value)
-    except (ValueError, UnicodeDecodeError) as e:
+        if not infer:
+            # Every request type the gateway routes names its model in fields 1 and 2 (checked
+            # at import); the rest of it is not read here.
+            routed = _HEAD_MESSAGE.FromString(data)
+            return RequestHead(name=routed.name, version=routed.version)
+        request = service_pb2.ModelInferRequest.FromString(data)
+    except Exception as e:  # DecodeError: truncated, bad UTF-8 in a string, wrong wire types
         raise GatewayError(400, f"the request is not a valid protobuf message: {e}") from e
-    except Exception as e:
-        raise GatewayError(400, f"the request is not a valid protobuf message: {e}") from e
-    if infer:
-        if sampling_index is not None and sampling_index < len(raws):
-            raw = raws[sampling_index]
+    head = RequestHead(name=request.model_name, version=request.model_version, id=request.id)
+    sampling_contents: bytes | memoryview | None = None
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name != "sampling_parameters":
+            continue
+        if index < len(request.raw_input_contents):
+            raw = memoryview(request.raw_input_contents[index])
             # A BYTES tensor's raw form: 4-byte little-endian length, then the element.
             if len(raw) >= 4:
                 length = int.from_bytes(raw[:4], "little")
                 sampling_contents = raw[4 : 4 + length]
-        if sampling_contents is not None:
-            head.max_tokens = sampling_max_tokens(sampling_contents)
-        elif "max_tokens" in params:
-            head.max_tokens = sampling_max_tokens(params["max_tokens"])
+        elif tensor.contents.bytes_contents:
+            sampling_contents = tensor.contents.bytes_contents[0]
+        break
+    if sampling_contents is not None:
+        head.max_tokens = sampling_max_tokens(sampling_contents)
+    elif "max_tokens" in request.parameters:
+        head.max_tokens = sampling_max_tokens(_choice(request.parameters["max_tokens"]))
     return head
+
+
+def _choice(p: service_pb2.InferParameter) -> Any:
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
 
 
 def _is_final(response: bytes) -> bool:
@@ -784,8 +769,9 @@ class KServeForwarder:
         )
         slots = asyncio.Semaphore(self.stream_max_in_flight)
         # Responses (and in-band refusals) waiting for the client: a slow client stops the
-        # upstream reader, and gRPC flow control then holds the backend back.
-        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.stream_max_in_flight)
+        # upstream reader, and gRPC flow control then holds the backend back. Few: responses
+        # may be large (1024 of 512 KiB pinned half a GB per stream of a client not reading).
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=min(self.stream_max_in_flight, RELAY_QUEUE))
 
         async def write() -> None:
             try:

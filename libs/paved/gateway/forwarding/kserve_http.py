@@ -356,7 +356,12 @@ def kserve_http_routes(
         if suffix in ("/infer", "/generate", "/generate_stream"):
             priority = Priority.parse(request.headers.get(PRIORITY_HEADER))
             header_length = request.headers.get(_HEADER_LENGTH)
-            if len(body) > _INLINE_PARSE_BYTES and header_length is None:
+            # The JSON part decides (all of the body without the binary extension's header):
+            # a large one is parsed off the event loop, whether or not binary data follows it.
+            json_size = len(body)
+            if header_length is not None and header_length.isascii() and header_length.isdigit():
+                json_size = min(len(body), int(header_length))
+            if json_size > _INLINE_PARSE_BYTES:
                 tokens = await asyncio.to_thread(body_max_tokens, suffix[1:], body, header_length)
             else:
                 tokens = body_max_tokens(suffix[1:], body, header_length)
