@@ -17,8 +17,9 @@ crash or a checksum failure never leaves a partial entry. Blob reference counts 
 filesystem's link counts: a blob with st_nlink == 1 belongs to no package.
 
 Locks (flock, released by the kernel when a process dies):
-  * gc.lock: shared while a launcher materializes; exclusive (non-blocking) to evict. Eviction
-    never runs under someone's download and never waits for one.
+  * gc.lock: shared while a launcher materializes; exclusive (non-blocking) to evict, and to
+    clear tmp/ at each cold start (budget or not). Eviction and clearing never run under
+    someone's download and never wait for one.
   * pkg-<digest>.lock: exclusive while a package is materialized; a second launcher of the same
     package waits, then finds it complete (one download per host).
   * blob-<hex>.lock: exclusive while a blob is fetched (packages sharing a file).
@@ -260,9 +261,7 @@ class Cache:
             return None
         try:
             before = self.usage_bytes()
-            # Nobody is materializing: leftovers in tmp/ are from crashed launchers.
-            for name in os.listdir(os.path.join(self.root, "tmp")):
-                self._remove(os.path.join(self.root, "tmp", name))
+            self._clear_tmp()
             evicted: list[str] = []
             skipped: list[str] = []
             blobs = self._drop_unreferenced_blobs()
@@ -308,6 +307,24 @@ class Cache:
             return report
         finally:
             gc.release()
+
+    def clean_tmp(self) -> bool:
+        """Remove what crashed launchers left in tmp/ (half-written downloads, staging dirs).
+        Only under the exclusive gc lock, taken without waiting: every writer of tmp/ holds it
+        shared, so nothing of a live download goes. False (nothing removed) if it is held."""
+        gc = self.lock("gc")
+        if not gc.acquire(blocking=False):
+            return False
+        try:
+            self._clear_tmp()
+        finally:
+            gc.release()
+        return True
+
+    def _clear_tmp(self) -> None:
+        """Caller holds the gc lock exclusively."""
+        for name in os.listdir(os.path.join(self.root, "tmp")):
+            self._remove(os.path.join(self.root, "tmp", name))
 
     def _packages_lru(self) -> list[str]:
         entries = []

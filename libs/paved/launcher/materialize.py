@@ -140,7 +140,11 @@ class Materializer:
                     f"({cache.max_bytes} bytes, --cache-max-bytes); nothing was evicted"
                 )
             # Make room first; evicting needs the gc lock exclusively, so not while we hold it.
-            cache.evict(cache.max_bytes - estimate)
+            cache.evict(cache.max_bytes - estimate)  # clears tmp/ too
+        else:
+            # Without a budget nothing evicts, and a crashed launcher's partial downloads would
+            # fill the disk over the restarts.
+            cache.clean_tmp()
         hold = None
         try:
             with ExitStack() as stack:

@@ -287,3 +287,22 @@ def test_package_larger_than_the_budget_is_refused_without_evicting(tmp_path):
     ):
         m.materialize(str(bad))
     assert m.materialize(good).warm
+
+
+def test_cold_start_clears_crashed_launchers_temp_files_without_a_budget(tmp_path):
+    """Without --cache-max-bytes (nothing evicts) a cold start still removes what a killed
+    launcher left in tmp/; but never while another launcher materializes (its download)."""
+    pkg = _small_package(tmp_path)
+    cache = Cache(str(tmp_path / "cache"))
+    stale = os.path.join(cache.root, "tmp", "0123456789abcdef.4242.deadbeef")
+    with open(stale, "wb") as f:
+        f.truncate(MiB)
+    busy = cache.lock("gc")
+    busy.acquire(shared=True)  # another launcher is fetching: its temp files stay
+    try:
+        _materializer(tmp_path / "cache", None).materialize(pkg).hold.release()
+    finally:
+        busy.release()
+    assert os.path.exists(stale)
+    _materializer(tmp_path / "cache", None).materialize(pkg, refresh=True).hold.release()
+    assert not os.path.exists(stale)
