@@ -885,6 +885,15 @@ class KServeForwarder:
     def _pick(self, model: str, principal: Principal, exclude: list[str]) -> tuple[Pick, grpc.aio.Channel]:
         """A backend with a KServe gRPC address (others are excluded and the pick repeated)."""
         self._retain_channels()
+        route = self.router.route(model)
+        if not route.scaled_to_zero and not any(b.kserve_grpc for b in route.backends):
+            # No retry can help (it was a 503 "unhealthy" with Retry-After, retried forever).
+            raise GatewayError(
+                400,
+                f"model '{model}' is not served over KServe gRPC by this gateway; use the API its "
+                "replicas serve (the OpenAI API, or KServe HTTP)",
+                code="protocol_not_supported",
+            )
         for _ in range(_MAX_PICKS):
             pick = self.router.pick(model, sticky_key=principal.key_id, exclude=tuple(exclude))
             if pick.backend.kserve_grpc:

@@ -346,8 +346,8 @@ def kserve_http_routes(
             # candidates and call them all unhealthy.)
             raise GatewayError(
                 400,
-                f"model '{name}' is not served over KServe HTTP by this gateway; use KServe gRPC "
-                "or the OpenAI API",
+                f"model '{name}' is not served over KServe HTTP by this gateway; use the API its "
+                "replicas serve (the OpenAI API, or KServe gRPC)",
                 code="protocol_not_supported",
             )
         body = await _read_body(request, max_body_bytes) if method == "POST" else b""
