@@ -427,9 +427,25 @@ class AdminServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
+            try:
+                # One deadline for the whole head: a client trickling header lines is cut too.
+                async with asyncio.timeout(5):
+                    line = await reader.readline()
+                    while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                        pass
+            except (ValueError, asyncio.LimitOverrunError):
+                # A line past the stream's limit (64 KiB): readline raises instead of returning.
+                await self._answer(writer, 431, {"error": "request line or header field too long"})
+                # Closing with the rest of the request unread would reset the connection, and
+                # the client would lose the answer: read (and drop) it for a while first.
+                if writer.can_write_eof():
+                    writer.write_eof()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(2):
+                        dropped = 0
+                        while dropped < (16 << 20) and (data := await reader.read(1 << 16)):
+                            dropped += len(data)
+                return
             parts = line.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) >= 2 else ""
             status = self._status()
@@ -445,18 +461,27 @@ class AdminServer:
                     404,
                     {"error": "not found", "paths": ["/health/live", "/health/ready", "/status"]},
                 )
-            payload = json.dumps(body).encode()
-            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[code]
-            writer.write(
-                f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                + payload
-            )
-            await writer.drain()
+            await self._answer(writer, code, body)
         except (TimeoutError, ConnectionError, OSError):
             pass
         finally:
             writer.close()
+
+    @staticmethod
+    async def _answer(writer: asyncio.StreamWriter, code: int, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        reason = {
+            200: "OK",
+            404: "Not Found",
+            431: "Request Header Fields Too Large",
+            503: "Service Unavailable",
+        }[code]
+        writer.write(
+            f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
 
     def close(self) -> None:
         if self._server is not None:

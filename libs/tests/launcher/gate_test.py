@@ -453,3 +453,39 @@ def test_a_burst_of_300_connections_all_connect_and_are_answered():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.mark.parametrize("head", ["line", "header"])
+def test_admin_port_answers_431_to_a_request_head_over_64_kib(head):
+    """A request line or header field past the stream limit is answered (431) and closed; it
+    raised out of the handler before, and the client got no answer at all."""
+    import asyncio
+
+    from paved.launcher.gate import AdminServer
+
+    big = b"a" * 200_000
+
+    async def scenario():
+        admin = AdminServer(lambda: {"phase": "ready"}, lambda: True)
+        host, port = await admin.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            if head == "line":
+                writer.write(b"GET /" + big + b" HTTP/1.1\r\n\r\n")
+            else:
+                writer.write(b"GET /status HTTP/1.1\r\nX-Big: " + big + b"\r\n\r\n")
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /status HTTP/1.1\r\n\r\n")
+            after = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            return answer, after
+        finally:
+            admin.close()
+
+    answer, after = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"error": "request line or header field too long"}
+    assert after.startswith(b"HTTP/1.1 200 ") and after.endswith(b'{"phase": "ready"}')
