@@ -41,6 +41,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import decimal
 import json
 import logging
 import math
@@ -84,12 +85,20 @@ class LaunchError(RuntimeError):
     """The start failed; the message is the reason shown to the operator."""
 
 
+_MAX_SIZE = (1 << 63) - 1  # what off_t (ftruncate, pread) holds
+
+
 def parse_size(text: str) -> int:
+    """Bytes, 0.._MAX_SIZE; argparse.ArgumentTypeError otherwise (argparse: exit 2)."""
     m = _SIZE.match(text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500G, 2TiB, 1048576)")
     unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+    # Decimal, not float: 400 digits made float() inf, and int(inf) an OverflowError traceback.
+    value = decimal.Decimal(m.group(1)) * 1024 ** " KMGT".index(unit or " ")
+    if value > _MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"too large: {text!r} (at most {_MAX_SIZE} bytes)")
+    return int(value)
 
 
 def default_cache_dir() -> str:
@@ -117,10 +126,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--cache-max-bytes",
         type=parse_size,
-        default=parse_size(os.environ["PAVED_CACHE_MAX_BYTES"])
-        if os.environ.get("PAVED_CACHE_MAX_BYTES")
-        else None,
-        help="LRU budget for cached blobs, e.g. 200G (default: unbounded)",
+        # $PAVED_CACHE_MAX_BYTES is read in main(): parsed here, a bad value raised while the
+        # parser was built (a traceback, exit 1).
+        help="LRU budget for cached blobs, e.g. 200G (default $PAVED_CACHE_MAX_BYTES, else unbounded)",
     )
     c.add_argument(
         "--lock-timeout",
@@ -250,6 +258,30 @@ def _vllm_flags(engine_args: dict[str, Any]) -> list[str]:
     return out
 
 
+CHILD_CMD_FIELDS = ("python", "model_dir", "model_id", "config", "http_port", "grpc_port", "http_fd")
+
+
+def child_argv(cmd: str, values: dict[str, Any]) -> list[str]:
+    """--child-cmd split like a shell and its placeholders filled; ValueError naming the
+    problem (unbalanced quotes, an unknown {field}, a bad format) otherwise."""
+    try:
+        parts = shlex.split(cmd)
+    except ValueError as e:
+        raise ValueError(f"{e} in {cmd!r}") from None
+    if not parts:
+        raise ValueError("empty command")
+    argv = []
+    for part in parts:
+        try:
+            argv.append(part.format(**values))
+        except KeyError as e:
+            known = " ".join(f"{{{f}}}" for f in CHILD_CMD_FIELDS)
+            raise ValueError(f"unknown placeholder {{{e.args[0]}}} in {part!r} (known: {known})") from None
+        except (IndexError, ValueError, AttributeError, TypeError) as e:
+            raise ValueError(f"{part!r}: {e} (a literal brace is written {{{{ or }}}})") from None
+    return argv
+
+
 def child_spec(
     args: argparse.Namespace, m: Materialized, state_dir: str, public_fds: dict[str, int] | None = None
 ) -> ChildSpec:
@@ -287,7 +319,7 @@ def child_spec(
             "grpc_port": ports.get("grpc", ""),
             "http_fd": public_fds.get("http", ""),
         }
-        argv = [part.format(**values) for part in shlex.split(args.child_cmd)]
+        argv = child_argv(args.child_cmd, values)
         takes_fd = "{http_fd}" in args.child_cmd and "http" in public_fds
         return ChildSpec(
             argv, args.ready_path or "/health/ready", ports, frozenset({"http"} if takes_fd else ())
@@ -760,6 +792,18 @@ def _bad_bounds(args: argparse.Namespace) -> str | None:
         return f"--idle-timeout must be >= 0 seconds (0: never), got {args.idle_timeout}"
     if not math.isfinite(args.lock_timeout) or args.lock_timeout <= 0:
         return f"--lock-timeout must be > 0 seconds, got {args.lock_timeout}"
+    if not math.isfinite(args.start_timeout) or args.start_timeout <= 0:
+        return f"--start-timeout must be > 0 seconds, got {args.start_timeout}"
+    for flag, seconds in (("--drain-timeout", args.drain_timeout), ("--stop-grace", args.stop_grace)):
+        if not math.isfinite(seconds) or seconds < 0:
+            return f"{flag} must be >= 0 seconds, got {seconds}"
+    if args.child_cmd is not None:
+        # Checked before anything starts: it used to fail only after materializing.
+        sample = {f: 0 if f.endswith(("_port", "_fd")) else "x" for f in CHILD_CMD_FIELDS}
+        try:
+            child_argv(args.child_cmd, sample)
+        except ValueError as e:
+            return f"--child-cmd: {e}"
     for flag, port in (
         ("--port", args.port),
         ("--grpc-port", args.grpc_port),
@@ -778,6 +822,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s launcher %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+    env_budget = os.environ.get("PAVED_CACHE_MAX_BYTES")
+    if args.cache_max_bytes is None and env_budget:
+        try:
+            args.cache_max_bytes = parse_size(env_budget)
+        except argparse.ArgumentTypeError as e:
+            print(f"launch: $PAVED_CACHE_MAX_BYTES (--cache-max-bytes): {e}", file=sys.stderr)
+            return EXIT_USAGE
     if args.workers < 1 or args.max_attempts < 1 or args.part_size < MiB:
         print("launch: --workers and --max-attempts must be >= 1, --part-size >= 1MiB", file=sys.stderr)
         return EXIT_USAGE

@@ -229,8 +229,39 @@ def test_launcher_fails_with_the_holders_pid_when_the_lock_deadline_passes(tmp_p
         (["--port", "-1"], "--port must be 0..65535"),
         (["--grpc-port", "70000"], "--grpc-port must be 0..65535"),
         (["--admin-port", "-5"], "--admin-port must be 0..65535"),
+        (["--start-timeout", "nan"], "--start-timeout must be > 0 seconds, got nan"),
+        (["--start-timeout", "0"], "--start-timeout must be > 0 seconds"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be >= 0 seconds, got -1.0"),
+        (["--drain-timeout", "inf"], "--drain-timeout must be >= 0 seconds"),
+        (["--stop-grace", "nan"], "--stop-grace must be >= 0 seconds"),
+        (["--child-cmd", "{python} -m x --port {htp_port}"], "--child-cmd: unknown placeholder {htp_port}"),
+        (["--child-cmd", "{python} -c 'print(1)"], "--child-cmd: No closing quotation"),
+        (["--child-cmd", "{python} {0}"], "--child-cmd: '{0}': Replacement index 0"),
+        (["--child-cmd", "  "], "--child-cmd: empty command"),
     ],
 )
 def test_bad_bound_flags_exit_2(tmp_path, capsys, flags, needle):
+    """Checked before anything starts (the package, tmp_path, is no package at all)."""
     assert main([str(tmp_path), "--cache-dir", str(tmp_path / "c"), *flags]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--part-size", "9" * 400], "argument --part-size: too large"),
+        (["--part-size", "9" * 400 + ".5GiB"], "argument --part-size: too large"),
+        (["--cache-max-bytes", "9" * 20], "argument --cache-max-bytes: too large"),
+    ],
+)
+def test_out_of_range_sizes_are_usage_errors(tmp_path, capsys, flags, needle):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path), "--cache-dir", str(tmp_path / "c"), *flags])
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_bad_cache_budget_in_the_environment_exits_2_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PAVED_CACHE_MAX_BYTES", "lots")
+    assert main([str(tmp_path), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "$PAVED_CACHE_MAX_BYTES (--cache-max-bytes): not a size: 'lots'" in capsys.readouterr().err
