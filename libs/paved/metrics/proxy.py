@@ -25,11 +25,13 @@ be read is skipped and counted (`paved_metrics_proxy_corrupt_files`); the answer
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import http.client
 import logging
 import os
 import re
+import socket
 import stat
 import struct
 import threading
@@ -235,13 +237,29 @@ class MetricsProxy:
 
     # -- upstreams -----------------------------------------------------------------------------
     def fetch(self, upstream: Upstream) -> str:
-        """The upstream's exposition text, validated; raises UpstreamError."""
+        """The upstream's exposition text, validated; raises UpstreamError. The whole exchange
+        (connect, headers, body) ends within `timeout_s`: a socket timeout bounds one read
+        only, and an upstream trickling a byte at a time held a pool thread for ever."""
         deadline = time.monotonic() + self.timeout_s
         url = urllib.parse.urlsplit(upstream.url)
         if not url.hostname:
             raise UpstreamError("config", f"upstream URL {upstream.url!r} names no host")
         conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(url.hostname, url.port, timeout=self.timeout_s)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:  # None while connecting: checked once request() returns
+                # shutdown, not close: it wakes a recv blocked in the fetching thread.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(self.timeout_s, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        timeout = UpstreamError("timeout", f"no complete answer within {self.timeout_s}s")
         try:
             try:
                 path = url.path or "/"
@@ -253,6 +271,8 @@ class MetricsProxy:
                         "User-Agent": "paved-metrics-proxy",
                     },
                 )
+                if expired.is_set():
+                    raise timeout
                 resp = conn.getresponse()
                 if resp.status != 200:
                     raise UpstreamError("http_status", f"HTTP {resp.status}")
@@ -272,11 +292,16 @@ class MetricsProxy:
                             "too_large", f"answer larger than {self.max_upstream_bytes} bytes"
                         )
                     chunks.append(chunk)
+                if expired.is_set():  # the end seen may be the watchdog's shutdown: a cut answer
+                    raise timeout
             except TimeoutError as e:
-                raise UpstreamError("timeout", f"no complete answer within {self.timeout_s}s") from e
+                raise timeout from e
             except (OSError, http.client.HTTPException) as e:
+                if expired.is_set():
+                    raise timeout from e
                 raise UpstreamError("connect", f"{type(e).__name__}: {e}") from e
         finally:
+            watchdog.cancel()
             conn.close()
         try:
             text = b"".join(chunks).decode("utf-8")
