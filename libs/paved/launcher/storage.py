@@ -13,10 +13,12 @@ caller compares the returned sha256 with the package manifest.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +31,8 @@ from paved.launcher.progress import Progress
 log = logging.getLogger("paved.launcher")
 
 MiB = 1 << 20
-_CHUNK = 1 * MiB
+# Small reads: a read of urllib3's returns only once it has all its bytes (or the stream ends).
+_CHUNK = 64 << 10
 _NOT_RETRYABLE_CODES = {
     "NoSuchKey",
     "NoSuchBucket",
@@ -140,6 +143,65 @@ class Fetch:
     size: int
     dest: str
     label: str
+
+
+class _StallWatch:
+    """Aborts a response body that moves fewer than `min_bytes` in any `window_s`: checked by
+    a timer, not after a read returns (a read of a trickling stream may not return for the
+    whole window, or ever: botocore's read_timeout is per socket read). `stalled` then holds
+    the reason."""
+
+    def __init__(self, body: Any, window_s: float, min_bytes: int):
+        self._body = body
+        self._window_s = window_s
+        self._min_bytes = min_bytes
+        self._moved = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.stalled: str | None = None
+        self._timer: threading.Timer | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        self._timer = threading.Timer(self._window_s, self._check)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _check(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            moved, self._moved = self._moved, 0
+            if moved >= self._min_bytes:
+                self._arm()
+                return
+            self.stalled = f"stalled: {moved} bytes in {self._window_s:g}s (< {self._min_bytes})"
+        _abort_stream(self._body)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._moved += n
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+
+def _abort_stream(body: Any) -> None:
+    """Wake the thread blocked reading `body` (a botocore StreamingBody over urllib3): shut its
+    socket down (closing the file from another thread does not interrupt a recv)."""
+    raw = getattr(body, "_raw_stream", body)
+    sock = getattr(getattr(raw, "_connection", None), "sock", None)
+    if sock is None:  # the connection already handed back: its socket is still under the file
+        sock = getattr(getattr(getattr(getattr(raw, "_fp", None), "fp", None), "raw", None), "_sock", None)
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    else:
+        with contextlib.suppress(Exception):
+            body.close()
 
 
 class _FileJob:
@@ -375,27 +437,30 @@ class Downloader:
             )
         body = resp["Body"]
         pos = start
-        window_start, window_bytes = time.monotonic(), 0
+        watch = _StallWatch(body, cfg.stall_timeout_s, cfg.stall_min_bytes)
+        # Bytes count once a read returns: reads well under the window's minimum, so a slow
+        # stream that does move enough is not taken for a stalled one.
+        read_size = max(1, min(_CHUNK, cfg.stall_min_bytes // 4))
         try:
             while pos < end:
                 if cancel.is_set():
                     raise TransferError("cancelled")
-                chunk = body.read(min(_CHUNK, end - pos))
+                try:
+                    chunk = body.read(read_size if end - pos > read_size else end - pos)
+                except Exception:
+                    if watch.stalled:
+                        raise _Retryable(watch.stalled) from None
+                    raise
+                if watch.stalled:  # what the read returned may be cut short by the abort
+                    raise _Retryable(watch.stalled)
                 if not chunk:
                     raise _Retryable(f"stream ended at byte {pos - start} of {end - start}")
                 os.pwrite(job.fd, chunk, pos)
                 pos += len(chunk)
                 count(len(chunk))
-                window_bytes += len(chunk)
-                now = time.monotonic()
-                if now - window_start >= cfg.stall_timeout_s:
-                    if window_bytes < cfg.stall_min_bytes:
-                        raise _Retryable(
-                            f"stalled: {window_bytes} bytes in {now - window_start:.0f}s "
-                            f"(< {cfg.stall_min_bytes})"
-                        )
-                    window_start, window_bytes = now, 0
+                watch.add(len(chunk))
         finally:
+            watch.stop()
             body.close()
 
     def _copy_local(self, job: _FileJob, count: Callable[[int], None]) -> None:
