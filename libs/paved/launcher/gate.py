@@ -464,6 +464,11 @@ class AdminServer:
             await self._answer(writer, code, body)
         except (TimeoutError, ConnectionError, OSError):
             pass
+        except asyncio.CancelledError:
+            # The loop is shutting down with this client still connected. Not re-raised: the
+            # task ends here anyway, and Python 3.11's start_server callback logs a cancelled
+            # handler as an "unhandled exception" traceback.
+            pass
         finally:
             writer.close()
 

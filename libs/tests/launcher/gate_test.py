@@ -489,3 +489,26 @@ def test_admin_port_answers_431_to_a_request_head_over_64_kib(head):
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"error": "request line or header field too long"}
     assert after.startswith(b"HTTP/1.1 200 ") and after.endswith(b'{"phase": "ready"}')
+
+
+def test_admin_client_still_connected_at_shutdown_logs_no_error(caplog):
+    """The launcher's loop ends while an admin client is still connected (here: one answered 431,
+    its handler dropping the rest of its request): the cancelled handler is no error traceback."""
+    import asyncio
+
+    from paved.launcher.gate import AdminServer
+
+    async def scenario():
+        admin = AdminServer(lambda: {"phase": "ready"}, lambda: True)
+        host, port = await admin.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readuntil(b"}"), 30)
+        admin.close()
+        return answer, writer  # left open: asyncio.run cancels the handler
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        answer, _ = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
