@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from paved.launcher.materialize import CacheBudgetError, ChecksumError, Material
 from paved.launcher.storage import Downloader, Fetch, TransferConfig, TransferError, make_s3_client
 from paved.launcher.testing import CREDENTIALS, FlakyProxy, MotoServer, make_wheel, subprocess_env
 from paved.testing.fixtures import tiny_model_dir
+from paved.testing.http_stub import TricklingServer
 
 for _k, _v in CREDENTIALS.items():
     os.environ.setdefault(_k, _v)
@@ -310,54 +310,17 @@ def test_cold_start_clears_crashed_launchers_temp_files_without_a_budget(tmp_pat
     assert not os.path.exists(stale)
 
 
-class _TricklingS3:
-    """Answers any GET with a 200 for `size` bytes, then sends one byte every 0.1 s: each read
-    of the socket returns well within botocore's read timeout, the body never completes."""
-
-    def __init__(self, size):
-        self.size = size
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.conns = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn):
-        try:
-            conn.recv(65536)
-            conn.sendall(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                b"Content-Length: %d\r\n\r\n" % self.size
-            )
-            while not self.stop.wait(0.1):
-                conn.sendall(b"\0")
-        except OSError:
-            pass
-
-    def close(self):
-        self.stop.set()
-        self.listener.close()
-        for conn in self.conns:
-            conn.close()
-
-
 def test_a_trickling_s3_stream_is_a_stall_even_while_a_read_is_blocked(tmp_path):
     """Fewer than stall_min_bytes in stall_timeout_s fails the part, checked by a timer: it was
     checked only after a read returned, and a read of a trickling stream did not return."""
-    server = _TricklingS3(2 * MiB)
+    # A 200 for 2 MiB, then one byte every 0.1 s.
+    server = TricklingServer(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % (2 * MiB)
+    )
     config = TransferConfig(
         workers=1, max_attempts=2, backoff_base_s=0.01, stall_timeout_s=0.5, read_timeout_s=30.0
     )
-    downloader = Downloader(config, lambda: make_s3_client(server.endpoint, config=config))
+    downloader = Downloader(config, lambda: make_s3_client(server.url, config=config))
     result = {}
 
     def fetch():

@@ -4,7 +4,6 @@ and real upstream HTTP servers: healthy, down, slow, garbage, HTTP 500, clashing
 import gzip
 import http.server
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from paved.launcher.gate import free_port
 from paved.metrics.proxy import MetricsProxy, Upstream, split_families
 from paved.metrics.server import make_server
-from paved.testing.http_stub import LoopbackHTTPServer, reply
+from paved.testing.http_stub import LoopbackHTTPServer, TricklingServer, reply
 
 WRITER = """
 import os, sys
@@ -206,47 +205,12 @@ def test_upstream_lines_split_at_newline_only(path, upstreams):
     assert fams["triton_up"] == expected["triton_up"]
 
 
-class _Trickler:
-    """An upstream that answers its status line, then one header byte every 0.2 s, for ever:
-    every read returns within any socket timeout, the answer never completes."""
-
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.stop = threading.Event()
-        self.conns = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn):
-        try:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-            while not self.stop.wait(0.2):
-                conn.sendall(b"a")
-        except OSError:
-            pass
-
-    def close(self):
-        self.stop.set()
-        self.listener.close()
-        for conn in self.conns:
-            conn.close()
-
-
 def test_a_trickling_upstream_times_out_and_never_starves_the_others(upstreams):
     """The deadline covers the whole exchange, headers included: each scrape gives up on the
     trickler, and its pool threads come back. They stayed blocked before, and after a few
     scrapes the pool had no thread left for the healthy upstream."""
-    trickler = _Trickler()
+    # Its status line, then one header byte every 0.2 s.
+    trickler = TricklingServer(b"HTTP/1.1 200 OK\r\nX-Slow: ", b"a", interval_s=0.2)
     proxy = MetricsProxy(
         None,
         [
