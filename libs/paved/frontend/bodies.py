@@ -1,21 +1,14 @@
-"""Request bodies decoded (JSON parse and pydantic validation) off the event loop when large.
-
-Decoding is O(body): a 30 MB body of token ids takes seconds of parse, the Unicode walk and
-validation, and on the event loop every other request (health probes included) would wait for
-it. Bodies up to OFF_LOOP_BYTES are decoded inline (well under a millisecond each, cheaper than
-a thread hop); larger ones on a small pool of their own. The JSON parse is C code that holds
-the GIL, so the pool bounds how much of it competes with the loop at once rather than hiding it
-entirely; the schema's size bounds (paved.frontend.schemas) refuse what could never fit before
+"""Request bodies decoded (JSON parse and pydantic validation) off the event loop when large
+(paved.http.off_loop): a 30 MB body of token ids takes seconds of parse, the Unicode walk and
+validation. The schema's size bounds (paved.frontend.schemas) refuse what could never fit before
 the O(body) walks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import email.message
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import pydantic
 from fastapi.exceptions import RequestValidationError
@@ -25,20 +18,7 @@ from starlette.responses import Response
 
 from paved.frontend.errors import APIError
 from paved.http.json_body import JSONBodyError, parse_json
-
-OFF_LOOP_BYTES = 1024 * 1024
-DECODE_THREADS = 2
-# Normal priority (unlike the admission pool): a decode holds the GIL, and a thread descheduled
-# while holding it would stall the loop instead of sparing it.
-_pool = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="paved-body")
-T = TypeVar("T")
-
-
-async def off_loop_if_large(size: int, decode: Callable[..., T], *args: Any) -> T:
-    """`decode(*args)`, on the decode pool when the body it decodes is over OFF_LOOP_BYTES."""
-    if size <= OFF_LOOP_BYTES:
-        return decode(*args)
-    return await asyncio.get_running_loop().run_in_executor(_pool, decode, *args)
+from paved.http.off_loop import OFF_LOOP_BYTES, off_loop_if_large
 
 
 def decode_model(raw: bytes, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:

@@ -16,10 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paved.frontend import openai_api, schemas
-from paved.frontend.bodies import off_loop_if_large
 from paved.frontend.errors import APIError
 from paved.http import openai_responses as oai
 from paved.http.json_body import JSONBodyError, parse_json
+from paved.http.off_loop import off_loop_if_large
 
 router = APIRouter()
 

@@ -41,6 +41,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 import paved
 from paved.engine.streams import aclose
 from paved.http.kserve_names import grpc_status_name
+from paved.http.off_loop import off_loop_if_large
 from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, access_json, metadata_context
 from paved.kserve.errors import KServeError, invalid_argument, too_large, unsupported
 from paved.kserve.metrics import GRPC, KServeMetrics, batch_rows
@@ -51,7 +52,7 @@ from paved.kserve.repository import (
     ServedModel,
     custom_parameters,
 )
-from paved.kserve.tensors import DECODE_IN_THREAD_BYTES, from_contents, from_raw, to_raw
+from paved.kserve.tensors import from_contents, from_raw, to_raw
 from paved.kserve.wire import ERROR_CODE_PARAMETER
 
 logger = logging.getLogger(__name__)
@@ -209,10 +210,10 @@ def set_parameter(target: Any, key: str, value: Any) -> None:
 async def decode_off_loop(
     repository: ModelRepository, request: service_pb2.ModelInferRequest, *, decoupled: bool
 ) -> tuple[ServedModel, InferRequest]:
-    """decode_request, in a worker thread for a request past DECODE_IN_THREAD_BYTES."""
-    if request.ByteSize() > DECODE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(decode_request, repository, request, decoupled=decoupled)
-    return decode_request(repository, request, decoupled=decoupled)
+    """decode_request, off the event loop for a large request (its elements are decoded by
+    Python loops: BYTES, typed contents)."""
+    decode = functools.partial(decode_request, repository, request, decoupled=decoupled)
+    return await off_loop_if_large(request.ByteSize(), decode)
 
 
 def decode_request(

@@ -18,7 +18,6 @@ input order; outputs are returned raw when asked per output (`binary_data`) or f
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +35,7 @@ import paved
 from paved.engine.streams import aclose
 from paved.http.json_body import JSONBodyError, parse_json
 from paved.http.kserve_names import HTTP_MODEL_METHODS
+from paved.http.off_loop import off_loop_if_large
 from paved.http.tracing import AccessMiddleware, TraceContext
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
@@ -48,7 +48,7 @@ from paved.kserve.repository import (
     ServedModel,
     custom_parameters,
 )
-from paved.kserve.tensors import DECODE_IN_THREAD_BYTES, from_json, from_raw, to_json, to_raw
+from paved.kserve.tensors import from_json, from_raw, to_json, to_raw
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
@@ -472,9 +472,8 @@ def create_http_app(
         with record.failures():
             model = repository.get_ready(name, version)
             body = await _read_body(request, max_body_bytes)
-            decode = functools.partial(_decode_infer, model, body, request.headers.get(HEADER_LENGTH))
-            infer_request, binary, binary_default = (
-                await asyncio.to_thread(decode) if len(body) > DECODE_IN_THREAD_BYTES else decode()
+            infer_request, binary, binary_default = await off_loop_if_large(
+                len(body), _decode_infer, model, body, request.headers.get(HEADER_LENGTH)
             )
             results = await _collect(request, await repository.infer(model, infer_request))
             if len(results) != 1:

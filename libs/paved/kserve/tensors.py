@@ -90,11 +90,6 @@ def datatype_of(array: np.ndarray) -> str:
     raise TypeError(f"no KServe v2 datatype for numpy dtype {array.dtype}")
 
 
-# A request whose tensors take more than this is decoded in a worker thread, not on the event
-# loop: decoding is Python loops over its elements (BYTES, JSON data), seconds for tens of MB,
-# and the loop carries every other request and the health probes.
-DECODE_IN_THREAD_BYTES = 1 << 20
-
 # No tensor dimension is larger (numpy refuses dimensions past 2**63 - 1, and a product of
 # the others can overflow it even when one dimension is 0 and the count is 0).
 MAX_DIMENSION = 2**31 - 1

@@ -185,7 +185,7 @@ def unicode_walks(monkeypatch):
 
 
 def test_large_bodies_are_decoded_off_the_event_loop(url, unicode_walks):
-    from paved.frontend.bodies import OFF_LOOP_BYTES
+    from paved.http.off_loop import OFF_LOOP_BYTES
 
     big = "x" * (OFF_LOOP_BYTES + 1)
     for path, body in (

@@ -413,9 +413,10 @@ def test_huge_dimensions_and_impossible_bytes_counts_are_invalid_argument():
 
 def test_large_grpc_requests_are_decoded_off_the_event_loop(monkeypatch):
     """Decoding is Python loops over a request's elements (seconds for tens of MB): past
-    DECODE_IN_THREAD_BYTES it runs in a worker thread, so the loop keeps serving the others."""
+    OFF_LOOP_BYTES it runs in a worker thread, so the loop keeps serving the others."""
     from tritonclient.grpc import service_pb2
 
+    from paved.http.off_loop import OFF_LOOP_BYTES
     from paved.kserve import grpc_server
 
     threads: list[threading.Thread] = []
@@ -427,7 +428,7 @@ def test_large_grpc_requests_are_decoded_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(grpc_server, "decode_request", decode)
     small = service_pb2.ModelInferRequest(model_name="m")
     big = service_pb2.ModelInferRequest(model_name="m")
-    big.raw_input_contents.append(b"\0" * (tensors.DECODE_IN_THREAD_BYTES + 1))
+    big.raw_input_contents.append(b"\0" * (OFF_LOOP_BYTES + 1))
     for request in (small, big):
         decoded = asyncio.run(grpc_server.decode_off_loop(None, request, decoupled=False))
         assert decoded == ("model", "request")
