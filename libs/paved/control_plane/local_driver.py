@@ -308,21 +308,7 @@ class LocalDriver:
     def _kill_all(self, ref: _Ref) -> None:
         """SIGKILL the launcher's group and every process carrying the replica's marker, until
         none is left (bounded), then reap the launcher if it is our child."""
-        for _ in range(_KILL_ROUNDS):
-            pids = list(marked_processes(MARKER_ENV, ref.marker))
-            if self._alive(ref):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(ref.pid, signal.SIGKILL)  # its own session: pgid == pid
-                pids.append(ref.pid)
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            self._wait_gone(ref, 2.0)
-            time.sleep(0.02)
-        else:
-            log.error("replica processes with marker %s survived %d kill rounds", ref.marker, _KILL_ROUNDS)
+        self._kill_marked(ref.marker, ref)
         proc = self._procs.pop(ref.pid, None)
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -383,16 +369,23 @@ class LocalDriver:
                         self._kill_marked(marker)
                     marker_file.unlink()  # nothing of it runs: never looked at again
 
-    def _kill_marked(self, marker: str) -> None:
-        """SIGKILL every process carrying `marker` until none is left (bounded)."""
+    def _kill_marked(self, marker: str, launcher: _Ref | None = None) -> None:
+        """SIGKILL every process carrying `marker`, and the `launcher`'s group when given,
+        until none is left (bounded)."""
         for _ in range(_KILL_ROUNDS):
             pids = list(marked_processes(MARKER_ENV, marker))
+            if launcher is not None and self._alive(launcher):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(launcher.pid, signal.SIGKILL)  # its own session: pgid == pid
+                pids.append(launcher.pid)
             if not pids:
                 return
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
+            if launcher is not None:
+                self._wait_gone(launcher, 2.0)
+            time.sleep(0.02)
         log.error("replica processes with marker %s survived %d kill rounds", marker, _KILL_ROUNDS)
 
     async def adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:

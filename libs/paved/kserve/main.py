@@ -171,10 +171,8 @@ async def _serve(args: argparse.Namespace, engines: list, limits: dict[str, int]
                 reason = model.state()[1]
                 print(f"serve: model '{model.name}'{version} failed to load: {reason}", file=sys.stderr)
             print("serve: exiting (--exit-on-error)", file=sys.stderr)
-            await server.stop()
-            for engine in reversed(engines):
-                await engine.stop()
-            return 1
+            failed = True
+            stop.set()
 
     async def start_engines() -> None:
         nonlocal failed

@@ -231,9 +231,8 @@ class BatchRunner:
         held |= {o[0].batch_id for o in self._outcomes}
         drained = self._draining - held
         self._draining -= drained
-        if (self._tasks or self._ready) and now - self._renewed >= cfg.lease_s / 3:
-            await self.store.renew(self.owner, now + cfg.lease_s)
-            self._renewed = now
+        if now - self._renewed >= cfg.lease_s / 3:
+            await self._renew_line_leases(now)
         maintain = now - self._maintained >= cfg.maintenance_s or now < self._maintained
         if maintain:
             self._maintained = now
@@ -553,13 +552,11 @@ class BatchRunner:
                 for task in (writing, keeper):
                     task.cancel()
                 await asyncio.gather(writing, keeper, return_exceptions=True)
-            if not writing.cancelled() and writing.exception() is None:
-                continue
-            if writing.cancelled():
+            if writing.cancelled():  # the keeper ended first: the lease is gone (or unreachable)
                 error = keeper.exception() if not keeper.cancelled() else None
                 logger.warning("batch %s: finalization stopped: %s", batch_id, error or "cancelled")
-                continue
-            raise writing.exception()  # type: ignore[misc]
+            elif (failure := writing.exception()) is not None:
+                raise failure
 
     async def _keep_leases_while_finalizing(self, batch_id: str) -> None:
         """Renews the finalize lease (and this replica's line leases, as the tick would) every
@@ -571,9 +568,13 @@ class BatchRunner:
             now = self.clock()
             if not await self.store.renew_finalize(batch_id, self.owner, now + cfg.lease_s * 4):
                 raise RuntimeError(f"the finalize lease of batch {batch_id} was lost")
-            if self._tasks or self._ready:
-                await self.store.renew(self.owner, now + cfg.lease_s)
-                self._renewed = now
+            await self._renew_line_leases(now)
+
+    async def _renew_line_leases(self, now: float) -> None:
+        """Extend the leases of the lines this replica runs or holds ready, if any."""
+        if self._tasks or self._ready:
+            await self.store.renew(self.owner, now + self.config.lease_s)
+            self._renewed = now
 
     async def _write_files(self, batch: dict[str, Any], final: str) -> None:
         """Concatenate the batch's committed chunks into its output and error files (one chunk

@@ -225,9 +225,7 @@ def sampling_max_tokens(value: Any) -> int:
 
 
 def _parameter_value(raw: memoryview) -> Any:
-    p = service_pb2.InferParameter.FromString(bytes(raw))
-    which = p.WhichOneof("parameter_choice")
-    return None if which is None else getattr(p, which)
+    return _choice(service_pb2.InferParameter.FromString(bytes(raw)))
 
 
 def read_head(data: bytes, *, infer: bool) -> RequestHead:

@@ -50,6 +50,7 @@ from paved.engine.streams import Closing, aclose
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, unavailable, unsupported
+from paved.kserve.metrics import batch_rows
 from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, custom_parameters
 from paved.kserve.model_config import config_to_dict, specs_from_config
 from paved.kserve.python_backend.worker import Worker
@@ -380,7 +381,8 @@ class PythonModel(ServedModel):
                 f"ModelInfer RPC doesn't support models with decoupled transaction policy ('{self.name}' is "
                 "decoupled: use ModelStreamInfer, generate_stream, or exec(decoupled=True) in BLS)"
             )
-        rows = self._rows(request)
+        # One batch size across the inputs: checked by ModelRepository.infer (check_batch).
+        rows = batch_rows(self.max_batch_size, request.inputs)
         key = next(self._keys)
         inputs = []
         for name, array in request.inputs.items():
@@ -432,16 +434,6 @@ class PythonModel(ServedModel):
         finally:
             await aclose(responses)
         return _one(first)
-
-    def _rows(self, request: InferRequest) -> int:
-        if self.max_batch_size == 0 or not request.inputs:
-            return 1
-        sizes = {name: int(a.shape[0]) for name, a in request.inputs.items()}
-        if len(set(sizes.values())) > 1:
-            raise invalid_argument(
-                f"model '{self.name}': the inputs' batch sizes differ ({sizes}); they must be equal"
-            )
-        return next(iter(sizes.values()))
 
     async def _submit(self, pending: _Request, marker: np.ndarray) -> None:
         try:
