@@ -624,17 +624,7 @@ class ResponseStream:
             events.append(
                 self._event("response.output_item.done", output_index=state["output_index"], item=item)
             )
-        usage = self._usage or {}
-        prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-        if self.prior_tokens:
-            # A continuation's prompt held the output a previous replica emitted: that part is
-            # output, as if one replica had generated it all.
-            prompt, completion = max(prompt - self.prior_tokens, 0), completion + self.prior_tokens
-        self.response["usage"] = {
-            "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion,
-        }  # fmt: skip
+        self.response["usage"] = self._final_usage()
         if cancelled:
             self.response["status"] = "cancelled"
             kind = "response.failed"
@@ -651,6 +641,23 @@ class ResponseStream:
             kind = "response.completed"
         events.append(self._event(kind, response=self._snapshot()))
         return events
+
+    def _final_usage(self) -> dict[str, Any] | None:
+        """The response's usage; None when the backend never reported one (a cancellation or
+        a failure before the stream's usage chunk): zeros would claim tokens were free."""
+        if self._usage is None:
+            return None
+        usage = self._usage
+        prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        if self.prior_tokens:
+            # A continuation's prompt held the output a previous replica emitted: that part is
+            # output, as if one replica had generated it all.
+            prompt, completion = max(prompt - self.prior_tokens, 0), completion + self.prior_tokens
+        return {
+            "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        }  # fmt: skip
 
     def output_messages(self) -> list[dict[str, Any]]:
         """The chat messages this response's output adds to a conversation."""

@@ -657,6 +657,28 @@ def test_a_resumed_response_stream_continues_the_same_sequence_and_message():
         oai.ResponseStream.resumed(parsed, "resp_x", [events[0], events[2]])
 
 
+def test_usage_the_backend_never_reported_is_null_not_zero():
+    """A response cancelled (or failed) before the chat stream's usage chunk: its usage is
+    unknown, and zeros would claim the tokens it did generate were free."""
+    parsed = oai.parse_request({"model": MODEL, "input": "x", "background": True})
+    for kwargs in ({"cancelled": True}, {"error": "backend went away"}):
+        run = oai.ResponseStream(parsed, "resp_u", queued=True)
+        run.start()
+        run.running()
+        for chunk in _chunks("partial")[:-2]:  # no finish_reason, no usage chunk
+            run.feed(chunk)
+        final = run.finish(**kwargs)[-1]
+        assert final["type"] == "response.failed"
+        assert final["response"]["usage"] is None and run.response["usage"] is None
+        assert final["response"]["output"][0]["content"][0]["text"] == "partial"
+    reported = oai.ResponseStream(parsed, "resp_r", queued=True)
+    reported.start()
+    for chunk in _chunks("ab"):
+        reported.feed(chunk)
+    reported.finish(cancelled=True)
+    assert reported.response["usage"]["output_tokens"] == 2
+
+
 def test_a_continuation_asks_for_the_rest_and_refuses_what_cannot_be_continued():
     from types import SimpleNamespace
 
