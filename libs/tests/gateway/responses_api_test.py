@@ -539,6 +539,14 @@ def test_input_item_ids_must_be_unique_strings_and_pages_always_progress(fleet):
             break
         after = page["last_id"]
     assert seen == ["m1", "m2", "m3"]
+    # A limit out of range is named with its own range, however large it is.
+    for limit in ("0", "101", str(10**12), "-1"):
+        r = httpx.get(
+            f"{a.url}/v1/responses/{created.id}/input_items?limit={limit}", headers=auth, timeout=60
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "limit", r.text
+        assert "between 1 and 100" in error["message"], r.text
 
 
 def test_a_response_cancelled_while_it_generates_keeps_its_final_output_and_usage(tmp_path):

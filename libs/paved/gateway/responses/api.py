@@ -524,9 +524,7 @@ class ResponsesAPI:
     async def input_items(self, request: Request) -> Response:
         _, found = await self._stored(request)
         query = request.query_params
-        limit = _int_param(query.get("limit"), "limit", 20)
-        if not 1 <= limit <= 100:
-            raise GatewayError(400, "limit must be between 1 and 100", param="limit")
+        limit = _int_param(query.get("limit"), "limit", 20, low=1, high=100)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise GatewayError(400, "order must be asc or desc", param="order")
@@ -933,15 +931,16 @@ def _one_event(event: dict[str, Any]) -> Response:
     return Response(oai.sse(event), media_type="text/event-stream")
 
 
-def _int_param(value: str | None, name: str, default: int) -> int:
-    """An integer query parameter or header, -1 to MAX_SEQ (else a 400 naming it): a resume
-    point past what a log can hold would fail in the log's read (a 500), not be answered."""
+def _int_param(value: str | None, name: str, default: int, *, low: int = -1, high: int = MAX_SEQ) -> int:
+    """An integer query parameter or header, `low` to `high` (else a 400 naming it and its
+    range); the default range is a resume point's: one past what a log can hold would fail in
+    the log's read (a 500), not be answered."""
     if value is None or value == "":
         return default
     try:
         number = int(value)
     except ValueError:
         raise GatewayError(400, f"{name} must be an integer", param=name) from None
-    if not -1 <= number <= MAX_SEQ:
-        raise GatewayError(400, f"{name} must be between -1 and {MAX_SEQ}", param=name)
+    if not low <= number <= high:
+        raise GatewayError(400, f"{name} must be between {low} and {high}", param=name)
     return number
