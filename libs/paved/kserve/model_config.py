@@ -23,6 +23,7 @@ Invariants callers rely on:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -222,6 +223,17 @@ def _dims_ok(dims: Sequence[int], *, allow_empty: bool) -> bool:
     return (allow_empty or len(dims) > 0) and all(d == -1 or d >= 1 for d in dims)
 
 
+def _pieces(shape: Sequence[int]) -> list[int]:
+    """Element counts of the runs of fixed dimensions between the variable-size (-1) ones."""
+    out = [1]
+    for d in shape:
+        if d == -1:
+            out.append(1)
+        else:
+            out[-1] *= d
+    return out
+
+
 def _spec(
     tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput, kind: str, model: str
 ) -> ConfigTensorSpec:
@@ -237,19 +249,18 @@ def _spec(
         reshape = tuple(tensor.reshape.shape)
         if not _dims_ok(reshape, allow_empty=True):
             raise ModelConfigError(f"{where}: reshape {list(reshape)} dims must each be -1 or >= 1")
-        if (
-            -1 not in tensor.dims
-            and -1 not in reshape
-            and int(np.prod(tensor.dims)) != int(np.prod(reshape or (1,)))
-        ):
+        # Triton's rule: split at the variable-size dimensions, dims and reshape have the same
+        # pieces (element counts); else some request could not be reshaped.
+        if _pieces(tensor.dims) != _pieces(reshape):
+            if -1 not in tensor.dims and -1 not in reshape:
+                raise ModelConfigError(
+                    f"{where}: reshape {list(reshape)} does not hold the {math.prod(tensor.dims)} "
+                    f"elements of dims {list(tensor.dims)}"
+                )
             raise ModelConfigError(
-                f"{where}: reshape {list(reshape)} does not hold the {int(np.prod(tensor.dims))} "
-                f"elements of dims {list(tensor.dims)}"
-            )
-        if (-1 in tensor.dims) != (-1 in reshape) or list(reshape).count(-1) > 1:
-            raise ModelConfigError(
-                f"{where}: reshape {list(reshape)} must have one variable-size dimension exactly "
-                f"when dims {list(tensor.dims)} has one"
+                f"{where}: reshape {list(reshape)} does not fit dims {list(tensor.dims)}: split at "
+                "their variable-size (-1) dimensions, both must have as many pieces, each holding "
+                "the same number of elements"
             )
         if list(tensor.dims).count(-1) > 1:
             raise ModelConfigError(f"{where}: with reshape, dims may have at most one -1")
