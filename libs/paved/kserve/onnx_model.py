@@ -201,11 +201,11 @@ class OnnxModel(TensorModel):
             )
 
     # ---- execution -------------------------------------------------------------------------
+    def _prepare(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: _strings(n, v) if n in self._bytes_inputs else v for n, v in inputs.items()}
+
     def _execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds = {}
-        for name, value in inputs.items():
-            feeds[name] = _strings(name, value) if name in self._bytes_inputs else value
-        produced = self._session.run(self._output_names, feeds)
+        produced = self._session.run(self._output_names, inputs)
         return dict(zip(self._output_names, produced, strict=True))
 
 

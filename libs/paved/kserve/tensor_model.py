@@ -18,7 +18,8 @@ A subclass loads its runtime (`_load_runtime`, in a thread) and runs one executi
   `dims`; every output is checked against its config (datatype, shape, batch rows) before a
   client sees it: a model that disagrees with its config fails the request with INTERNAL
   naming the tensor, never sends a tensor of another type or shape.
-- A failing execution fails only the requests of its group, with the framework's message.
+- A failing execution fails only the requests of its group, with the framework's message; a
+  request whose own tensors the runtime cannot take (`_prepare`) fails alone.
 """
 
 from __future__ import annotations
@@ -143,6 +144,11 @@ class TensorModel(ServedModel):
     def _load_runtime(self) -> None:
         """Load the model file and check it against the config (ModelConfigError); runs in a thread."""
 
+    def _prepare(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One request's model-side tensors as the runtime takes them (KServeError when it
+        cannot); runs in a batcher worker thread. Default: unchanged."""
+        return inputs
+
     @abc.abstractmethod
     def _execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One execution: model-side input tensors (batch dimension first when batching) ->
@@ -213,6 +219,13 @@ class TensorModel(ServedModel):
             i += envelope.rows
         group: list[_Envelope] = []
         for envelope in envelopes:
+            # Per request, before any joining: a request whose tensors the runtime cannot take
+            # fails alone, not with the requests batched beside it.
+            try:
+                envelope.inputs = self._prepare(envelope.inputs)
+            except KServeError as e:
+                envelope.error = e
+                continue
             if group and _signature(group[0]) != _signature(envelope):
                 self._run_group(group)
                 group = []
