@@ -29,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,6 +43,15 @@ HTTP = "http"
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
 )  # fmt: skip
+
+
+class _Series(NamedTuple):
+    """One (model, protocol)'s children of the metrics (failures have a status label more)."""
+
+    in_flight: Gauge
+    success: Counter
+    inferences: Counter
+    duration: Histogram
 
 
 class KServeMetrics:
@@ -83,6 +93,22 @@ class KServeMetrics:
             multiprocess_mode="livesum",
         )
 
+        # (model label, protocol) -> its series: `labels()` validates and locks on every call,
+        # several microseconds each, four times per request. Bounded as the labels are.
+        self._series: dict[tuple[str, str], _Series] = {}
+
+    def series(self, label: str, protocol: str) -> _Series:
+        key = (label, protocol)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = _Series(
+                self.in_flight.labels(label, protocol),
+                self.success.labels(label, protocol),
+                self.inferences.labels(label, protocol),
+                self.duration.labels(label, protocol),
+            )
+        return found
+
     def model_label(self, name: str) -> str:
         return name if self._serves(name) else UNKNOWN_MODEL
 
@@ -93,7 +119,7 @@ class KServeMetrics:
     def failed(self, label: str, protocol: str, status: str, *, was_started: bool = True) -> None:
         """A failed request; `was_started=False` for one refused before it was counted in flight."""
         if was_started:
-            self.in_flight.labels(label, protocol).dec()
+            self.series(label, protocol).in_flight.dec()
         self.failure.labels(label, protocol, status).inc()
 
 
@@ -105,14 +131,15 @@ class InferenceRecord:
         self.label = label
         self.protocol = protocol
         self._started = time.perf_counter()
-        metrics.in_flight.labels(label, protocol).inc()
+        self._series = metrics.series(label, protocol)
+        self._series.in_flight.inc()
 
     def succeeded(self, rows: int) -> None:
-        m, label, protocol = self._metrics, self.label, self.protocol
-        m.in_flight.labels(label, protocol).dec()
-        m.success.labels(label, protocol).inc()
-        m.inferences.labels(label, protocol).inc(rows)
-        m.duration.labels(label, protocol).observe(time.perf_counter() - self._started)
+        series = self._series
+        series.in_flight.dec()
+        series.success.inc()
+        series.inferences.inc(rows)
+        series.duration.observe(time.perf_counter() - self._started)
 
     def failed(self, status: str) -> None:
         self._metrics.failed(self.label, self.protocol, status)
