@@ -45,6 +45,12 @@ _SHA256 = r"^[0-9a-f]{64}$"
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # A Triton model config, in either form paved.kserve reads.
 KSERVE_CONFIGS = ("config.pbtxt", "config.json")
+# A repository's model folder without a config is served by paved.kserve when a version folder
+# holds one of these (its model_config.AUTO_COMPLETE_FILES, Triton's auto-complete), so it is
+# one of the package's models too.
+KSERVE_AUTO_COMPLETE_FILES = ("model.onnx", "model.py")
+# Version folders paved.kserve (as Triton) loads: decimal, no leading zero.
+_KSERVE_VERSION = re.compile(r"^(0|[1-9][0-9]*)$")
 
 
 class PackageError(ValueError):
@@ -160,8 +166,9 @@ class ModelPackage(BaseModel):
 
     def kserve_layout(self) -> Literal["model", "repository"]:
         """What a kserve package's weights are: "model" (a Triton config at the top: one model
-        directory) or "repository" (no config at the top, `<model>/config.*` for each model,
-        model_id one of them); ValueError when neither."""
+        directory) or "repository" (no config at the top, `<model>/config.*` for each model, or
+        for a model without one `<model>/<version>/model.onnx` or `model.py`, as paved.kserve
+        loads them; model_id one of them); ValueError when neither."""
         return self._kserve_models()[0]
 
     def kserve_models(self) -> list[str]:
@@ -173,13 +180,12 @@ class ModelPackage(BaseModel):
         paths = {f.path for f in self.weights.files}
         if any(name in paths for name in KSERVE_CONFIGS):
             return "model", [self.model_id]
-        models = sorted(
-            {p.split("/")[0] for p in paths if p.count("/") == 1 and p.split("/")[1] in KSERVE_CONFIGS}
-        )
+        models = sorted({m for m in map(_repository_model, paths) if m is not None})
         if not models:
             raise ValueError(
                 "a kserve package's weights are a model directory (config.json or config.pbtxt at the "
-                "top) or a Triton model repository (<model>/config.pbtxt per model); found neither"
+                "top) or a Triton model repository (<model>/config.pbtxt per model, or "
+                "<model>/<version>/model.onnx or model.py without one); found neither"
             )
         if self.model_id not in models:
             raise ValueError(
@@ -206,6 +212,19 @@ class ModelPackage(BaseModel):
     def digest(self) -> str:
         """Content address of the package: sha256 of its canonical model.json."""
         return hashlib.sha256(self.canonical_json()).hexdigest()
+
+
+def _repository_model(path: str) -> str | None:
+    """The model folder of a repository that `path` makes a model paved.kserve serves: its
+    config, or a model file its config is completed from; hidden folders are not loaded."""
+    parts = path.split("/")
+    if parts[0].startswith("."):
+        return None
+    if len(parts) == 2 and parts[1] in KSERVE_CONFIGS:
+        return parts[0]
+    if len(parts) == 3 and _KSERVE_VERSION.match(parts[1]) and parts[2] in KSERVE_AUTO_COMPLETE_FILES:
+        return parts[0]
+    return None
 
 
 def canonical_json(obj: Any) -> bytes:
