@@ -15,6 +15,8 @@ How a paved replica maps to a pod (the Driver protocol is per replica; a Deploym
   ReplicaSet's replacement for the released pod is the newest and unassigned, so the one it
   deletes), then the pod is deleted with a grace period of preStop + the drain timeout: the
   kubelet runs preStop, SIGTERMs the launcher (which drains) and kills what is left at the end.
+- A stop (`drain`, `delete`) an API failure interrupted raises, and a background thread
+  finishes it: the controller counts the replica as stopped either way and never asks again.
 - `adopt` rebuilds the members from the store's replicas and the pods' claims, sets every
   Deployment's scale to its member count (level-triggered: drift from a crash is corrected), and
   deletes pods a crash left released or claimed by a replica the store no longer runs.
@@ -58,6 +60,7 @@ FIELD_MANAGER = "paved"
 _PLURALS = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets"}
 _WATCH_S = 50  # a watch is renewed this often (the server closes idle ones anyway)
 _SCALE_RETRIES = 8  # optimistic-concurrency retries of one scale update
+_REAP_S = 5.0  # how often a stop an API failure interrupted is tried again
 
 
 class KubeError(ControlError):
@@ -107,6 +110,12 @@ class KubeDriver:
         self._stop = threading.Event()
         self._pdb_api: str | None = None
         self._watcher: threading.Thread | None = None
+        # Stops an API failure interrupted: replica id -> (its ref, the drain's timeout). The
+        # controller never asks twice (the replica is stopped in its store whatever happens
+        # here), so the reaper thread finishes them; left alone, the pod would keep running,
+        # and holding its node's GPUs, until the next control plane adopts.
+        self._unfinished: dict[str, tuple[dict[str, Any], float | None]] = {}
+        self._reaper: threading.Thread | None = None
         self._raw: Any = None  # the watch's open response (close() shuts it to end the watch)
 
     # -- REST ----------------------------------------------------------------------------------
@@ -186,6 +195,9 @@ class KubeDriver:
                 target=self._watch, name=f"kube-watch-{self.region}", daemon=True
             )
             self._watcher.start()
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name=f"kube-reap-{self.region}", daemon=True)
+            self._reaper.start()
         if not self._synced.wait(self.timeout_s * 3):
             raise KubeError(f"could not list pods in namespace {self.namespace} (region {self.region})")
 
@@ -461,7 +473,36 @@ class KubeDriver:
         await asyncio.to_thread(self._stop_pod, replica.id, ref, None)
 
     def _stop_pod(self, replica_id: str, ref: dict[str, Any], timeout_s: float | None) -> None:
-        self._start()
+        try:
+            self._start()
+            self._stop_once(replica_id, ref, timeout_s, wait=True)
+        except Exception:
+            with self._lock:
+                self._unfinished[replica_id] = (ref, timeout_s)
+            raise
+
+    def _reap(self) -> None:
+        """Retry the unfinished stops until each succeeds (or the driver closes)."""
+        while not self._stop.wait(_REAP_S):
+            if not self._synced.is_set():
+                continue  # a stop needs the pods: which one is the replica's
+            with self._lock:
+                pending = list(self._unfinished.items())
+            for replica_id, (ref, timeout_s) in pending:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._stop_once(replica_id, ref, timeout_s, wait=False)
+                except Exception as e:  # noqa: BLE001 - tried again at the next round
+                    log.warning("region %s: stopping replica %s failed again: %s", self.region, replica_id, e)
+                    continue
+                with self._lock:
+                    self._unfinished.pop(replica_id, None)
+                log.info("region %s: finished stopping replica %s", self.region, replica_id)
+
+    def _stop_once(
+        self, replica_id: str, ref: dict[str, Any], timeout_s: float | None, *, wait: bool
+    ) -> None:
         deployment = ref["deployment"]
         with self._lock:
             self._members.get(deployment, set()).discard(replica_id)
@@ -475,7 +516,9 @@ class KubeDriver:
         self._set_scale(deployment)
         if pod is not None:
             grace = None if timeout_s is None else self.settings.pre_stop_s + math.ceil(timeout_s)
-            self._delete_pod(pod["metadata"]["name"], pod["metadata"]["uid"], grace, wait=grace is not None)
+            self._delete_pod(
+                pod["metadata"]["name"], pod["metadata"]["uid"], grace, wait=wait and grace is not None
+            )
 
     def _release(self, pod_name: str) -> None:
         """Take the pod out of its ReplicaSet and its Service before it is deleted."""
@@ -592,5 +635,9 @@ class KubeDriver:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await asyncio.to_thread(watcher.join, _WATCH_S + self.timeout_s + 1)
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            # It checks for the stop between replicas; a stop in progress ends its calls first.
+            await asyncio.to_thread(reaper.join, 4 * self.timeout_s + 1)
         with contextlib.suppress(Exception):
             self._api.close()
