@@ -373,6 +373,18 @@ def check_parameters(config: model_config_pb2.ModelConfig, known: Collection[str
         )
 
 
+def bool_parameter(config: model_config_pb2.ModelConfig, key: str, default: bool) -> bool:
+    """A "true"/"false" parameter (Triton's spelling); ModelConfigError for anything else."""
+    if key not in config.parameters:
+        return default
+    value = config.parameters[key].string_value.strip().lower()
+    if value not in ("true", "false"):
+        raise ModelConfigError(
+            f"model '{config.name}': parameter {key} must be 'true' or 'false', got {value!r}"
+        )
+    return value == "true"
+
+
 def instance_count(config: model_config_pb2.ModelConfig) -> int:
     """Execution workers the config asks for: the sum of its instance groups' counts (a group
     without a count is one instance, as in Triton), at least one."""

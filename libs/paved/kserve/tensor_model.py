@@ -36,7 +36,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.backends import ModelConfigError, ModelSource
-from paved.kserve.batcher import DynamicBatcher
+from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, DynamicBatcher
 from paved.kserve.errors import KServeError, invalid_argument, unavailable
 from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel
 from paved.kserve.model_config import (
@@ -58,18 +58,6 @@ _MAX_MESSAGE = 1000
 
 def internal(message: str) -> KServeError:
     return KServeError(grpc.StatusCode.INTERNAL, message)
-
-
-def bool_parameter(config: model_config_pb2.ModelConfig, key: str, default: bool) -> bool:
-    """A "true"/"false" parameter (Triton's spelling); ModelConfigError for anything else."""
-    if key not in config.parameters:
-        return default
-    value = config.parameters[key].string_value.strip().lower()
-    if value not in ("true", "false"):
-        raise ModelConfigError(
-            f"model '{config.name}': parameter {key} must be 'true' or 'false', got {value!r}"
-        )
-    return value == "true"
 
 
 def int_parameter(config: model_config_pb2.ModelConfig, key: str, *, minimum: int = 0) -> int | None:
@@ -106,7 +94,7 @@ class TensorModel(ServedModel):
         them in from the model at load, as Triton's auto-complete does)."""
         config = source.config
         check_config(config, SUPPORTED_FIELDS, backend=self.backend)
-        check_parameters(config, parameters, backend=self.backend)
+        check_parameters(config, {*parameters, ADAPTIVE_DELAY_PARAMETER}, backend=self.backend)
         self.auto_complete = auto_complete and not config.input and not config.output
         if not self.auto_complete and (not config.input or not config.output):
             raise ModelConfigError(

@@ -37,8 +37,8 @@ import numpy as np
 
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.model import ServedModel
-from paved.kserve.model_config import ConfigTensorSpec
-from paved.kserve.tensor_model import TensorModel, bool_parameter, int_parameter, internal
+from paved.kserve.model_config import ConfigTensorSpec, bool_parameter
+from paved.kserve.tensor_model import TensorModel, int_parameter, internal
 
 PARAMETERS = frozenset(
     {"INFERENCE_MODE", "DISABLE_OPTIMIZED_EXECUTION", "INTRA_OP_THREAD_COUNT", "INTER_OP_THREAD_COUNT"}

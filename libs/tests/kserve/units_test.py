@@ -185,7 +185,12 @@ def test_batcher_delay_ends_at_its_deadline_never_before():
 
     async def main():
         batcher = DynamicBatcher(
-            run, name="m", max_batch_size=8, max_queue_delay_s=0.02, preferred_batch_sizes=[2]
+            run,
+            name="m",
+            max_batch_size=8,
+            max_queue_delay_s=0.02,
+            preferred_batch_sizes=[2],
+            adaptive_delay=False,  # Triton's: every lone request waits its delay
         )
         for _ in range(5):
             enqueued = time.monotonic()
@@ -195,6 +200,68 @@ def test_batcher_delay_ends_at_its_deadline_never_before():
         return dict(batcher.batches)
 
     assert asyncio.run(main()) == {1: 5}
+
+
+def test_batcher_stops_waiting_where_waiting_gathers_nothing_and_probes_for_load():
+    """A lone client (each request sent once the last was answered): after FRUITLESS_WAITS
+    waits that gathered nothing, batches leave without the queue delay, except every
+    PROBE_EVERY-th; with adaptive_delay=False (Triton's) every request waits."""
+    n = 40
+
+    async def lone(adaptive: bool) -> int:
+        batcher = DynamicBatcher(
+            lambda b: b, name="m", max_batch_size=8, max_queue_delay_s=0.002,
+            preferred_batch_sizes=[4], adaptive_delay=adaptive,
+        )  # fmt: skip
+        for i in range(n):
+            assert (await batcher.submit(np.array([[i]]))).tolist() == [[i]]
+        await batcher.close()
+        assert dict(batcher.batches) == {1: n}
+        return batcher.waits
+
+    fruitless, probe = batcher_module.FRUITLESS_WAITS, batcher_module.PROBE_EVERY
+    assert asyncio.run(lone(False)) == n
+    assert asyncio.run(lone(True)) == fruitless + (n - fruitless) // probe
+
+
+def test_batcher_waits_again_once_a_wait_gathers_a_request():
+    """In the no-wait state, the probe's wait gathers a second request: both go as one batch,
+    and the next lone request waits its delay again."""
+
+    async def main():
+        batcher = DynamicBatcher(
+            lambda b: b, name="m", max_batch_size=8, max_queue_delay_s=60.0, preferred_batch_sizes=[2]
+        )
+        batcher._fruitless = batcher_module.FRUITLESS_WAITS  # as after that many fruitless waits
+        batcher._unwaited = batcher_module.PROBE_EVERY - 1  # the next batch is a probe
+        first = asyncio.ensure_future(batcher.submit(np.array([[1]])))
+        await asyncio.sleep(0.05)  # the probe waits (60 s: only the second request ends it)
+        second = await batcher.submit(np.array([[2]]))
+        assert (await first).tolist() == [[1]] and second.tolist() == [[2]]
+        assert dict(batcher.batches) == {2: 1} and batcher.waits == 1 and batcher._fruitless == 0
+        third = asyncio.ensure_future(batcher.submit(np.array([[3]])))
+        await asyncio.sleep(0.05)
+        assert not third.done() and batcher.waits == 2  # waiting again, for its 60 s
+        await batcher.submit(np.array([[4]]))
+        await third
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_adaptive_queue_delay_parameter(tmp_path):
+    """`paved_adaptive_queue_delay` "false" keeps Triton's always-wait; anything but
+    true/false fails the load with the reason."""
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig(name="m", max_batch_size=8)
+    config.dynamic_batching.max_queue_delay_microseconds = 100
+    assert DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1).adaptive_delay
+    config.parameters[batcher_module.ADAPTIVE_DELAY_PARAMETER].string_value = "false"
+    assert not DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1).adaptive_delay
+    config.parameters[batcher_module.ADAPTIVE_DELAY_PARAMETER].string_value = "sometimes"
+    with pytest.raises(ModelConfigError, match="paved_adaptive_queue_delay"):
+        DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1)
 
 
 def test_deadline_timer_fires_at_the_deadline_and_not_once_disarmed():
