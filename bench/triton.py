@@ -1,7 +1,7 @@
 """paved's KServe server against the real Triton Inference Server on one model repository.
 
     tools/bazel run //bench:triton -- [--requests N] [--repeats R] [--quick] [--json]
-                                      [--baseline-src DIR] [--null-server]
+                                      [--baseline-src DIR] [--null-server] [--aio-null-server]
 
 Triton: nvidia-pytriton's `tritonserver` 2.51 with its Python backend, from .venv-triton
 (libs/tests/kserve/triton_server.py). paved: `paved.kserve.main --model-repository`, a process.
@@ -34,7 +34,11 @@ that tree's server runs beside paved's in the same run, and its ratios are repor
 "baseline". With --null-server a third gRPC server that does no work at all (null_grpc_server.cc,
 C++, built here with g++ and gRPC's C++ library, Debian's libgrpc++-dev) is measured at c32 in
 the same run: `null_server_ratio_vs_triton_c32` is the ceiling of every throughput ratio on
-this machine, what the load generator reaches against a server that costs nothing.
+this machine, what the load generator reaches against a server that costs nothing. With
+--aio-null-server a Python gRPC server (grpc.aio, paved's runtime; aio_null_server.py) that does
+no work is measured the same way, at c1 and c32: `aio_null_server_ratio_vs_triton_c32` and
+`aio_null_server_p99_ratio_vs_triton_c1` bound what any server on Python's gRPC runtime, paved's
+included, could reach here.
 With --json the last stdout line is one JSON object.
 """
 
@@ -59,6 +63,8 @@ from bench.kserve_drive import drive
 from libs.tests.kserve.triton_server import paved_kserve_server, triton_server
 
 FEATURES = 32
+# The servers that do no work (measured on `batched`'s traffic only).
+NULLS = ("null", "aio_null")
 BATCHING = """max_batch_size: 64
 dynamic_batching {{ max_queue_delay_microseconds: 500 preferred_batch_size: [ 32, 64 ] }}
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
@@ -200,13 +206,42 @@ def _self_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _null_answer(tmp: Path) -> Path:
+    """The answer every call to a null server gets: one FP32 1.0, what the bench expects of it."""
+    from tritonclient.grpc import service_pb2
+
+    response = service_pb2.ModelInferResponse(model_name="batched", model_version="1")
+    response.outputs.add(name="OUTPUT", datatype="FP32", shape=[1, 1])
+    response.raw_output_contents.append(np.ones((1, 1), np.float32).tobytes())
+    answer = tmp / "null_response.bin"
+    answer.write_bytes(response.SerializeToString())
+    return answer
+
+
 @contextlib.contextmanager
-def null_server(tmp: Path, threads: int):
-    """Builds and starts null_grpc_server.cc on a free loopback port; yields (url, pgid)."""
+def _listening(command: list[str], name: str, env: dict[str, str] | None = None):
+    """Starts `command` (a server printing "listening on 127.0.0.1:PORT") in a session of its
+    own; yields (url, pgid); kills its process group on exit."""
     import signal
     import subprocess
 
-    from tritonclient.grpc import service_pb2
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "listening on 127.0.0.1:PORT", or EOF if it failed
+        if not line.startswith("listening on "):
+            raise SystemExit(f"{name} did not start (exit {proc.poll()})")
+        yield line.split()[-1], proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def null_server(tmp: Path, threads: int):
+    """Builds and starts null_grpc_server.cc on a free loopback port; yields (url, pgid)."""
+    import subprocess
 
     source = Path(__file__).resolve().parent / "null_grpc_server.cc"
     gxx, pkg_config = shutil.which("g++"), shutil.which("pkg-config")
@@ -226,28 +261,16 @@ def null_server(tmp: Path, threads: int):
         check=True,
         timeout=600,
     )
-    # The answer every call gets: one FP32 1.0, what the bench expects of it.
-    response = service_pb2.ModelInferResponse(model_name="batched", model_version="1")
-    response.outputs.add(name="OUTPUT", datatype="FP32", shape=[1, 1])
-    response.raw_output_contents.append(np.ones((1, 1), np.float32).tobytes())
-    answer = tmp / "null_response.bin"
-    answer.write_bytes(response.SerializeToString())
-    proc = subprocess.Popen(
-        [str(binary), "0", str(answer), str(threads)],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # "listening on 127.0.0.1:PORT", or EOF if it failed
-        if not line.startswith("listening on "):
-            raise SystemExit(f"null_grpc_server did not start (exit {proc.poll()})")
-        yield line.split()[-1], proc.pid
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    with _listening([str(binary), "0", str(_null_answer(tmp)), str(threads)], "null_grpc_server") as got:
+        yield got
+
+
+def aio_null_server(tmp: Path):
+    """Starts aio_null_server.py (grpc.aio doing no work) on a free loopback port; a context
+    yielding (url, pgid)."""
+    source = Path(__file__).resolve().parent / "aio_null_server.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return _listening([sys.executable, str(source), str(_null_answer(tmp))], "aio_null_server", env)
 
 
 def measure(
@@ -256,15 +279,14 @@ def measure(
     """{(server, model): {p50_us_c1, p99_us_c1, rps_c32, p99_ms_c32, server_cpu_us_c32,
     client_cpu_us_c32}} with runs interleaved; the CPU figures are per request, the server's
     process group (workers and stubs included) and this process (the load generator)."""
-    paveds = [server for server in urls if server not in ("triton", "null")]
+    paveds = [server for server in urls if server not in ("triton", *NULLS)]
     pairs = [(server, model) for model in ("batched", "xgb_python") for server in (*paveds, "triton")]
     pairs += [(server, "xgb_native") for server in paveds]
-    if "null" in urls:
-        pairs.append(("null", "batched"))
+    pairs += [(server, "batched") for server in NULLS if server in urls]
     c = args.concurrency
 
     def want(server: str, model: str) -> np.ndarray:
-        return np.ones((len(x), 1), np.float32) if server == "null" else expected[model]
+        return np.ones((len(x), 1), np.float32) if server in NULLS else expected[model]
 
     async def run() -> dict:
         for server, model in pairs:  # warm-up: first requests, stubs' imports, batcher threads
@@ -319,6 +341,12 @@ def main() -> int:
         "needs g++ and libgrpc++-dev)",
     )
     parser.add_argument(
+        "--aio-null-server",
+        action="store_true",
+        help="also measure a Python gRPC server (grpc.aio, as paved's) that does no work: the "
+        "floor of any server on Python's gRPC runtime",
+    )
+    parser.add_argument(
         "--baseline-src",
         type=Path,
         help="another paved source tree (e.g. `git archive` of an older commit) served as a third "
@@ -360,8 +388,10 @@ def main() -> int:
             urls["triton"] = triton.grpc
             if args.null_server:
                 urls["null"], pgids["null"] = servers.enter_context(null_server(tmp, os.cpu_count() or 2))
+            if args.aio_null_server:
+                urls["aio_null"], pgids["aio_null"] = servers.enter_context(aio_null_server(tmp))
             for server in urls:
-                if server not in ("triton", "null"):
+                if server not in ("triton", *NULLS):
                     asyncio.run(_wait_ready(urls[server], ["batched", "xgb_python", "xgb_native"], 120))
             results = measure(urls, pgids, x, expected, args)
     finally:
@@ -392,13 +422,15 @@ def main() -> int:
     goal_rps = 1.5 * tb[f"rps_c{c}"]
     client_cores_at_goal = goal_rps * tb[f"client_cpu_us_c{c}"] / 1e6
 
-    if ("null", "batched") in results:
-        null_rps = results[("null", "batched")][f"rps_c{c}"]
-        # What the load generator reaches against a server that costs nothing: no server's
-        # throughput ratio can be measured above it on this machine.
-        ceiling = {f"null_server_ratio_vs_triton_c{c}": ratio(null_rps, tb[f"rps_c{c}"])}
-    else:
-        ceiling = {}
+    # What the load generator reaches against servers that cost nothing (C++), or nothing but
+    # Python's gRPC runtime (grpc.aio): no server's ratio can be measured above the first on
+    # this machine, nor a grpc.aio server's above the second.
+    ceiling = {}
+    for server, key in (("null", "null_server"), ("aio_null", "aio_null_server")):
+        if (server, "batched") in results:
+            floor = results[(server, "batched")]
+            ceiling[f"{key}_ratio_vs_triton_c{c}"] = ratio(floor[f"rps_c{c}"], tb[f"rps_c{c}"])
+            ceiling[f"{key}_p99_ratio_vs_triton_c1"] = ratio(floor["p99_us_c1"], tb["p99_us_c1"])
     summary: dict = {
         **ratios("paved"),
         **ceiling,
@@ -422,11 +454,16 @@ def main() -> int:
             f"CPU/request: server {r[f'server_cpu_us_c{c}']:5.0f} us, "
             f"client {r[f'client_cpu_us_c{c}']:4.0f} us"
         )
-    if ceiling:
-        print(
-            f"a gRPC server doing no work answers {null_rps:.0f} req/s at c{c}: "
-            f"x{ceiling[f'null_server_ratio_vs_triton_c{c}']} of Triton, the ceiling of every ratio here"
-        )
+    for server, key, what in (
+        ("null", "null_server", "a C++ gRPC server doing no work"),
+        ("aio_null", "aio_null_server", "a grpc.aio server doing no work"),
+    ):
+        if f"{key}_ratio_vs_triton_c{c}" in ceiling:
+            print(
+                f"{what} answers {results[(server, 'batched')][f'rps_c{c}']:.0f} req/s at c{c}: "
+                f"x{ceiling[f'{key}_ratio_vs_triton_c{c}']} of Triton; its c1 p99 is "
+                f"x{ceiling[f'{key}_p99_ratio_vs_triton_c1']} of Triton's"
+            )
     print(
         f"the goal, {goal_rps:.0f} req/s at c{c}, needs {client_cores_at_goal:.2f} cores for the load "
         f"generator alone ({tb[f'client_cpu_us_c{c}']:.0f} us of CPU per request) on {os.cpu_count()} CPUs"
