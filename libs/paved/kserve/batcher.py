@@ -111,7 +111,9 @@ class _DeadlineTimer:
                     continue
                 remaining = self._deadline - time.monotonic()
                 if remaining > 0:
-                    self._cv.wait(remaining)
+                    # Capped: a delay of centuries (the config's field is a uint64 of
+                    # microseconds) is past what a timed wait takes, which would end the thread.
+                    self._cv.wait(min(remaining, 3600.0))
                     continue
                 self._deadline = None
                 try:

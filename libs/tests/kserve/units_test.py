@@ -264,6 +264,26 @@ def test_adaptive_queue_delay_parameter(tmp_path):
         DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1)
 
 
+def test_a_queue_delay_of_centuries_keeps_the_timer_thread():
+    """max_queue_delay_microseconds is a uint64: a delay past what a timed wait takes ended the
+    timer thread with an OverflowError; the wait is capped and the thread stays."""
+
+    async def main():
+        batcher = DynamicBatcher(
+            lambda b: b, name="m", max_batch_size=8, max_queue_delay_s=(2**64 - 1) / 1e6,
+            preferred_batch_sizes=[2], adaptive_delay=False,
+        )  # fmt: skip
+        for _ in range(2):
+            first = asyncio.ensure_future(batcher.submit(np.array([[1]])))
+            await asyncio.sleep(0.05)  # waiting, the timer thread armed with the deadline
+            await batcher.submit(np.array([[2]]))
+            await first
+        assert batcher._timer is not None and batcher._timer._thread.is_alive()
+        await batcher.close()
+
+    asyncio.run(main())
+
+
 def test_deadline_timer_fires_at_the_deadline_and_not_once_disarmed():
     from paved.kserve.batcher import _DeadlineTimer
 
