@@ -13,6 +13,7 @@ before any of the server's dependencies, and must start fast.
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import struct
@@ -26,6 +27,12 @@ LENGTH = struct.Struct("<Q")
 # A frame larger than this is a broken peer, not a message (tensors this large do not reach a
 # KServe server: its gRPC and HTTP limits are far below).
 MAX_FRAME_BYTES = 1 << 34
+# The most parts one sendmsg takes (the kernel refuses more with EMSGSIZE): a frame has a part
+# per array, e.g. a batch of many requests' responses.
+try:
+    IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+except (ValueError, OSError):
+    IOV_MAX = 1024
 
 
 def encode(message: tuple) -> list[bytes | memoryview]:
@@ -76,7 +83,7 @@ class BlockingChannel:
         parts = [memoryview(p).cast("B") for p in encode(message)]
         with self._send_lock:
             while parts:  # one system call for the frame, unless the socket takes part of it
-                sent = self._sock.sendmsg(parts)
+                sent = self._sock.sendmsg(parts[:IOV_MAX])
                 while parts and sent >= parts[0].nbytes:
                     sent -= parts[0].nbytes
                     parts.pop(0)

@@ -14,6 +14,8 @@ Invariants the model (paved.kserve.python_backend.served) relies on:
   the reason, `on_death` tells the model (which fails the requests still streaming from it),
   and a new process is started and initialized; `execute` waits for that restart, and if the
   restart failed, fails at once and tries again on the next call.
+- A worker's death is seen from the channel's end or from its process's exit (a process the
+  model forked may hold the channel open); the worker is its own process group, killed whole.
 - `stop` asks the model to finalize (bounded wait), then kills; no process outlives it.
 """
 
@@ -41,6 +43,12 @@ logger = logging.getLogger(__name__)
 STUB_MODULE = "paved.kserve.python_backend.stub"
 # How long finalize() may take at shutdown before the process is killed.
 FINALIZE_TIMEOUT_S = 5.0
+# After the worker process exited (its process group killed), how long the frames it sent
+# before it died may take to be read before the channel is given up for closed.
+EXIT_DRAIN_S = 2.0
+# How often a worker's process is checked for having exited (see _exited): from the first
+# interval, doubling up to the last.
+EXIT_POLL_S = (0.01, 0.5)
 # pb_utils.LogLevel -> logging level.
 _LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
 
@@ -106,6 +114,9 @@ class Worker:
                 stderr=asyncio.subprocess.PIPE,
                 cwd=self.cwd,
                 env=env,
+                # Its own process group: what the model forks (multiprocessing's default start
+                # on Linux) is killed with it, and holds no socket or pipe of a dead worker open.
+                start_new_session=True,
             )
         except BaseException:
             parent.close()
@@ -120,7 +131,7 @@ class Worker:
         for stream, level in ((self.process.stdout, logging.INFO), (self.process.stderr, logging.WARNING)):
             if stream is not None:
                 self._spawn(self._log_lines(stream, level))
-        self._spawn(self._read())
+        self._spawn(self._watch_exit(self.process, self._spawn(self._read())))
 
     async def auto_complete(self, model_file: str, config_json: str) -> str:
         config, error = await self._call(
@@ -154,10 +165,10 @@ class Worker:
         if self._alive and not self._kill_reason:
             self._kill_reason = reason
         if self.process.returncode is None:
-            self.process.kill()
-        await self.process.wait()
+            _kill_group(self.process)
+        await _exited(self.process)
         if self._alive:
-            await self._died.wait()
+            await self._died.wait()  # _watch_exit sees to it, whoever holds the socket
 
     # ---- requests ----------------------------------------------------------------------------
     async def execute(self, requests: list[dict]) -> tuple[list | None, str | None]:
@@ -261,6 +272,20 @@ class Worker:
         header = await self._reader.readexactly(frames.HEADER.size)
         return frames.decode(header, await self._reader.readexactly(frames.body_size(header)))
 
+    async def _watch_exit(self, process: asyncio.subprocess.Process, reader: asyncio.Task) -> None:
+        """The worker's death once its process exits, even while something else holds its end
+        of the socket open (the channel's end would then never come: a process the model forked
+        inherited it), and no process of its group left behind."""
+        await _exited(process)
+        _kill_group(process)
+        await asyncio.wait({reader}, timeout=EXIT_DRAIN_S)
+        # Not done, and not already handling the death: a descendant that left the group still
+        # holds the socket.
+        if not reader.done() and self._alive:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await self._handle_death("")
+
     async def _read(self) -> None:
         broken = ""
         try:
@@ -325,12 +350,9 @@ class Worker:
         self._alive = False
         code = None
         if self.process is not None:
-            if self.process.returncode is None:
-                try:
-                    await asyncio.wait_for(self.process.wait(), 5)
-                except TimeoutError:
-                    self.process.kill()
-                    await self.process.wait()
+            if await _exited(self.process, 5) is None:
+                _kill_group(self.process)
+                await _exited(self.process)
             code = self.process.returncode
         if self._kill_reason:
             reason = self._kill_reason
@@ -359,3 +381,23 @@ class Worker:
         self._died.set()
         if not self._stopping and (self._restart is None or self._restart.done()):
             self._restart = asyncio.create_task(self._restart_process(), name=f"pb-restart-{self.name}")
+
+
+async def _exited(process: asyncio.subprocess.Process, within_s: float | None = None) -> int | None:
+    """The process's exit code once it has exited (None if it has not within `within_s`).
+    Polled: Python 3.11's Process.wait() returns only once the process's pipes are closed too,
+    and a process the model forked may hold them open."""
+    deadline = None if within_s is None else time.monotonic() + within_s
+    interval, longest = EXIT_POLL_S
+    while process.returncode is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(interval)
+        interval = min(2 * interval, longest)
+    return process.returncode
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL to the worker and every process of its group (its own session: pgid == pid)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)

@@ -1,0 +1,165 @@
+"""The Python backend's worker processes under stress, in-process (PythonModel, no transport):
+a worker whose forked helper outlives it, and batches whose frames hold more arrays than one
+sendmsg takes. Each model is written to a temporary folder as a Triton model directory."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from paved.kserve.backends import ModelSource
+from paved.kserve.errors import KServeError
+from paved.kserve.model import InferRequest
+from paved.kserve.python_backend import create
+
+# Generous bounds: reached only when the behaviour under test is broken (a hang).
+STUCK_S = 60
+
+
+def write_model(root, name: str, config: str, model: str) -> ModelSource:
+    directory = root / name
+    (directory / "1").mkdir(parents=True)
+    (directory / "config.pbtxt").write_text(textwrap.dedent(config))
+    (directory / "1" / "model.py").write_text(textwrap.dedent(model))
+    parsed = model_config_pb2.ModelConfig()
+    text_format.Parse((directory / "config.pbtxt").read_text(), parsed)
+    return ModelSource(
+        name=name,
+        version="1",
+        directory=str(directory),
+        version_dir=str(directory / "1"),
+        config=parsed,
+        repository=None,
+    )
+
+
+async def infer_one(model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    responses = await model.infer(InferRequest(model_name=model.name, inputs=inputs))
+    [response] = [r async for r in responses]
+    return response.outputs
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def ended(pid: int) -> bool:
+    """Whether process `pid` ends (a SIGKILL sent is not yet a process gone)."""
+    for _ in range(STUCK_S * 10):
+        if not running(pid):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+FORKING_CONFIG = """
+    name: "forking"
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "OP", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "PIDS", data_type: TYPE_INT64, dims: [ 2 ] } ]
+    parameters { key: "paved_execute_timeout_s" value { string_value: "600" } }
+"""
+# A helper process forked by initialize() (multiprocessing's default start on Linux): it
+# inherits the worker's end of the socket and its stdout and stderr. OP 1 exits the worker.
+FORKING_MODEL = """
+    import multiprocessing
+    import os
+    import time
+
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    def helper():
+        time.sleep(3600)
+
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.helper = multiprocessing.get_context("fork").Process(target=helper, daemon=True)
+            self.helper.start()
+
+        def execute(self, requests):
+            if int(requests[0].inputs()[0].as_numpy()[0]) == 1:
+                os._exit(3)
+            pids = np.array([os.getpid(), self.helper.pid], dtype=np.int64)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("PIDS", pids)])]
+"""
+
+
+def test_a_worker_whose_forked_helper_holds_its_socket_is_seen_dead_and_restarted(tmp_path):
+    # The helper keeps the channel open after the worker died: the death is seen from the
+    # process's exit, not the channel's end, and the helper does not outlive its worker.
+    async def run():
+        model = create(write_model(tmp_path, "forking", FORKING_CONFIG, FORKING_MODEL))
+        await asyncio.wait_for(model.load(), STUCK_S)
+        try:
+            op = {"OP": np.array([0], dtype=np.int32)}
+            worker, helper = (int(p) for p in (await infer_one(model, op))["PIDS"])
+            with pytest.raises(KServeError) as e:
+                await asyncio.wait_for(infer_one(model, {"OP": np.array([1], dtype=np.int32)}), STUCK_S)
+            assert e.value.message.startswith("Stub process 'forking_0' is not healthy: ")
+            assert "exited with code 3" in e.value.message
+            new_worker, new_helper = (
+                int(p) for p in (await asyncio.wait_for(infer_one(model, op), STUCK_S))["PIDS"]
+            )
+            assert new_worker != worker
+            assert await ended(helper)
+        finally:
+            await asyncio.wait_for(model.close(), STUCK_S)
+        assert await ended(new_worker) and await ended(new_helper)
+
+    asyncio.run(run())
+
+
+WIDE_CONFIG = """
+    name: "wide"
+    backend: "python"
+    max_batch_size: 1100
+    input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    output [ { name: "N", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    dynamic_batching { max_queue_delay_microseconds: 600000000 }
+"""
+WIDE_MODEL = """
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            n = np.array([[len(requests)]], dtype=np.int32)
+            return [
+                pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("Y", r.inputs()[0].as_numpy() * 2), pb_utils.Tensor("N", n)]
+                )
+                for r in requests
+            ]
+"""
+
+
+def test_a_batch_whose_responses_hold_more_arrays_than_one_sendmsg_takes(tmp_path):
+    # 1100 one-row requests meet in one execute() (the batch is full at max_batch_size); its
+    # 2200 output arrays travel in one frame, more parts than the kernel's IOV_MAX (1024).
+    async def run():
+        model = create(write_model(tmp_path, "wide", WIDE_CONFIG, WIDE_MODEL))
+        await asyncio.wait_for(model.load(), STUCK_S)
+        try:
+            calls = [infer_one(model, {"X": np.array([[i]], dtype=np.float32)}) for i in range(1100)]
+            results = await asyncio.wait_for(asyncio.gather(*calls), STUCK_S)
+        finally:
+            await asyncio.wait_for(model.close(), STUCK_S)
+        assert [float(r["Y"][0, 0]) for r in results] == [2.0 * i for i in range(1100)]
+        assert {int(r["N"][0, 0]) for r in results} == {1100}
+
+    asyncio.run(run())
