@@ -235,3 +235,20 @@ def test_the_gateway_and_the_frontend_log_the_same_request_and_trace(frontend, t
         assert key not in _log_text(frontend)
     finally:
         gw.stop()
+
+
+def test_new_ids_are_well_formed_and_independent():
+    """One read of randomness gives a request its request, trace and span ids: each of its W3C
+    length, none a part of another, and new for every request."""
+    from paved.http.tracing import trace_context
+
+    seen = set()
+    for _ in range(200):
+        context = trace_context({})
+        assert _HEX32.fullmatch(context.request_id) and _HEX32.fullmatch(context.trace_id)
+        assert _HEX16.fullmatch(context.span_id) and context.parent_span_id is None
+        assert context.trace_id != "0" * 32 and context.span_id != "0" * 16
+        ids = (context.request_id, context.trace_id, context.span_id)
+        assert not any(a != b and a in b for a in ids for b in ids)
+        seen.update(ids)
+    assert len(seen) == 600
