@@ -1,6 +1,7 @@
 """The Python backend's worker processes under stress, in-process (PythonModel, no transport):
-a worker whose forked helper outlives it, and batches whose frames hold more arrays than one
-sendmsg takes. Each model is written to a temporary folder as a Triton model directory."""
+a worker whose forked helper outlives it, batches whose frames hold more arrays than one
+sendmsg takes, BYTES outputs holding what is not bytes. Each model is written to a temporary
+folder as a Triton model directory."""
 
 from __future__ import annotations
 
@@ -161,5 +162,53 @@ def test_a_batch_whose_responses_hold_more_arrays_than_one_sendmsg_takes(tmp_pat
             await asyncio.wait_for(model.close(), STUCK_S)
         assert [float(r["Y"][0, 0]) for r in results] == [2.0 * i for i in range(1100)]
         assert {int(r["N"][0, 0]) for r in results} == {1100}
+
+    asyncio.run(run())
+
+
+OBJECTS_CONFIG = """
+    name: "objects"
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "OP", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUT", data_type: TYPE_STRING, dims: [ 2, 2 ] } ]
+    output [ { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] } ]
+"""
+# A BYTES output holding what is not bytes: a str, an int, an object of the model's own class.
+OBJECTS_MODEL = """
+    import os
+
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    class Label:
+        def __str__(self):
+            return "label"
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = np.array([[b"raw", "h\\u00e9"], [7, Label()]], dtype=np.object_)
+            pid = np.array([os.getpid()], dtype=np.int64)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out), pb_utils.Tensor("PID", pid)])]
+"""
+
+
+def test_bytes_outputs_holding_other_objects_are_sent_as_their_text_as_triton_does(tmp_path):
+    # Triton's python backend sends a BYTES element that is not bytes as str(element) in UTF-8;
+    # here the model's own class could not even be unpickled by the server, which took the
+    # frame for a broken worker and restarted it.
+    async def run():
+        model = create(write_model(tmp_path, "objects", OBJECTS_CONFIG, OBJECTS_MODEL))
+        await asyncio.wait_for(model.load(), STUCK_S)
+        try:
+            op = {"OP": np.array([0], dtype=np.int32)}
+            first = await asyncio.wait_for(infer_one(model, op), STUCK_S)
+            second = await asyncio.wait_for(infer_one(model, op), STUCK_S)
+        finally:
+            await asyncio.wait_for(model.close(), STUCK_S)
+        assert first["OUT"].tolist() == [[b"raw", "hé".encode()], [b"7", b"label"]]
+        assert int(first["PID"][0]) == int(second["PID"][0])
 
     asyncio.run(run())

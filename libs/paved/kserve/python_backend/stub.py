@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from paved.kserve.python_backend import triton_python_backend_utils as pb_utils
 from paved.kserve.python_backend.frames import BlockingChannel
 
@@ -46,9 +48,23 @@ def response_to_wire(response: pb_utils.InferenceResponse) -> Wire:
             raise pb_utils.TritonModelException(
                 f"output_tensors must hold pb_utils.Tensor objects, got {type(tensor).__name__}"
             )
-        outputs.append((tensor.name(), tensor.as_numpy()))
+        outputs.append((tensor.name(), _plain(tensor.as_numpy())))
     error = response.error()
-    return outputs, (None if error is None else (error.message(), error.code()))
+    return outputs, (None if error is None else (str(error.message()), int(error.code())))
+
+
+def _plain(array: Any) -> Any:
+    """A BYTES (object) array as Triton's python backend sends it: bytes elements as they are,
+    any other as str(element) in UTF-8. Only bytes cross to the server: a frame holding the
+    model's own objects could not be unpickled there (their classes are the model's)."""
+    if array.dtype != object:
+        return array
+    flat = array.reshape(-1)
+    if all(isinstance(x, bytes) for x in flat):
+        return array
+    out = np.empty(array.shape, dtype=object)
+    out.reshape(-1)[:] = [x if isinstance(x, bytes) else str(x).encode() for x in flat]
+    return out
 
 
 def response_from_wire(outputs: list[tuple[str, Any]], error: tuple[str, int] | None) -> Any:
@@ -126,7 +142,7 @@ class Stub:
         body = {
             "model_name": request.model_name(),
             "model_version": request.model_version(),
-            "inputs": [(t.name(), t.as_numpy()) for t in request.inputs()],
+            "inputs": [(t.name(), _plain(t.as_numpy())) for t in request.inputs()],
             "outputs": request.requested_output_names(),
             "parameters": request.parameters(),
             "request_id": request.request_id(),
