@@ -14,7 +14,7 @@ Invariants:
     engine below it: they inherit the environment) carries `PAVED_PLATFORM=<token>`. `stop()`
     signals the groups, waits a bounded time, SIGKILLs what is left, then sweeps /proc for the
     token, so no process outlives the platform, whether it stops after a failed start, on
-    Ctrl-C/SIGTERM, or because a child died.
+    Ctrl-C/SIGTERM/SIGHUP, or because a child died.
   * One admin key for the control plane and the gateway: read from `WORK/admin_key` or generated
     there (mode 0600); it reaches the children through files and the environment, never argv.
   * Loopback only; every HTTP call has a deadline and every wait loop a bound.
@@ -66,6 +66,10 @@ S3_CREDENTIALS = {
 HTTP_TIMEOUT_S = 10.0
 XGB_MODEL_ID = "xgb_scorer"
 KSERVE_PORT_OFFSET = 1  # --port 8080: the gateway's KServe v2 gRPC on 8081
+# The rules' shortest window is 1m (paved:replica_http_errors:ratio_rate1m, which pages on a bad
+# version): rate() needs two samples in it, and a scrape every 60 s leaves one, so the alert
+# could never fire. Four scrapes per window, as Prometheus advises.
+MAX_PROMETHEUS_INTERVAL_S = 15
 
 
 class UsageError(Exception):
@@ -77,7 +81,7 @@ class PlatformError(Exception):
 
 
 class _Stop(Exception):
-    """Raised in the main thread by the SIGTERM handler (SIGINT raises KeyboardInterrupt)."""
+    """Raised in the main thread by the SIGTERM/SIGHUP handler (SIGINT raises KeyboardInterrupt)."""
 
 
 @dataclass
@@ -112,8 +116,12 @@ class Config:
             )
         if self.port and self.replica_port_base <= self.port + CP_PORT_OFFSET and self.port <= top:
             raise UsageError(f"--port {self.port} overlaps the replica ports {self.replica_port_base}-{top}")
-        if not 1 <= self.prometheus_interval_s <= 300:
-            raise UsageError(f"--prometheus-interval {self.prometheus_interval_s}: between 1 and 300 seconds")
+        if not 1 <= self.prometheus_interval_s <= MAX_PROMETHEUS_INTERVAL_S:
+            raise UsageError(
+                f"--prometheus-interval {self.prometheus_interval_s}: between 1 and "
+                f"{MAX_PROMETHEUS_INTERVAL_S} seconds (paved's rules take rates over 1 minute, which "
+                "need 4 scrapes in it)"
+            )
         if self.engine not in ("vllm", "sim"):
             raise UsageError(f"--engine {self.engine!r}: vllm or sim")
         if self.state is not None:
@@ -201,7 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_int("--prometheus-interval"),
         default=15,
         metavar="SECONDS",
-        help="Prometheus' scrape and rule evaluation interval (1..300, default 15)",
+        help="Prometheus' scrape and rule evaluation interval (1..15, default 15)",
     )
 
 
@@ -496,10 +504,17 @@ class Platform:
 
     @staticmethod
     def _admin_key(path: Path) -> str:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             key = path.read_text().strip()
-            if key:
-                return key
+        except FileNotFoundError:
+            key = ""
+        except (OSError, UnicodeDecodeError) as e:
+            # A directory, an unreadable file or bytes that are not text: say which, not a traceback.
+            raise PlatformError(
+                f"cannot read the admin key from {path}: {getattr(e, 'strerror', None) or e}"
+            ) from None
+        if key:
+            return key
         key = "adm-" + secrets.token_hex(24)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -685,7 +700,7 @@ class Platform:
             f"try: curl {self.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {self.api_key}' "
             f'-H \'Content-Type: application/json\' -d \'{{"model": "{MODEL_ID}", "messages": '
             '[{"role": "user", "content": "hello"}]}\'',
-            "Ctrl-C (or SIGTERM) stops everything.",
+            "Ctrl-C (or SIGTERM, or closing the terminal) stops everything.",
         ]
         return lines
 
@@ -766,7 +781,10 @@ def run(args: argparse.Namespace, prog: str = "up") -> int:
     def on_term(signum: int, frame: Any) -> None:
         raise _Stop
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    # SIGHUP too: closing the terminal (or losing the ssh session) `up` runs in kills it by
+    # default, and its children, each in a session of its own, would not get the hangup and
+    # would run on without it.
+    previous = {sig: signal.signal(sig, on_term) for sig in _STOP_SIGNALS}
     status = 0
     try:
         platform.start()
@@ -774,21 +792,32 @@ def run(args: argparse.Namespace, prog: str = "up") -> int:
             print(line, flush=True)
         platform.wait()
     except (KeyboardInterrupt, _Stop):
-        print(f"{prog}: stopping", flush=True)
+        _report(f"{prog}: stopping")
     except PlatformError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        _report(f"{prog}: error: {e}", sys.stderr)
         status = 1
     finally:
         # A second Ctrl-C must not cut the teardown short: every wait in stop() is bounded.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in (*_STOP_SIGNALS, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         try:
             platform.stop()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"{prog}: stopped", flush=True)
+    _report(f"{prog}: stopped")
     return status
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _report(line: str, stream: IO[str] | None = None) -> None:
+    """Print `line`; a terminal that has hung up (EIO) or a closed pipe must not turn the
+    teardown's messages into a traceback."""
+    with contextlib.suppress(OSError):
+        print(line, file=stream or sys.stdout, flush=True)
 
 
 def build_parser(prog: str = "up") -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 simulated engine: 2 replicas in each of 2 regions, the package in a loopback S3, an official
 `openai` client request through the gateway with the key it printed, /v1/models, then SIGTERM:
 exit 0 and no process it started left (every one carries a marker in its environment, inherited
-from the `up` process); SIGTERM while replicas boot, and a failed start (exit 1), leave nothing
+from the `up` process); SIGTERM or SIGHUP while replicas boot, and a failed start (exit 1), leave nothing
 either. And the flag checks: each bad flag is exit 2 with a one-line message, before anything
 starts (also as `paved up`)."""
 
@@ -25,8 +25,11 @@ import openai
 import pytest
 
 from paved.cli.main import main as paved_main
+from paved.control_plane.prometheus import RULE_FILES
+from paved.platform.up import MAX_PROMETHEUS_INTERVAL_S, UsageError, build_parser, config_from_args
 from paved.platform.up import main as up_main
 from paved.procs import marked_processes
+from paved.runfiles import runfile
 
 MARKER = "PAVED_TEST_UP"
 
@@ -218,12 +221,14 @@ def kserve_http_through_the_gateway(gateway: str, key: str) -> None:
         c.close()
 
 
-def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path) -> None:
+# SIGHUP: the terminal `up` runs in closed (its children, in sessions of their own, get none).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
     up = Up(tmp_path, "--port", "0", "--replica-ports", "27400", "--engine", "sim", "--replicas", "3")
     try:
         up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
         assert marked(up.token)
-        up.proc.send_signal(signal.SIGTERM)
+        up.proc.send_signal(sig)
         assert up.wait() == 0, up.text()
         assert marked(up.token) == {}, marked(up.token)
         assert not any(line.startswith("paved platform is up") for line in up.output)
@@ -266,6 +271,7 @@ def test_a_failed_start_exits_1_and_stops_what_it_started(tmp_path: Path) -> Non
         (["--redis", "http://h:6379"], "--redis 'http://h:6379': redis://HOST:PORT/DB"),
         (["--redis", "redis://h:99999/0"], "redis://HOST:PORT/DB"),
         (["--boot-timeout", "0"], "--boot-timeout 0"),
+        (["--prometheus-interval", "0"], "--prometheus-interval 0: between 1 and 15 seconds"),
         (["--s3=yes"], "ignored explicit argument"),
     ],
 )
@@ -280,6 +286,38 @@ def test_bad_flags_exit_2_before_starting_anything(
     # `paved up` is the same command.
     assert paved_main(["up", "--work-dir", str(work), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_prometheus_interval_too_long_for_the_rules_windows_is_refused(tmp_path: Path) -> None:
+    """At a 60 s scrape a 1m rate holds one sample: PavedVersionErrorRate could never fire. The
+    bound leaves four scrapes in the rules' shortest window."""
+    work = str(tmp_path / "work")
+    with pytest.raises(UsageError, match=r"--prometheus-interval 60: between 1 and 15 seconds"):
+        config_from_args(build_parser().parse_args(["--work-dir", work, "--prometheus-interval", "60"]))
+    cfg = config_from_args(build_parser().parse_args(["--work-dir", work, "--prometheus-interval", "15"]))
+    assert cfg.prometheus_interval_s == MAX_PROMETHEUS_INTERVAL_S == 15
+    seconds = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    windows = set()
+    for name in RULE_FILES:
+        text = Path(runfile(f"ops/prometheus/{name}")).read_text()
+        windows |= {int(n) * seconds[u] for n, u in re.findall(r"\[(\d+)([smhd])\]", text)}
+    assert min(windows) == 60, sorted(windows)
+    assert min(windows) >= 4 * MAX_PROMETHEUS_INTERVAL_S
+
+
+@pytest.mark.parametrize("kind", ["directory", "not text"])
+def test_an_unusable_admin_key_file_is_exit_1_with_one_line(
+    kind: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    if kind == "directory":
+        (work / "admin_key").mkdir()
+    else:
+        (work / "admin_key").write_bytes(b"\xff\xfe key")
+    assert up_main(["--work-dir", str(work), "--no-prometheus"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("up: error: cannot read the admin key from ") and err.count("\n") == 1, err
 
 
 def test_work_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
