@@ -1,7 +1,7 @@
 """The Python backend's worker processes under stress, in-process (PythonModel, no transport):
 a worker whose forked helper outlives it, batches whose frames hold more arrays than one
-sendmsg takes, BYTES outputs holding what is not bytes. Each model is written to a temporary
-folder as a Triton model directory."""
+sendmsg takes, BYTES outputs holding what is not bytes, failed requests leaving state behind in
+the worker. Each model is written to a temporary folder as a Triton model directory."""
 
 from __future__ import annotations
 
@@ -210,5 +210,55 @@ def test_bytes_outputs_holding_other_objects_are_sent_as_their_text_as_triton_do
             await asyncio.wait_for(model.close(), STUCK_S)
         assert first["OUT"].tolist() == [[b"raw", "hé".encode()], [b"7", b"label"]]
         assert int(first["PID"][0]) == int(second["PID"][0])
+
+    asyncio.run(run())
+
+
+ERRORS_CONFIG = """
+    name: "errors"
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "OP", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "HELD", data_type: TYPE_INT64, dims: [ 1 ] } ]
+"""
+# OP 1 answers an error, OP 2 raises; OP 0 answers how many cancelled requests the worker holds
+# (its runtime's record, read through pb_utils).
+ERRORS_MODEL = """
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                op = int(request.inputs()[0].as_numpy()[0])
+                if op == 1:
+                    error = pb_utils.TritonError("refused", pb_utils.TritonError.INVALID_ARG)
+                    responses.append(pb_utils.InferenceResponse(error=error))
+                elif op == 2:
+                    raise ValueError("boom")
+                else:
+                    held = np.array([len(pb_utils._runtime.cancelled)], dtype=np.int64)
+                    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("HELD", held)]))
+            return responses
+"""
+
+
+def test_requests_that_failed_leave_nothing_behind_in_the_worker(tmp_path):
+    # A request that ended with an error was "cancelled" in the worker afterwards, and the
+    # worker kept every such key for good: memory growing with each failed request.
+    async def run():
+        model = create(write_model(tmp_path, "errors", ERRORS_CONFIG, ERRORS_MODEL))
+        await asyncio.wait_for(model.load(), STUCK_S)
+        try:
+            for op in [1, 2] * 20:
+                with pytest.raises(KServeError):
+                    await asyncio.wait_for(infer_one(model, {"OP": np.array([op], dtype=np.int32)}), STUCK_S)
+            probe = {"OP": np.array([0], dtype=np.int32)}
+            held = int((await asyncio.wait_for(infer_one(model, probe), STUCK_S))["HELD"][0])
+        finally:
+            await asyncio.wait_for(model.close(), STUCK_S)
+        assert held == 0
 
     asyncio.run(run())

@@ -179,6 +179,12 @@ class _Request:
         if not self.finished:
             self.queue.put_nowait(item)
 
+    def end(self, item: Any) -> None:
+        """Put `item`, the request's last: the worker holds nothing more of the request, so
+        nothing is left to cancel there (a cancel would stay in the worker for good)."""
+        self.put(item)
+        self.finished = True
+
 
 class PythonModel(ServedModel):
     backend = "python"
@@ -324,13 +330,16 @@ class PythonModel(ServedModel):
             item: Any = self._response(request, outputs, error, final)
         except KServeError as e:
             item = e
-        request.put(item)
+        if final:
+            request.end(item)
+        else:
+            request.put(item)
 
     def _on_death(self, worker: Worker, error: KServeError) -> None:
         # Requests whose execute() returned but which still stream from this worker.
         for request in list(self._requests.values()):
             if request.worker is worker:
-                request.put(error)
+                request.end(error)
 
     def _response(
         self, request: _Request, outputs: list | None, error: tuple[str, int] | None, final: bool
@@ -443,7 +452,7 @@ class PythonModel(ServedModel):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request's error, for its reader
-            pending.put(from_exception(e))
+            pending.end(from_exception(e))
             return
         pending.put(_EXECUTED)
 
@@ -489,7 +498,10 @@ class PythonModel(ServedModel):
                 f"Failed to process the request(s) for model '{worker.name}', message: {error}",
             )
             for pending in batch:
-                pending.put(failure)
+                if self.decoupled:  # its threads may still send for it: they are told it ended
+                    pending.put(failure)
+                else:
+                    pending.end(failure)
             return
         if responses is None:
             return
@@ -498,7 +510,7 @@ class PythonModel(ServedModel):
                 item: Any = self._response(pending, outputs, response_error, True)
             except KServeError as e:
                 item = e
-            pending.put(item)
+            pending.end(item)
 
     # ---- BLS ----------------------------------------------------------------------------------
     async def _bls(self, body: dict, reply: Callable[[tuple], Awaitable[None]]) -> None:
