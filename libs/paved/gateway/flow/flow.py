@@ -209,7 +209,10 @@ class _ModelQueue:
         return math.inf if self.window is None else self.window
 
     def has_room(self) -> bool:
-        return self.active < self.limit()
+        # Whole requests only: a window of 8.3 (growing a fraction per answer) holds 8. With
+        # `active < 8.3` the first answer after a push-back already let a 9th go, which the
+        # backends pushed back again: most answers at saturation cost one wasted round trip.
+        return self.active + 1 <= self.limit()
 
 
 class FlowController:
@@ -566,7 +569,8 @@ class FlowController:
         q.active -= 1
         now = self._clock()
         q.last_progress = now
-        if completed and q.window is not None and q.active + 1 >= q.window:
+        # It was full when no further whole request fitted beside the `active + 1` in flight.
+        if completed and q.window is not None and q.active + 2 > q.window:
             # The window was full and a backend still answered: it may hold more.
             if now - q.last_pushback > self.config.forget_after_s:
                 q.window += 1.0
