@@ -191,8 +191,10 @@ class DynamicBatcher:
     ) -> DynamicBatcher:
         """The scheduler a Triton config asks for: with `dynamic_batching`, its queue delay,
         preferred sizes and queue bound over `max_batch_size`; without it, Triton's default
-        scheduler (each request its own execution, no coalescing)."""
-        if config.HasField("dynamic_batching"):
+        scheduler (each request its own execution, no coalescing); with `dynamic_batching` but
+        `max_batch_size` 0, Triton's loads it and runs each request alone: that scheduler, with
+        the queue bound."""
+        if config.HasField("dynamic_batching") and config.max_batch_size > 0:
             db = config.dynamic_batching
             return cls(
                 run,
@@ -205,7 +207,12 @@ class DynamicBatcher:
                 adaptive_delay=bool_parameter(config, ADAPTIVE_DELAY_PARAMETER, True),
             )
         return cls(
-            run, name=name, max_batch_size=max(config.max_batch_size, 1), instances=instances, coalesce=False
+            run,
+            name=name,
+            max_batch_size=max(config.max_batch_size, 1),
+            max_queue_size=config.dynamic_batching.default_queue_policy.max_queue_size,
+            instances=instances,
+            coalesce=False,
         )
 
     async def submit(self, rows: np.ndarray) -> np.ndarray:

@@ -346,8 +346,7 @@ def check_config(
     if config.max_batch_size < 0:
         raise ModelConfigError(f"{where}: max_batch_size must be >= 0")
     if config.HasField("dynamic_batching"):
-        if config.max_batch_size == 0:
-            raise ModelConfigError(f"{where}: dynamic_batching needs max_batch_size > 0")
+        # With max_batch_size 0 it is accepted and each request runs alone, as in Triton.
         if any(not 1 <= p <= config.max_batch_size for p in config.dynamic_batching.preferred_batch_size):
             raise ModelConfigError(f"{where}: preferred_batch_size entries must be in [1, max_batch_size]")
     for group in config.instance_group:

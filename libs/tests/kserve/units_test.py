@@ -397,14 +397,6 @@ def test_parameters_from_options_round_trip():
         ({"parameters": {"colour": {"string_value": "red"}}}, "colour"),
         ({"dynamic_batching": None, "sequence_batching": {}}, "sequence_batching"),
         ({"dynamic_batching": {"preferred_batch_size": [128]}}, "preferred_batch_size"),
-        (
-            {
-                "max_batch_size": 0,
-                "input": [{"name": "input__0", "data_type": "TYPE_FP32", "dims": [-1, 32]}],
-                "output": [{"name": "output__0", "data_type": "TYPE_FP32", "dims": [-1, 3]}],
-            },
-            "dynamic_batching needs max_batch_size",
-        ),
         ({"bogus_field": 1}, "bogus_field"),
     ],
 )
@@ -418,6 +410,42 @@ def test_bad_model_configs_fail_with_the_reason(tmp_path, change, needle):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match=needle):
         XGBoostModel.from_directory(str(tmp_path))
+
+
+def test_dynamic_batching_with_max_batch_size_0_runs_each_request_alone(tmp_path):
+    """Triton loads `dynamic_batching` on a model with max_batch_size 0 and runs each request
+    alone (paved refused the load); its queue bound still applies."""
+    from paved.kserve.model import InferRequest
+
+    source = xgb_model_dir()
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.update(
+        max_batch_size=0,
+        input=[{"name": "input__0", "data_type": "TYPE_FP32", "dims": [-1, 32]}],
+        output=[{"name": "output__0", "data_type": "TYPE_FP32", "dims": [-1, 3]}],
+    )
+    config["dynamic_batching"] = {
+        "max_queue_delay_microseconds": 500,
+        "default_queue_policy": {"max_queue_size": 7},
+    }
+    shutil.copy(os.path.join(source, "model.ubj"), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = XGBoostModel.from_directory(str(tmp_path))
+
+    async def main():
+        await model.load()
+        x = np.random.default_rng(3).standard_normal((2, 32)).astype(np.float32)
+        requests = [InferRequest(model_name=model.name, inputs={"input__0": x[i : i + 1]}) for i in (0, 1)]
+        answers = await asyncio.gather(*(model.infer(r) for r in requests))
+        rows = [[r.outputs["output__0"].shape async for r in a] for a in answers]
+        batcher = model.batcher
+        await model.close()
+        return rows, batcher
+
+    rows, batcher = asyncio.run(main())
+    assert rows == [[(1, 3)], [(1, 3)]]
+    assert not batcher.coalesce and dict(batcher.batches) == {1: 2} and batcher.max_queue_size == 7
 
 
 def test_output_dims_are_checked_against_the_booster_at_load(tmp_path):

@@ -109,8 +109,7 @@ def _validate(c: model_config_pb2.ModelConfig) -> None:
     if c.max_batch_size < 0:
         raise ModelConfigError(f"{where}: max_batch_size must be >= 0")
     if c.HasField("dynamic_batching"):
-        if c.max_batch_size == 0:
-            raise ModelConfigError(f"{where}: dynamic_batching needs max_batch_size > 0")
+        # With max_batch_size 0 it is accepted and each request runs alone, as in Triton.
         db = c.dynamic_batching
         if db.priority_levels or db.priority_queue_policy or db.preserve_ordering:
             raise ModelConfigError(f"{where}: priority levels and preserve_ordering are not supported")
