@@ -38,11 +38,13 @@ between another's check and increment. Every key carries a TTL (a bucket's lasts
 be full again) so idle subjects vanish. A connection error is retried once on a fresh
 connection (a restarted Redis breaks every pooled connection once); an acquire is idempotent
 per reservation id, so its retry never counts a request twice. Redis errors and timeouts fail
-closed: every call is bounded by `timeout_s` and raises `GatewayError(503, code="limiter_unavailable")` with
-Retry-After 1 rather than admitting unlimited traffic or hanging; a `finish` failing so may be
-retried (the app should log and drop it: the slot frees itself with its lease). One RedisLimiter
-serves one event loop (redis-py's asyncio connections are bound to it). The keys of one
-principal live on different hash slots, so Redis Cluster is not supported (use one primary).
+closed: every call is bounded by `timeout_s`; acquire and snapshot then raise
+`GatewayError(503, code="limiter_unavailable")` with Retry-After 1 rather than admitting
+unlimited traffic or hanging. `finish` does not raise for an outage: it comes after the backend
+did the work, and a 503 then would make the client retry and have it done twice; the outage is
+logged, the slot frees itself with its lease and the reserved tokens stay charged. One
+RedisLimiter serves one event loop (redis-py's asyncio connections are bound to it). The keys of
+one principal live on different hash slots, so Redis Cluster is not supported (use one primary).
 """
 
 from __future__ import annotations
@@ -278,8 +280,14 @@ class _BaseLimiter:
         if reservation._finished:
             return
         if reservation._held:
-            await self._release(reservation, _refund(reservation, used_tokens))
-        # Only after success: a finish that failed (Redis down) may be retried.
+            try:
+                await self._release(reservation, _refund(reservation, used_tokens))
+            except GatewayError as exc:
+                if exc.code != "limiter_unavailable":
+                    raise
+                # The store already logged the outage (once per 10 s). Not marked finished: a
+                # caller may still call again.
+                return
         reservation._finished = True
 
     async def snapshot(self, principal: Principal) -> dict[str, Any]:
