@@ -348,6 +348,37 @@ def test_barrier_race_admits_no_more_than_the_request_bucket(url):
     assert 13 <= outcomes.count(True) <= 13 + 13 / 60 * elapsed
 
 
+def test_a_bucket_written_before_redis_clock_stepped_back_refills_from_now(url):
+    """Redis's clock stepping back an hour (or a failover to a server an hour behind) leaves
+    buckets stamped in its future, their keys' expiry an hour later too. The refill must start
+    again from now: it waited for the clock to catch up, refusing a drained key for the whole
+    hour while Retry-After said 1 s."""
+    prefix = f"test:{uuid.uuid4().hex}:"
+    p = principal(key=Limits(requests_per_min=60_000))  # 1000 per second
+
+    async def go() -> None:
+        lim = RedisLimiter(url, key_prefix=prefix, timeout_s=5.0)
+        await lim.acquire(p, 0)
+        key = f"{prefix}rpm:key:k1"
+        with syncredis.Redis.from_url(url) as r:
+            assert r.exists(key)
+            # The state a drained bucket was written with before the step back.
+            r.hset(key, mapping={"l": "0", "t": repr(redis_time(url) + 3600)})
+            r.pexpire(key, 3601_000)
+        for _ in range(500):  # ~5 s at most; a refill of one request takes 1 ms
+            try:
+                await lim.acquire(p, 0)
+                break
+            except RateLimitedError as err:
+                assert err.headers["Retry-After"] == "1"
+                await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the bucket never refilled: it waits for Redis's clock to catch up")
+        await lim.close()
+
+    asyncio.run(go())
+
+
 # ---- failures -------------------------------------------------------------------------------------
 def test_stopped_redis_fails_closed_with_503():
     p = principal(key=Limits(requests_per_min=100, max_concurrent=5))

@@ -445,7 +445,13 @@ local function level(key, cap, now)
   local st = redis.call('HMGET', key, 'l', 't')
   if not st[1] then return cap end
   local dt = now - tonumber(st[2])
-  if dt < 0 then dt = 0 end
+  if dt < 0 then
+    -- Written later than now: Redis's clock stepped back (or a failover reached a server whose
+    -- clock is behind). The refill restarts from now; left as it was, a drained bucket stayed
+    -- drained (and its key alive) until the clock caught up, however long the step.
+    redis.call('HSET', key, 't', string.format('%.17g', now))
+    dt = 0
+  end
   return math.min(cap, tonumber(st[1]) + dt * cap / 60)
 end
 local function store(key, cap, lvl, now)
@@ -539,7 +545,8 @@ return 1
 """
 )
 
-# Read-only. KEYS[i]: limit i; ARGV[2i-1] kind, ARGV[2i] capacity. Returns values as strings.
+# Reads (it writes only the time of a bucket written later than now: see level). KEYS[i]: limit
+# i; ARGV[2i-1] kind, ARGV[2i] capacity. Returns values as strings.
 _LUA_READ = (
     _LUA_BUCKET
     + """
