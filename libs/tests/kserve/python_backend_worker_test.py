@@ -262,3 +262,61 @@ def test_requests_that_failed_leave_nothing_behind_in_the_worker(tmp_path):
         assert held == 0
 
     asyncio.run(run())
+
+
+SELF_CALLING_CONFIG = """
+    name: "selfish"
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "N", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "ERROR", data_type: TYPE_STRING, dims: [ 1 ] } ]
+"""
+# N > 0 calls this same model (one instance, busy with this very call) through BLS: the call
+# waits on the model's own queue. ERROR is what exec() answered ("" when it answered).
+SELF_CALLING_MODEL = """
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+                error = b""
+                if n > 0:
+                    inner = pb_utils.InferenceRequest(
+                        model_name="selfish",
+                        inputs=[pb_utils.Tensor("N", np.array([n - 1], dtype=np.int32))],
+                        requested_output_names=["ERROR"],
+                    ).exec()
+                    error = inner.error().message().encode() if inner.has_error() else b""
+                out = pb_utils.Tensor("ERROR", np.array([error], dtype=np.object_))
+                responses.append(pb_utils.InferenceResponse([out]))
+            return responses
+"""
+
+
+def test_a_model_waiting_on_itself_through_bls_is_freed_when_its_client_leaves(tmp_path):
+    """A model with one instance calling itself waits on its own queue: as in Triton, the call
+    cannot be served. Once its client gives up, the BLS call is cancelled (the model gets a
+    CANCELLED error from exec()) and the instance serves the next request; it was held for good."""
+    from paved.kserve.repository import ModelRepository
+
+    write_model(tmp_path, "selfish", SELF_CALLING_CONFIG, SELF_CALLING_MODEL)
+
+    async def run():
+        repository = ModelRepository()
+        repository.load_repository_dir(str(tmp_path))
+        repository.start_loading()
+        await asyncio.wait_for(repository.wait_loaded(), STUCK_S)
+        model = repository.get_ready("selfish")
+        try:
+            with pytest.raises(TimeoutError):  # the client's deadline
+                await asyncio.wait_for(infer_one(model, {"N": np.array([1], dtype=np.int32)}), 2)
+            plain = await asyncio.wait_for(infer_one(model, {"N": np.array([0], dtype=np.int32)}), STUCK_S)
+            assert plain["ERROR"].tolist() == [b""]
+        finally:
+            await asyncio.wait_for(repository.close(), STUCK_S)
+
+    asyncio.run(run())

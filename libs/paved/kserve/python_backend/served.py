@@ -25,7 +25,11 @@ execute() returned without its final response fails after the same time without 
 decoupled model refuses unary requests with UNIMPLEMENTED, as Triton does.
 
 BLS: a worker's `InferenceRequest(model_name=...).exec()` arrives here and runs on any model
-of the same repository (source.repository), validated as a client's request would be.
+of the same repository (source.repository), validated as a client's request would be. When
+every request of an execute() in progress has ended on the server's side (its clients gone or
+past their deadlines), the BLS calls its worker is waiting on are cancelled and the model gets
+a CANCELLED error for each: nobody waits for their answers, and a model calling itself with no
+instance free (it waits on its own queue) would otherwise hold its instance forever.
 """
 
 from __future__ import annotations
@@ -204,6 +208,10 @@ class PythonModel(ServedModel):
         self._reason = "not loaded yet"
         self._workers: list[Worker] = []
         self._idle: asyncio.Queue[Worker] = asyncio.Queue()
+        # The batch each busy worker is executing, and the BLS calls cancelled for want of a
+        # request to answer (see the module docstring).
+        self._executing: dict[Worker, list[_Request]] = {}
+        self._abandoned: set[asyncio.Task] = set()
         self._batcher: DynamicBatcher | None = None
         self._requests: dict[int, _Request] = {}
         self._keys = itertools.count(1)
@@ -429,6 +437,7 @@ class PythonModel(ServedModel):
                 pending.finished = True
                 if pending.worker is not None:
                     pending.worker.cancel(key)
+                    self._abandon_bls_if_unwanted(pending.worker)
             self._requests.pop(key, None)
             submit.cancel()
 
@@ -488,8 +497,10 @@ class PythonModel(ServedModel):
         try:
             for pending in batch:
                 pending.worker = worker
+            self._executing[worker] = batch
             responses, error = await worker.execute([p.wire for p in batch])
         finally:
+            self._executing.pop(worker, None)
             self._idle.put_nowait(worker)
         if error is not None:
             failure = KServeError(
@@ -512,6 +523,17 @@ class PythonModel(ServedModel):
             pending.end(item)
 
     # ---- BLS ----------------------------------------------------------------------------------
+    def _abandon_bls_if_unwanted(self, worker: Worker) -> None:
+        """Cancel the BLS calls `worker` waits on once every request of its execute() ended."""
+        batch = self._executing.get(worker)
+        if batch is None or not all(p.finished for p in batch):
+            return
+        for task in worker.bls_tasks:
+            if task not in self._abandoned:
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
+                task.cancel()
+
     async def _bls(self, body: dict, reply: Callable[[tuple], Awaitable[None]]) -> None:
         """Run a worker's BLS request on the repository and reply (outputs, error, final) until
         a final reply; every failure becomes an error reply."""
@@ -549,7 +571,17 @@ class PythonModel(ServedModel):
                 expired = ("Request timeout expired", _GRPC_TO_TRITON[grpc.StatusCode.UNAVAILABLE])
                 await reply(([], expired, True))
         except asyncio.CancelledError:
-            raise
+            task = asyncio.current_task()
+            if task is None or task not in self._abandoned:
+                raise
+            task.uncancel()  # ours: the model is told, and the call ends here
+            if not final_sent:
+                cancelled = (
+                    "BLS request cancelled: every request of the execute() that made it has ended",
+                    _GRPC_TO_TRITON[grpc.StatusCode.CANCELLED],
+                )
+                with contextlib.suppress(KServeError):  # the worker is gone: nobody to tell
+                    await reply(([], cancelled, True))
         except Exception as e:  # noqa: BLE001 - the model gets the error in its response
             if not final_sent:
                 error = from_exception(e)

@@ -194,6 +194,11 @@ class Worker:
         except ConnectionError as e:
             raise unavailable(f"model '{self.model}' instance '{self.name}': the worker is gone ({e})") from e
 
+    @property
+    def bls_tasks(self) -> frozenset[asyncio.Task]:
+        """The BLS calls of this worker's model being served now (each a task running on_bls)."""
+        return frozenset(self._bls_tasks)
+
     def cancel(self, key: int) -> None:
         """Tell the model that request `key` was cancelled (its is_cancelled() turns true)."""
         if self._alive:
