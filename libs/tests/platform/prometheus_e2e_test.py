@@ -3,8 +3,9 @@ model, the XGBoost fixture) with Debian's prometheus scraping every second, traf
 gateway, then a rollout to a version whose engine fails every request after its second. Asserted
 through Prometheus' HTTP API: every ready replica was discovered (and scraped: health up), the
 recorded series of each layer exist, PavedVersionErrorRate fired for the failing version (the
-gateway retried its requests on v1: callers saw no error) and resolved after the rollback; the
-dashboard links the model to its graphs; nothing is left running after stop()."""
+gateway retried its requests on v1: callers saw no error) and resolved after the rollback,
+PavedRolloutRolledBack fired for the model's first rollback; the dashboard links the model to
+its graphs; nothing is left running after stop()."""
 
 from __future__ import annotations
 
@@ -158,6 +159,9 @@ def test_prometheus_discovers_records_and_alerts_on_a_failing_rollout(tmp_path: 
             return rec if rec["status"] not in ("running", "pending") else None
 
         assert wait_for("the rollout to end", finished, 300)["status"] == "rolled_back"
+        # The model's first rollback: its rolled_back series appears (at 1) with it.
+        rolled_back = f'ALERTS{{alertname="PavedRolloutRolledBack", model="{MODEL_ID}", alertstate="firing"}}'
+        wait_for("PavedRolloutRolledBack firing", lambda: query(p, rolled_back), 60)
 
         # The recorded series of each layer exist.
         for promql in (
