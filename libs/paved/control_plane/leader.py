@@ -13,8 +13,15 @@ reconcile loops (rollouts, autoscaling, GC); the others serve the API and wait.
   database has no file: the lock is then process-local.
 
 Invariants: at most one LeaderLock per (database, name) is leader at any moment; every call
-is bounded (connect and statement timeouts, non-blocking flock); `is_leader` is this object's
-last known state and `check()` re-verifies it. Blocking work runs in a worker thread.
+is bounded (connect and statement timeouts, a client-side deadline on each statement,
+non-blocking flock); `is_leader` is this object's last known state and `check()` re-verifies
+it. Blocking work runs in a worker thread.
+
+A holder cut off from PostgreSQL (a partition, not a crash) must stop leading before anyone
+else can lead: its `check()` answers False within `STATEMENT_DEADLINE_S` (libpq itself would
+wait for the lost server for as long as TCP retransmits, ~15 minutes), while the server keeps
+the lock until TCP tells it the session is dead, which the session's keepalive settings make
+~25 s after the last packet (the defaults make it 2 hours without a leader).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import socket
 import threading
 from typing import Any
 
@@ -32,6 +40,15 @@ import sqlalchemy as sa
 from paved.control_plane.errors import BadRequest
 
 DEFAULT_NAME = "paved-control-plane"
+# A statement on the lock's connection that has no answer after this long means the server is
+# unreachable: the connection is cut (the statement_timeout below answers well before it).
+STATEMENT_DEADLINE_S = 8.0
+# tcp_keepalives_*: probes after 10 s of silence, every 5 s, 3 lost = dead (25 s);
+# tcp_user_timeout: the same 25 s when the server's last reply went unacknowledged.
+_SESSION_OPTIONS = (
+    "-c statement_timeout=5000 -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
+    " -c tcp_keepalives_count=3 -c tcp_user_timeout=25000"
+)
 _MEMORY_HELD: set[str] = set()
 _MEMORY_GUARD = threading.Lock()
 
@@ -118,13 +135,13 @@ class LeaderLock:
                 self._pg_url,
                 autocommit=True,
                 connect_timeout=5,
-                options="-c statement_timeout=5000",
+                options=_SESSION_OPTIONS,
                 application_name="paved-leader",
             )
         except psycopg.Error:
             return False
         try:
-            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (self._key,)).fetchone()
+            row = _bounded(conn, "SELECT pg_try_advisory_lock(%s)", (self._key,))
         except psycopg.Error:
             conn.close()
             return False
@@ -176,11 +193,12 @@ class LeaderLock:
             hi, lo = (self._key >> 32) & 0xFFFFFFFF, self._key & 0xFFFFFFFF
             try:
                 # A bigint advisory key is stored as classid (high half), objid (low half).
-                row = self._conn.execute(
+                row = _bounded(
+                    self._conn,
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
                     " AND pid = pg_backend_pid() AND classid = %s AND objid = %s AND objsubid = 1",
                     (hi, lo),
-                ).fetchone()
+                )
             except psycopg.Error:
                 return False
             return bool(row and row[0])
@@ -198,7 +216,7 @@ class LeaderLock:
             with contextlib.suppress(Exception):
                 # Closing the session frees the lock; unlock first so it is free at once even if
                 # the close is slow.
-                self._conn.execute("SELECT pg_advisory_unlock(%s)", (self._key,))
+                _bounded(self._conn, "SELECT pg_advisory_unlock(%s)", (self._key,))
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None
@@ -211,3 +229,32 @@ class LeaderLock:
                 _MEMORY_HELD.discard(self._name)
             self._memory = False
         self._held = False
+
+
+def _bounded(conn: Any, query: str, params: tuple[int, ...]) -> Any:
+    """The first row of `query` on `conn`, or psycopg.OperationalError once STATEMENT_DEADLINE_S
+    has passed without an answer: the connection's socket is then shut down, which ends libpq's
+    wait (the connection is unusable afterwards, as it would be once TCP gave up)."""
+    settled = threading.Lock()
+    done = False
+
+    def cut() -> None:
+        with settled:
+            if done:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.close()
+
+    timer = threading.Timer(STATEMENT_DEADLINE_S, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        return conn.execute(query, params).fetchone()
+    finally:
+        with settled:
+            done = True
+        timer.cancel()
