@@ -18,9 +18,10 @@ input order; outputs are returned raw when asked per output (`binary_data`) or f
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -287,12 +288,17 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(request: Request, responses: AsyncIterator[InferResponse]) -> list[InferResponse]:
-    """Every response of a non-streaming request. Starlette does not cancel a plain handler
-    when its client goes away, so watch for that: the request is then cancelled, which
-    closes its engine stream and so aborts the engine request."""
+async def _collect(request: Request, started: Awaitable[AsyncIterator[InferResponse]]) -> list[InferResponse]:
+    """Every response of a non-streaming request, `started` being repository.infer's
+    coroutine. Starlette does not cancel a plain handler when its client goes away, so watch
+    for that from the start (a classic model's request waits in its batcher's queue before
+    infer returns): the request is then cancelled, which takes it out of the queue or closes
+    its engine stream and so aborts the engine request."""
+    responses: AsyncIterator[InferResponse] | None = None
 
     async def collect() -> list[InferResponse]:
+        nonlocal responses
+        responses = await started
         return [r async for r in responses]
 
     task = asyncio.ensure_future(collect())
@@ -304,7 +310,10 @@ async def _collect(request: Request, responses: AsyncIterator[InferResponse]) ->
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await aclose(responses)
+        if responses is not None:
+            await aclose(responses)
+        elif inspect.iscoroutine(started):
+            started.close()  # cancelled before it ran: no "never awaited" warning
     if task.cancelled():
         raise KServeError(grpc.StatusCode.CANCELLED, "the client closed the request")
     return task.result()
@@ -475,7 +484,7 @@ def create_http_app(
             infer_request, binary, binary_default = await off_loop_if_large(
                 len(body), _decode_infer, model, body, request.headers.get(HEADER_LENGTH)
             )
-            results = await _collect(request, await repository.infer(model, infer_request))
+            results = await _collect(request, repository.infer(model, infer_request))
             if len(results) != 1:
                 raise invalid_argument(
                     f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
@@ -490,7 +499,7 @@ def create_http_app(
             model = repository.get_ready(name, version)
             doc = _parse_json(await _read_body(request, max_body_bytes))
             infer_request = _generate_inputs(model, doc)
-            results = await _collect(request, await repository.infer(model, infer_request))
+            results = await _collect(request, repository.infer(model, infer_request))
             if len(results) != 1:
                 raise invalid_argument(
                     f"model '{model.name}' sent {len(results)} responses; use generate_stream"

@@ -769,3 +769,27 @@ def test_malformed_request_id_is_replaced_and_sent_back(server, caplog):
     line = access_line(caplog, new_id)
     assert line["method"] == "ModelReady" and line["parent_span_id"] is None
     assert not any(e["request_id"] == "bad id!" for e in access_lines(caplog))
+
+
+def test_http_client_leaving_takes_its_request_out_of_the_batch_queue(loop, tmp_path):
+    """A request waiting in a batcher's queue (a 60 s queue delay) whose HTTP client gives up
+    leaves the queue at once, as a gRPC call past its deadline does; it stayed queued until
+    its batch ran, so clients that time out and retry could fill the bounded queue."""
+    import shutil
+
+    source = xgb_model_dir()
+    with open(f"{source}/config.json") as f:
+        config = json.load(f)
+    config["dynamic_batching"] = {"max_queue_delay_microseconds": 60_000_000, "preferred_batch_size": [32]}
+    config["parameters"]["paved_adaptive_queue_delay"] = {"string_value": "false"}
+    shutil.copy(f"{source}/model.ubj", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = XGBoostModel.from_directory(str(tmp_path))
+    with serving(loop, KServeServer([], [model], host="127.0.0.1", grpc_port=None, http_port=0)) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v2/models/{model.name}/infer"
+        data = rows(1).ravel().tolist()
+        body = {"inputs": [{"name": "input__0", "shape": [1, 32], "datatype": "FP32", "data": data}]}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=1)
+        assert wait_for(lambda: model.batcher._pending_rows == 0), model.batcher._pending_rows
+        assert not model.batcher.batches  # nothing ran: the request left before its batch
