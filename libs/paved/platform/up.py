@@ -70,6 +70,9 @@ KSERVE_PORT_OFFSET = 1  # --port 8080: the gateway's KServe v2 gRPC on 8081
 # version): rate() needs two samples in it, and a scrape every 60 s leaves one, so the alert
 # could never fire. Four scrapes per window, as Prometheus advises.
 MAX_PROMETHEUS_INTERVAL_S = 15
+# The SLO tickets read 3-day windows (1x burn over 3d): with less history kept, rate(...[3d]) is
+# silently the rate over what is left (2 days with Prometheus' default here).
+PROMETHEUS_RETENTION = "4d"
 
 
 class UsageError(Exception):
@@ -479,7 +482,7 @@ class Platform:
         config = home / "prometheus.yml"
         try:
             config.write_text(text)
-            argv = local_prometheus.argv(config, home / "data", port)
+            argv = local_prometheus.argv(config, home / "data", port, retention=PROMETHEUS_RETENTION)
         except OSError as e:
             raise PlatformError(f"{config}: {e.strerror}") from None
         except local_prometheus.PrometheusError as e:

@@ -26,7 +26,13 @@ import pytest
 
 from paved.cli.main import main as paved_main
 from paved.control_plane.prometheus import RULE_FILES
-from paved.platform.up import MAX_PROMETHEUS_INTERVAL_S, UsageError, build_parser, config_from_args
+from paved.platform.up import (
+    MAX_PROMETHEUS_INTERVAL_S,
+    PROMETHEUS_RETENTION,
+    UsageError,
+    build_parser,
+    config_from_args,
+)
 from paved.platform.up import main as up_main
 from paved.procs import marked_processes
 from paved.runfiles import runfile
@@ -288,7 +294,7 @@ def test_bad_flags_exit_2_before_starting_anything(
     assert message in capsys.readouterr().err
 
 
-def test_a_prometheus_interval_too_long_for_the_rules_windows_is_refused(tmp_path: Path) -> None:
+def test_prometheus_interval_and_retention_fit_the_rules_windows(tmp_path: Path) -> None:
     """At a 60 s scrape a 1m rate holds one sample: PavedVersionErrorRate could never fire. The
     bound leaves four scrapes in the rules' shortest window."""
     work = str(tmp_path / "work")
@@ -303,6 +309,9 @@ def test_a_prometheus_interval_too_long_for_the_rules_windows_is_refused(tmp_pat
         windows |= {int(n) * seconds[u] for n, u in re.findall(r"\[(\d+)([smhd])\]", text)}
     assert min(windows) == 60, sorted(windows)
     assert min(windows) >= 4 * MAX_PROMETHEUS_INTERVAL_S
+    # And the history kept covers the longest window (the SLO tickets' 3d).
+    assert max(windows) == 3 * 86400, sorted(windows)
+    assert PROMETHEUS_RETENTION.endswith("d") and int(PROMETHEUS_RETENTION[:-1]) * 86400 > max(windows)
 
 
 @pytest.mark.parametrize("kind", ["directory", "not text"])
