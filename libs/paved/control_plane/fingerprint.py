@@ -23,8 +23,9 @@ A "kserve" package has no tokenizer (its tokenizer and chat template fields are 
 "kserve" field is engine_args.kserve when declared, else what states its tensors: the manifest
 sha256 of its Triton config.json ({"config_json_sha256"}) for a model directory with one, else
 ({"configs_sha256"}) the sha256 over the (path, manifest sha256) list of every Triton config
-(config.pbtxt / config.json) of the model directory or model repository (any change to one
-counts as a change).
+(config.pbtxt / config.json) of the model directory or model repository, and for a repository's
+model without a config the model.onnx / model.py its config is completed from (any change to
+one counts as a change).
 
 Chat template: a `chat_template.*` tokenizer file -> its manifest sha256; else the
 `chat_template` value of tokenizer_config.json when that file can be read (a directory, a
@@ -47,6 +48,7 @@ from typing import IO, Any
 from paved.control_plane.errors import BadRequest
 from paved.launcher.materialize import is_tarball
 from paved.launcher.package import (
+    KSERVE_AUTO_COMPLETE_FILES,
     KSERVE_CONFIGS,
     MODEL_JSON,
     ModelPackage,
@@ -98,12 +100,7 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
         config = next((f.sha256 for f in package.weights.files if f.path == "config.json"), None)
         shape: dict[str, Any] = {"config_json_sha256": config}
         if config is None:
-            configs = sorted(
-                (f.path, f.sha256)
-                for f in package.weights.files
-                if f.path.count("/") <= 1 and posixpath.basename(f.path) in KSERVE_CONFIGS
-            )
-            shape = {"configs_sha256": _sha(_canonical(configs))}
+            shape = {"configs_sha256": _sha(_canonical(_shape_files(package)))}
         return {
             "kind": "kserve",
             "tokenizer_sha256": None,
@@ -128,6 +125,29 @@ def fingerprint_of(package: ModelPackage, tokenizer_config: bytes | None = None)
         "kserve": declared,
         "resources": _resources(engine_args),
     }
+
+
+def _shape_files(package: ModelPackage) -> list[tuple[str, str]]:
+    """(path, manifest sha256) of what states a kserve package's tensors: every Triton config
+    (config.pbtxt / config.json) at the top or of a repository's model, and for a repository's
+    model without one the files paved.kserve completes its config from (its version folders'
+    model.onnx / model.py), sorted."""
+    configs = [
+        f
+        for f in package.weights.files
+        if f.path.count("/") <= 1 and posixpath.basename(f.path) in KSERVE_CONFIGS
+    ]
+    configured = {f.path.split("/")[0] for f in configs if "/" in f.path}
+    completed = [
+        f
+        for f in package.weights.files
+        if f.path.count("/") == 2
+        and posixpath.basename(f.path) in KSERVE_AUTO_COMPLETE_FILES
+        and f.path.split("/")[1].isdigit()
+        and f.path.split("/")[0] not in configured
+        and not f.path.startswith(".")
+    ]
+    return sorted((f.path, f.sha256) for f in [*configs, *completed])
 
 
 def _kserve_models(package: ModelPackage) -> list[str]:

@@ -299,3 +299,29 @@ def test_parallel_sizes_are_resources_not_a_breaking_change(package_dir, tmp_pat
         (wide / "model.json").write_text(json.dumps(manifest))
         with pytest.raises(ControlError, match="tensor_parallel_size"):
             fingerprint_package(str(wide))
+
+
+def test_a_repository_model_without_a_config_fingerprints_the_file_its_config_comes_from():
+    """A repository model with no config has its tensors read from model.onnx (or declared by
+    model.py's auto_complete_config): a change there is a change of its I/O, as a config's
+    would be; a configured model's model.py (its code, not its tensors) is not."""
+    from paved.control_plane.fingerprint import fingerprint_of
+    from paved.launcher.package import parse_model_json
+
+    def package(onnx: str, code: str) -> dict[str, Any]:
+        files = [
+            {"path": "scorer/config.pbtxt", "sha256": "a" * 64, "size": 10},
+            {"path": "scorer/1/model.py", "sha256": code * 64, "size": 10},
+            {"path": "ranker/1/model.onnx", "sha256": onnx * 64, "size": 10},
+        ]
+        doc = {
+            "schema_version": 1, "mode": "kserve", "model_id": "scorer", "version": "1",
+            "engine_args": {}, "plugins": [], "tokenizer": None,
+            "weights": {"uri": "weights", "files": files},
+        }  # fmt: skip
+        return fingerprint_of(parse_model_json(json.dumps(doc)))
+
+    before = package("b", "c")
+    assert before["models"] == ["ranker", "scorer"]
+    assert fingerprint_diff(before, package("d", "c")) == ["kserve"]
+    assert fingerprint_diff(before, package("b", "e")) == []
