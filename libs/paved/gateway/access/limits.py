@@ -37,7 +37,10 @@ all the subjects' keys, timed by Redis `TIME` (never a replica's clock), so no r
 between another's check and increment. Every key carries a TTL (a bucket's lasts until it would
 be full again) so idle subjects vanish. A connection error is retried once on a fresh
 connection (a restarted Redis breaks every pooled connection once); an acquire is idempotent
-per reservation id, so its retry never counts a request twice. Redis errors and timeouts fail
+per reservation id, so its retry never counts a request twice. An acquire that fails or is
+cancelled once its script may have been sent (its reply lost: past the deadline, the caller
+gone) is undone in the background by the same id, so what it may have taken does not stay
+taken for the lease (see `_LUA_FINISH`). Redis errors and timeouts fail
 closed: every call is bounded by `timeout_s`; acquire and snapshot then raise
 `GatewayError(503, code="limiter_unavailable")` with Retry-After 1 rather than admitting
 unlimited traffic or hanging. `finish` does not raise for an outage: it comes after the backend
@@ -85,6 +88,8 @@ _SNAPSHOT_NAMES = {_RPM: "requests_per_min", _TPM: "tokens_per_min", _CON: "max_
 # In-process: a sweep of idle state every this many acquires keeps memory proportional to the
 # subjects active in the last minute (amortised O(1) per acquire).
 _SWEEP_EVERY = 1024
+# Tries (1 s apart) to undo an admission whose reply was lost before its lease is left to it.
+_UNDO_TRIES = 5
 
 
 @dataclass(frozen=True)
@@ -473,10 +478,13 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 # with the same id (the client's retry after a connection error that lost the first reply)
 # returns that reply without counting the request again. The marker of a reservation holding
 # nothing to settle (requests/min only) lives for the replay window alone: no finish deletes it.
+# A marker '-' is an undone reservation (see _LUA_FINISH): an acquire arriving after its undo
+# admits nothing.
 _LUA_ACQUIRE = (
     _LUA_BUCKET
     + """
 local done = redis.call('GET', KEYS[1])
+if done == '-' then return {0} end
 if done then
   local out = {1}
   for v in string.gmatch(done, '[^,]+') do out[#out + 1] = v end
@@ -525,16 +533,27 @@ return out
 """
 )
 
-# KEYS[1]: the marker; KEYS[1+i]: limit i. ARGV[1]: reservation id; limit i: ARGV[3i-1] kind,
-# ARGV[3i] capacity, ARGV[3i+1] token refund (negative: extra charge). Deleting the marker is
-# the idempotence: only the first finish (on any replica) finds it. Returns 1, or 0 if no-op.
+# KEYS[1]: the marker; KEYS[1+i]: limit i. ARGV[1]: reservation id; ARGV[2]: 0 for a finish,
+# else the undo of an acquire whose reply was lost: how long (ms) its tombstone lives; limit i:
+# ARGV[3i] kind, ARGV[3i+1] capacity, ARGV[3i+2] token refund (negative: extra charge).
+# Deleting the marker is the idempotence: only the first finish (on any replica) finds it. An
+# undo that finds no marker may have overtaken its acquire (still on its way to Redis): it
+# leaves the tombstone '-', which that acquire reads as "admit nothing". Returns 1, or 0 if
+# no-op.
 _LUA_FINISH = (
     _LUA_BUCKET
     + """
-if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+local done = redis.call('GET', KEYS[1])
+if not done then
+  local tomb = tonumber(ARGV[2])
+  if tomb > 0 then redis.call('SET', KEYS[1], '-', 'PX', tomb) end
+  return 0
+end
+if done == '-' then return 0 end
+redis.call('DEL', KEYS[1])
 for i = 1, #KEYS - 1 do
-  local key, kind = KEYS[i + 1], ARGV[3 * i - 1]
-  local cap, refund = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  local key, kind = KEYS[i + 1], ARGV[3 * i]
+  local cap, refund = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
   if kind == 'con' then
     redis.call('ZREM', key, ARGV[1])
   elseif cap > 0 then
@@ -627,6 +646,8 @@ class RedisLimiter(_BaseLimiter):
         )
         self._redis = aioredis.Redis.from_pool(pool)
         self._last_error_log = -math.inf
+        # Undos of acquires whose reply was lost, running in the background (see _admit).
+        self._undoing: set[asyncio.Task[None]] = set()
 
     def _key(self, lim: _Limit) -> str:
         return f"{self._prefix}{lim.kind}:{lim.subject}:{lim.subject_id}"
@@ -664,11 +685,39 @@ class RedisLimiter(_BaseLimiter):
         args: list[str | int | float] = [repr(self._lease_s), rid, math.ceil(self._timeout_s * 1000) + 1000]
         for lim in limits:
             args += [lim.kind, lim.capacity, lim.need]
-        reply = await self._eval(_ACQUIRE, [self._marker(rid), *map(self._key, limits)], args)
+        try:
+            reply = await self._eval(_ACQUIRE, [self._marker(rid), *map(self._key, limits)], args)
+        except BaseException:
+            # Past the deadline, or the caller cancelled (a gRPC client's deadline), after the
+            # script may have been sent: it may run, or have run, with nobody to get its reply,
+            # its slots and tokens taken for the whole lease (a key locked out for 10 min after
+            # a Redis latency spike). Undo it by its id, in the background.
+            held = [lim for lim in limits if lim.kind != _RPM]
+            if held:
+                task = asyncio.get_running_loop().create_task(self._undo(rid, held))
+                self._undoing.add(task)
+                task.add_done_callback(self._undoing.discard)
+            raise
         return int(reply[0]) == 1, [float(v) for v in reply[1:]]
 
+    async def _undo(self, rid: str, held: list[_Limit]) -> None:
+        """Settle a reservation whose admission reply was lost as a request that never ran
+        (all its tokens back), or, when its acquire has not run yet, leave the tombstone that
+        makes it admit nothing. Retried while Redis is unavailable, a few times; the lease is
+        the last resort."""
+        args: list[str | int | float] = [rid, math.ceil(self._lease_s * 1000)]
+        for lim in held:
+            args += [lim.kind, lim.capacity, lim.need]
+        keys = [self._marker(rid), *map(self._key, held)]
+        for _ in range(_UNDO_TRIES):
+            try:
+                await self._eval(_FINISH, keys, args)
+                return
+            except GatewayError:
+                await asyncio.sleep(1.0)
+
     async def _release(self, reservation: Reservation, refund: int) -> None:
-        args: list[str | int | float] = [reservation.id]
+        args: list[str | int | float] = [reservation.id, 0]
         for lim in reservation._held:
             args += [lim.kind, lim.capacity, refund]
         keys = [self._marker(reservation.id), *map(self._key, reservation._held)]
@@ -682,6 +731,10 @@ class RedisLimiter(_BaseLimiter):
         return [float(v) for v in reply]
 
     async def close(self) -> None:
+        undoing = list(self._undoing)
+        for task in undoing:
+            task.cancel()
+        await asyncio.gather(*undoing, return_exceptions=True)
         await self._redis.aclose()
 
 
