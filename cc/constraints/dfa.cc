@@ -309,6 +309,7 @@ class Determinizer {
       for (int32_t s : sets_[d]) {
         const Nfa::State& st = nfa_.states[static_cast<size_t>(s)];
         if (st.kind != Nfa::kRange) continue;
+        Spend(dfa_.byte_class[st.hi] - dfa_.byte_class[st.lo] + 1);
         for (int c = dfa_.byte_class[st.lo]; c <= dfa_.byte_class[st.hi]; ++c)
           buckets[static_cast<size_t>(c)].push_back(st.out);
       }
@@ -346,6 +347,15 @@ class Determinizer {
     dfa_.num_classes = cls + 1;
   }
 
+  // Counts `steps` of subset-construction work (closure steps, transitions gathered) against
+  // kMaxDeterminizeSteps.
+  void Spend(int64_t steps) {
+    work_ += steps;
+    if (work_ > kMaxDeterminizeSteps)
+      throw ConstraintError("constraint is too large: building its DFA exceeds " +
+                            std::to_string(kMaxDeterminizeSteps) + " steps");
+  }
+
   // Epsilon closure, keeping only the states that matter for identity: range and match states.
   std::vector<int32_t> Closure(const std::vector<int32_t>& seeds) {
     ++generation_;
@@ -356,6 +366,7 @@ class Determinizer {
       stack_.pop_back();
       if (s < 0 || stamp_[static_cast<size_t>(s)] == generation_) continue;
       stamp_[static_cast<size_t>(s)] = generation_;
+      Spend(1);
       const Nfa::State& st = nfa_.states[static_cast<size_t>(s)];
       switch (st.kind) {
         case Nfa::kRange:
@@ -381,6 +392,10 @@ class Determinizer {
     if (static_cast<int64_t>(sets_.size()) >= kMaxDfaStates)
       throw ConstraintError("constraint is too large: its DFA exceeds " + std::to_string(kMaxDfaStates) +
                             " states");
+    subset_entries_ += static_cast<int64_t>(set.size());
+    if (subset_entries_ > kMaxSubsetEntries)
+      throw ConstraintError("constraint is too large: building its DFA exceeds " +
+                            std::to_string(kMaxSubsetEntries) + " NFA states in its subsets");
     const auto id = static_cast<int32_t>(sets_.size());
     bool accepting = false;
     for (int32_t s : set) accepting |= nfa_.states[static_cast<size_t>(s)].kind == Nfa::kMatch;
@@ -398,6 +413,8 @@ class Determinizer {
   std::vector<uint32_t> stamp_;
   uint32_t generation_ = 0;
   std::vector<int32_t> stack_;
+  int64_t subset_entries_ = 0;
+  int64_t work_ = 0;
 };
 
 // Keeps the states that can reach acceptance (others become kDead) and renumbers the rest in

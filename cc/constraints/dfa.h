@@ -34,7 +34,7 @@ struct Dfa {
 };
 
 // Compiles the expression rooted at `root`. Throws ConstraintError when it matches nothing or
-// exceeds kMaxNfaStates / kMaxDfaStates.
+// exceeds kMaxNfaStates / kMaxDfaStates / kMaxSubsetEntries / kMaxDeterminizeSteps.
 Dfa CompileDfa(const Ast& ast, int root);
 
 }  // namespace paved::constraints

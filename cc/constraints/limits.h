@@ -18,6 +18,15 @@ constexpr int kMaxRegexNesting = 500;
 // and byte class, e.g. 100k states x 50 classes = 20 MB).
 constexpr int32_t kMaxNfaStates = 2'000'000;
 constexpr int32_t kMaxDfaStates = 100'000;
+// Subset construction's own cost, which the two caps above do not bound: NFA states held by
+// the DFA states' subsets in all (memory: each subset is kept twice, 8 bytes an entry), and its
+// steps (time: epsilon-closure steps and transitions gathered). `(.{0,100}){0,100}` (18 bytes)
+// stays under both state caps, yet its subsets hold thousands of NFA states each: it took 60 s
+// and 7 GB before these limits, 1 s and ~100 MB to be refused with them. Large schemas stay
+// far below (a 5000-character string: 260k entries, 3.6M closure steps; a 300-property
+// object: 150k, 360k).
+constexpr int64_t kMaxSubsetEntries = 10'000'000;
+constexpr int64_t kMaxDeterminizeSteps = 100'000'000;
 // Nodes of the expression tree a pattern or schema is parsed / lowered into (136 bytes each plus
 // their vectors), checked as each node is added: the front ends expand some keywords (integer
 // bounds: ~140 nodes for 45 bytes of schema), so without it a 1 MiB document could take
