@@ -36,11 +36,20 @@ const std::set<std::string>& SupportedKeywords() {
 }
 
 // Regexes of the supported string formats (ASCII only, so no JSON escaping is needed).
+// RFC 3339 full-date: the day must exist in its month and year (RFC 3339 section 5.7), so
+// 30-day months stop at 30 and February at 28, or 29 in Gregorian leap years (divisible by 4
+// and not by 100, or by 400). A day-31-everywhere pattern let the model write "2023-02-31",
+// which date validators (Python's date.fromisoformat, jsonschema's format checker, pydantic)
+// reject. Years are 0001-9999: RFC 3339 allows 0000, those validators do not.
+#define PAVED_FULL_DATE \
+  R"((([1-9]\d{3}|0[1-9]\d\d|00[1-9]\d|000[1-9])-)" \
+  R"(((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))|)" \
+  R"((\d\d(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)-02-29))"
+#define PAVED_FULL_TIME R"(([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))"
 const char* FormatPattern(const std::string& format) {
-  static const char kDate[] = R"(\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01]))";
-  static const char kTime[] = R"(([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))";
-  static const char kDateTime[] =
-      R"(\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d))";
+  static const char kDate[] = PAVED_FULL_DATE;
+  static const char kTime[] = PAVED_FULL_TIME;
+  static const char kDateTime[] = PAVED_FULL_DATE "T" PAVED_FULL_TIME;
   static const char kUuid[] = R"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})";
   static const char kEmail[] = R"([A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,24})";
   static const char kIpv4[] = R"(((25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d))";
@@ -52,6 +61,8 @@ const char* FormatPattern(const std::string& format) {
   if (format == "ipv4") return kIpv4;
   return nullptr;
 }
+#undef PAVED_FULL_DATE
+#undef PAVED_FULL_TIME
 
 class SchemaLowering {
  public:
