@@ -171,8 +171,8 @@ def main() -> int:
     p.add_argument("--fail-after", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if not 0 < args.rate <= 100 or not 1 <= args.scrape_interval <= 60 or not 1 <= args.fail_after <= 100:
-        print("observability: --rate 0..100, --scrape-interval 1..60, --fail-after 1..100", file=sys.stderr)
+    if not 0 < args.rate <= 100 or not 1 <= args.scrape_interval <= 15 or not 1 <= args.fail_after <= 100:
+        print("observability: --rate 0..100, --scrape-interval 1..15, --fail-after 1..100", file=sys.stderr)
         return 2
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-observability-") as d:

@@ -283,7 +283,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="a rule file or glob (repeatable; default this checkout's ops/prometheus/rules/*.yml)",
     )
-    prom.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval")
+    prom.add_argument(
+        "--scrape-interval",
+        default="15s",
+        help="scrape and rule evaluation interval (at most 15s: the rules need it)",
+    )
     prom.add_argument("--job-name", default="paved", help="the scrape job's name (default paved)")
     p.set_defaults(run=_run, parser=p)
 

@@ -332,9 +332,28 @@ def prometheus_router(
 # -- the scrape config --------------------------------------------------------------------------
 
 
+# The rules' shortest window is 1m (paved:replica_http_errors:ratio_rate1m, which pages on a bad
+# version): rate() needs two samples in it, and a scrape every 60 s leaves one, so the alert
+# could never fire. Four scrapes per window, as Prometheus advises: at most 15 s between them.
+MAX_RULES_INTERVAL_S = 15
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+
+
 def _duration(value: str, flag: str) -> str:
     if not re.fullmatch(r"[1-9][0-9]{0,5}(ms|s|m|h)", value):
         raise ValueError(f"{flag} {value!r:.40}: a Prometheus duration like 15s, 1m")
+    return value
+
+
+def _rules_interval(value: str, flag: str) -> str:
+    """A scrape or evaluation interval paved's rules can work with (see MAX_RULES_INTERVAL_S)."""
+    _duration(value, flag)
+    number, unit = re.fullmatch(r"([0-9]+)(ms|s|m|h)", value).groups()  # type: ignore[union-attr]
+    if int(number) * _SECONDS[unit] > MAX_RULES_INTERVAL_S:
+        raise ValueError(
+            f"{flag} {value}: at most {MAX_RULES_INTERVAL_S}s (paved's rules take rates over 1 minute, "
+            "which need 4 scrapes in it)"
+        )
     return value
 
 
@@ -363,7 +382,7 @@ def scrape_config(
         raise ValueError(f"job name {job_name!r:.80}: letters, digits, _ and -")
     job: dict[str, Any] = {
         "job_name": job_name,
-        "scrape_interval": _duration(scrape_interval, "scrape interval"),
+        "scrape_interval": _rules_interval(scrape_interval, "scrape interval"),
     }
     if control_plane_url is not None:
         parts = urllib.parse.urlsplit(control_plane_url.rstrip("/"))
@@ -384,8 +403,8 @@ def scrape_config(
         ]
     config = {
         "global": {
-            "scrape_interval": _duration(scrape_interval, "scrape interval"),
-            "evaluation_interval": _duration(evaluation_interval, "evaluation interval"),
+            "scrape_interval": _rules_interval(scrape_interval, "scrape interval"),
+            "evaluation_interval": _rules_interval(evaluation_interval, "evaluation interval"),
         },
         "rule_files": list(rule_files),
         "scrape_configs": [job],

@@ -45,7 +45,7 @@ from typing import IO, Any
 import httpx
 
 from paved import procs
-from paved.control_plane.prometheus import RULE_FILES, scrape_config
+from paved.control_plane.prometheus import MAX_RULES_INTERVAL_S, RULE_FILES, scrape_config
 from paved.platform import prometheus as local_prometheus
 from paved.runfiles import runfile
 
@@ -66,10 +66,7 @@ S3_CREDENTIALS = {
 HTTP_TIMEOUT_S = 10.0
 XGB_MODEL_ID = "xgb_scorer"
 KSERVE_PORT_OFFSET = 1  # --port 8080: the gateway's KServe v2 gRPC on 8081
-# The rules' shortest window is 1m (paved:replica_http_errors:ratio_rate1m, which pages on a bad
-# version): rate() needs two samples in it, and a scrape every 60 s leaves one, so the alert
-# could never fire. Four scrapes per window, as Prometheus advises.
-MAX_PROMETHEUS_INTERVAL_S = 15
+MAX_PROMETHEUS_INTERVAL_S = MAX_RULES_INTERVAL_S
 # The SLO tickets read 3-day windows (1x burn over 3d): with less history kept, rate(...[3d]) is
 # silently the rate over what is left (2 days with Prometheus' default here).
 PROMETHEUS_RETENTION = "4d"

@@ -371,6 +371,8 @@ def test_render_prometheus_prints_a_config_promtool_accepts(tmp_path: Path, caps
     ("args", "message"),
     [
         (["--scrape-interval", "5"], "scrape interval"),
+        (["--scrape-interval", "1m"], "at most 15s"),
+        (["--scrape-interval", "16s"], "at most 15s"),
         (["--control-plane", "ftp://x"], "--control-plane"),
         (["--file-sd", "x.json", "--control-plane", "http://127.0.0.1:1"], "--file-sd"),
         (["--output", "json"], "--output"),
