@@ -386,8 +386,14 @@ def validate_placement(placement: object) -> dict[str, Any]:
         if operator == "Exists" and value:
             raise BadRequest(f"{where}: operator 'Exists' takes no value")
         seconds = t.get("toleration_seconds")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0):
-            raise BadRequest(f"{where}.toleration_seconds must be an integer >= 0")
+        if seconds is not None:
+            # The API server's own rules (checked there by a dry run): an int64, and only for
+            # NoExecute, the one effect that evicts. Accepted here, each failed every replica
+            # create afterwards with a misleading 503.
+            if isinstance(seconds, bool) or not isinstance(seconds, int) or not 0 <= seconds < 2**63:
+                raise BadRequest(f"{where}.toleration_seconds must be an integer in [0, 2^63)")
+            if t.get("effect") != "NoExecute":
+                raise BadRequest(f"{where}.toleration_seconds needs effect 'NoExecute'")
     return placement
 
 

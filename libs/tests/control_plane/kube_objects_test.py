@@ -150,6 +150,9 @@ def test_bad_settings_are_refused_naming_the_field(field, value, message):
         {"tolerations": [{"key": "k", "effect": "Sometimes"}]},
         {"tolerations": [{"key": "k", "toleration_seconds": -5}]},
         {"tolerations": [{"key": "k", "toleration_seconds": True}]},
+        {"tolerations": [{"key": "k", "toleration_seconds": 30}]},
+        {"tolerations": [{"key": "k", "toleration_seconds": 30, "effect": "NoSchedule"}]},
+        {"tolerations": [{"key": "k", "toleration_seconds": 2**70, "effect": "NoExecute"}]},
         {"tolerations": "all"},
     ],
 )
