@@ -683,7 +683,9 @@ class KServeForwarder:
                 503, f"no backend for model '{head.name}' accepted a connection", headers={"Retry-After": "2"}
             )
         finally:
-            await self.limiter.finish(reservation, used)
+            # Shielded: a second cancellation of the call must not cut the settling short (the
+            # slot would stay taken until its lease ends).
+            await asyncio.shield(self.limiter.finish(reservation, used))
 
     async def _stream_infer(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext, call: CallLog
@@ -742,7 +744,9 @@ class KServeForwarder:
         except GatewayError as e:
             await self._abort(context, e)
         finally:
-            await self.limiter.finish(reservation, used)
+            # Shielded: a second cancellation of the call must not cut the settling short (the
+            # slot would stay taken until its lease ends).
+            await asyncio.shield(self.limiter.finish(reservation, used))
 
     async def _relay(
         self,
