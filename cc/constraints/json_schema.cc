@@ -1,5 +1,6 @@
 #include "cc/constraints/json_schema.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -108,11 +109,25 @@ class SchemaLowering {
         branches.push_back(Lower(any->items[i], path + ".anyOf[" + std::to_string(i) + "]", depth + 1));
       return ast_->Alt(std::move(branches));
     }
-    if (const JsonValue* c = schema.Find("const")) return Literal(*c);
-    if (const JsonValue* e = schema.Find("enum")) {
-      if (e->type != Type::kArray || e->items.empty()) Fail("'enum' must be a non-empty array", path);
+    const JsonValue* c = schema.Find("const");
+    const JsonValue* e = c == nullptr ? schema.Find("enum") : nullptr;
+    if (e != nullptr && (e->type != Type::kArray || e->items.empty())) Fail("'enum' must be a non-empty array", path);
+    if (c != nullptr || e != nullptr) {
+      // A value must also be of the schema's `type`: {"type":"string","enum":["a",1]} allows
+      // only "a" (writing 1 made the output invalid for the schema).
+      const std::vector<std::string> types =
+          schema.Find("type") != nullptr ? Types(schema, path) : std::vector<std::string>{};
       std::vector<int> values;
-      for (const JsonValue& v : e->items) values.push_back(Literal(v));
+      const auto add = [&](const JsonValue& v) {
+        if (types.empty() || HasAnyType(v, types, path)) values.push_back(Literal(v));
+      };
+      if (c != nullptr) {
+        add(*c);
+      } else {
+        for (const JsonValue& v : e->items) add(v);
+      }
+      if (values.empty())
+        Fail(std::string("no value of '") + (c != nullptr ? "const" : "enum") + "' is of the schema's 'type'", path);
       return ast_->Alt(std::move(values));
     }
     const std::vector<std::string> types = Types(schema, path);
@@ -160,6 +175,50 @@ class SchemaLowering {
       types.push_back(name.text);
     }
     return types;
+  }
+
+  // Whether `v` is an instance of one of JSON Schema `types` ("integer": a number without a
+  // fractional part, so 1.0 and 1e2 are integers).
+  static bool HasAnyType(const JsonValue& v, const std::vector<std::string>& types, const std::string& path) {
+    for (const std::string& type : types) {
+      if (type == "integer" ? v.type == Type::kNumber && IsIntegral(v.text)
+          : type == "number"  ? v.type == Type::kNumber
+          : type == "string"  ? v.type == Type::kString
+          : type == "boolean" ? v.type == Type::kBool
+          : type == "null"    ? v.type == Type::kNull
+          : type == "object"  ? v.type == Type::kObject
+          : type == "array"   ? v.type == Type::kArray
+                              : (Fail("unknown type '" + type + "'", path), false))
+        return true;
+    }
+    return false;
+  }
+
+  // Whether a JSON number's text (RFC 8259 syntax) denotes an integer value.
+  static bool IsIntegral(const std::string& text) {
+    size_t i = text.size() > 0 && text[0] == '-' ? 1 : 0;
+    std::string digits;
+    int64_t fraction = 0;
+    for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) digits += text[i];
+    if (i < text.size() && text[i] == '.')
+      for (++i; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i, ++fraction) digits += text[i];
+    int64_t exponent = 0;
+    if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+      ++i;
+      const bool negative = i < text.size() && text[i] == '-';
+      if (i < text.size() && (text[i] == '-' || text[i] == '+')) ++i;
+      // Saturated: past 10^9 the exponent shifts every digit anyway (1 MiB documents).
+      for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i)
+        exponent = std::min<int64_t>(exponent * 10 + (text[i] - '0'), 1'000'000'000);
+      if (negative) exponent = -exponent;
+    }
+    // The value is digits * 10^(exponent - fraction): integral iff the last
+    // (fraction - exponent) digits are zeros.
+    const int64_t dropped = fraction - exponent;
+    for (int64_t k = std::max<int64_t>(0, static_cast<int64_t>(digits.size()) - std::max<int64_t>(dropped, 0));
+         k < static_cast<int64_t>(digits.size()); ++k)
+      if (digits[static_cast<size_t>(k)] != '0') return false;
+    return true;
   }
 
   static void RequireAlone(const std::vector<std::string>& keywords, const char* keyword,

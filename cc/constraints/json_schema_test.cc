@@ -90,6 +90,22 @@ TEST(JsonSchema, DateFormatAcceptsExactlyTheDaysOfTheCalendar) {
   }
 }
 
+// `enum` / `const` values that are not of the schema's `type` are not outputs: writing one made
+// the output invalid for the schema ({"type":"string","const":1} wrote 1).
+TEST(JsonSchema, EnumAndConstValuesMustBeOfTheSchemasType) {
+  ExpectLanguage(R"({"type":"string","enum":["a",1,null]})", {R"("a")"}, {"1", "null"});
+  ExpectLanguage(R"({"type":["integer","null"],"enum":[1,1.0,1.5,-2e1,25e-1,100E-2,0.0,"1",null,true]})",
+                 {"1", "1.0", "-2e1", "100E-2", "0.0", "null"}, {"1.5", "25e-1", R"("1")", "true"});
+  ExpectLanguage(R"({"type":"number","enum":[1.5,[1],{"a":1}]})", {"1.5"}, {"[1]", R"({"a":1})"});
+  ExpectLanguage(R"({"type":"object","properties":{"k":{"type":"boolean","enum":[true,"true"]}},"required":["k"]})",
+                 {R"({"k":true})"}, {R"({"k":"true"})"});
+  ExpectLanguage(R"({"enum":[1,"a"]})", {"1", R"("a")"}, {});  // no type: every value
+  EXPECT_NE(ErrorOf(R"({"type":"string","const":1})").find("no value of 'const' is of the schema's 'type' at $"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(R"({"properties":{"a":{"type":"null","enum":[0,false]}}})").find("'enum'"), std::string::npos);
+  EXPECT_NE(ErrorOf(R"({"type":"text","enum":["a"]})").find("unknown type 'text'"), std::string::npos);
+}
+
 TEST(JsonSchema, IntegerRangesMatchExactly) {
   struct Range {
     std::string bounds;
