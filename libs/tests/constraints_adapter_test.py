@@ -28,7 +28,7 @@ from libs.tests.constraints_reference import (
     reference_allowed,
 )
 from paved.constraints.spec import EXTRA_ARGS_KEY
-from paved.constraints.vllm_processor import PavedLogitsProcessor
+from paved.constraints.vllm_processor import PavedLogitsProcessor, _Engine
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -207,3 +207,18 @@ def test_async_placeholder_masks_from_the_last_known_state_then_catches_up():
     # A forbidden token that slipped through (masked from a stale state) ends the row.
     req.outputs.append(a)
     assert mask() == {EOS}
+
+
+def test_tokenizer_ids_past_the_models_vocabulary_are_left_out():
+    # A token added to the tokenizer without an embedding row (a fine-tune's pad token, or an
+    # EOS id the config lists past it): vLLM's logits stop at the model's vocabulary size, so
+    # such ids can never be sampled. Refusing them failed the engine's first constrained step.
+    engine = _Engine([*TOKENS, b"<pad>", b"xyz"], [EOS, VOCAB + 1], VOCAB, MAX_MODEL_LEN)
+    assert engine.vocab.size == VOCAB
+    proc = PavedLogitsProcessor.for_vocab(TOKENS, [EOS], MAX_MODEL_LEN)
+    proc._engine = engine
+    req = Request("one", 20, [1])
+    proc.update_state(BatchUpdate(1, [], [(0, req.params, req.prompt, req.outputs)], []))
+    logits = torch.zeros((1, VOCAB), dtype=torch.float32)
+    proc.apply(logits)
+    assert allowed_rows(logits)[0] == reference_allowed("one", [], 20)

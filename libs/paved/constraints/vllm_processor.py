@@ -91,6 +91,11 @@ class _Engine:
         self, token_bytes_by_id: list[bytes], eos_ids: list[int], vocab_size: int, max_model_len: int
     ):
         self.vocab_size = vocab_size
+        # A tokenizer may know ids the model has no embedding row for (tokens added after
+        # training); vLLM's logits stop at vocab_size, so those ids are never sampled and are
+        # left out here (the engine refuses a vocabulary larger than vocab_size).
+        token_bytes_by_id = token_bytes_by_id[:vocab_size]
+        eos_ids = [i for i in eos_ids if i < vocab_size]
         self.vocab = native.Vocab(token_bytes_by_id, eos_ids, vocab_size)
         self.max_model_len = max_model_len
         self.cache = CompileCache(self._compile, CACHE_ENTRIES, CACHE_BYTES)
