@@ -120,6 +120,13 @@ def test_apply_bitmask_only_touches_selected_rows():
     assert np.flatnonzero(np.isfinite(logits[2])).tolist() == [3]
 
 
+def _misaligned(dtype, shape):
+    """A writeable C-contiguous array whose data starts one byte off its dtype's alignment."""
+    count = int(np.prod(shape))
+    buffer = bytearray(count * np.dtype(dtype).itemsize + 1)
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=1).reshape(shape)
+
+
 @pytest.mark.parametrize(
     ("logits", "mask", "message"),
     [
@@ -127,6 +134,8 @@ def test_apply_bitmask_only_touches_selected_rows():
         (np.zeros((2, 64), np.float32), np.zeros((2, 3), np.int32), "bitmask shape"),
         (np.zeros((2, 64), np.float32), np.zeros((2, 2), np.int64), "int32"),
         (np.zeros((64, 2), np.float32).T, np.zeros((2, 2), np.int32), "contiguous"),
+        (_misaligned(np.float32, (2, 64)), np.zeros((2, 2), np.int32), "aligned"),
+        (np.zeros((2, 64), np.float32), _misaligned(np.int32, (2, 2)), "aligned"),
     ],
 )
 def test_apply_bitmask_rejects_bad_arrays(logits, mask, message):
@@ -151,6 +160,17 @@ def test_vocab_size_and_validation(vocab):
         native.Vocab(TOKENS, [VOCAB_SIZE], VOCAB_SIZE)
     with pytest.raises(ValueError, match="smaller than"):
         native.Vocab(TOKENS, [EOS], 10)
+    # Only None means len(token_bytes); a negative size was taken for it.
+    for size in (0, -5, 1 << 40):
+        with pytest.raises(ValueError, match=r"vocab_size must be in \[1, "):
+            native.Vocab([b"a"], [0], size)
+
+
+def test_bitmask_words_rejects_sizes_it_cannot_count():
+    assert [constraints.bitmask_words(v) for v in (0, 1, 32, 33)] == [0, 1, 1, 2]
+    for size in (-100, 2**63 - 1):  # -2 words, and a signed overflow to a negative count
+        with pytest.raises(ValueError, match="non-negative"):
+            constraints.bitmask_words(size)
 
 
 def test_padding_special_and_eos_ids_are_never_ordinary_tokens(vocab):

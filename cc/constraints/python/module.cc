@@ -54,6 +54,11 @@ void ApplyBitmask(py::array logits, py::array bitmask, py::object rows) {
     throw py::value_error("bitmask must be a 2-D int32 array");
   if (!(logits.flags() & py::array::c_style) || !(bitmask.flags() & py::array::c_style))
     throw py::value_error("logits and bitmask must be C-contiguous");
+  // Read and written as float / uint32 (a misaligned one is undefined behaviour), like the
+  // masker's arrays (CheckArray).
+  if (!(logits.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) ||
+      !(bitmask.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_))
+    throw py::value_error("logits and bitmask must be aligned");
   if (!logits.writeable()) throw py::value_error("logits must be writeable");
   const int64_t batch = logits.shape(0);
   const int64_t vocab = logits.shape(1);
@@ -82,6 +87,10 @@ void ApplyBitmask(py::array logits, py::array bitmask, py::object rows) {
 
 std::shared_ptr<Vocab> MakeVocab(std::vector<std::string> token_bytes, const std::vector<int64_t>& eos_token_ids,
                                  std::optional<int64_t> vocab_size) {
+  // Vocab reads a negative size as "len(token_bytes)"; from Python only None means that.
+  if (vocab_size && (*vocab_size <= 0 || *vocab_size > kMaxVocabSize))
+    throw ConstraintError("vocab_size must be in [1, " + std::to_string(kMaxVocabSize) + "], got " +
+                          std::to_string(*vocab_size));
   std::vector<int32_t> eos;
   for (int64_t id : eos_token_ids) {
     if (id < 0 || id >= kMaxVocabSize) throw ConstraintError("EOS token id " + std::to_string(id) + " is out of range");
@@ -365,7 +374,14 @@ PYBIND11_MODULE(_paved_constraints, m) {
   using namespace paved::constraints;
   m.doc() = "paved's C++ constraint engine: regex / JSON Schema / catalogue constraints over token ids.";
 
-  m.def("bitmask_words", &BitmaskWords, py::arg("vocab_size"),
+  m.def(
+      "bitmask_words",
+      [](int64_t vocab_size) {
+        if (vocab_size < 0 || vocab_size > std::numeric_limits<int64_t>::max() - 31)
+          throw ConstraintError("vocab_size must be non-negative, got " + std::to_string(vocab_size));
+        return BitmaskWords(vocab_size);
+      },
+      py::arg("vocab_size"),
         "Number of int32 words per bitmask row for a vocabulary size.");
   m.def("apply_bitmask", &ApplyBitmask, py::arg("logits"), py::arg("bitmask"), py::arg("rows") = py::none(),
         "Set -inf in float32 logits [B, V] wherever the int32 bitmask [B, ceil(V/32)] bit is "
