@@ -24,7 +24,8 @@ Invariants callers rely on:
   10 s, and skips Redis for `retry_after_s` after a failure (so an outage costs one timeout per
   second, not one per request); nothing here raises to the client for a cache outage.
 - Bounded: the in-process exact cache by bytes (LRU) and per entry; Redis entries per entry and
-  by TTL (SET PX); the semantic cache by `max_entries` (oldest first) and TTL.
+  by TTL (SET PX); the semantic cache by `max_entries` and `max_bytes` (oldest first), per entry
+  (`max_entry_bytes`) and by each entry's TTL (the route's `ttl_s`, as for the exact caches).
 - Entry ids (`EntryIds`, the x-paved-cache-entry a false-hit report names) are
   `<kind>:<payload hex>.<HMAC-SHA256 hex>`, the MAC keyed by a server secret over the tenant, the
   kind and the payload: a tenant cannot forge one (not even for an exact key it can compute) nor
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import hmac
 import itertools
 import json
@@ -824,12 +826,16 @@ class _Entry:
     owner: tuple[str, bytes]  # (tenant, scope): the only index it lives in
     answer: CachedAnswer
     expires_at: float
+    size: int  # what it counts against max_bytes
 
 
 _ENTRY_ID = re.compile(r"sc-([0-9a-f]{16})")
 # A search scanning more rows exactly than this (a bulk load left a big delta) goes to a thread.
 _INLINE_EXACT_ROWS = 16384
 _NEIGHBOURS = 4  # candidates per lookup: the best may have expired
+# Bytes an entry costs beyond its body (the entry, its id, owner and expiry records); its vector
+# lives in the index, bounded by max_entries.
+_SEMANTIC_ENTRY_OVERHEAD = 256
 
 
 def _entry_id(key: int) -> str:
@@ -840,27 +846,37 @@ class SemanticCache:
     """Cached answers found by the cosine similarity of the last question's embedding, within
     one (tenant, scope); see the module docstring for the isolation rules.
 
-    One TTL for every entry, so insertion order is expiry order: expired entries are dropped
-    from the front on every insert (and when a lookup meets one), the oldest first when
-    `max_entries` is reached. One embedding model per instance: an index's dimension is fixed by
-    its first vector."""
+    Each entry lives for the TTL it was inserted with (`insert`'s `ttl_s`: the route's; else
+    this cache's `ttl_s`): expired entries are dropped in deadline order on every insert (and
+    when a lookup meets one). Entries are dropped oldest first when `max_entries` is reached or
+    their bodies (plus a fixed overhead each) would pass `max_bytes`; an answer over
+    `max_entry_bytes` is not stored. One embedding model per instance: an index's dimension is
+    fixed by its first vector."""
 
     def __init__(
         self,
         *,
         max_entries: int = 1_000_000,
+        max_bytes: int = 1 << 30,
+        max_entry_bytes: int = 1 << 20,
         ttl_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         index_factory: Callable[[int], VectorIndex] | None = None,
     ):
-        if max_entries <= 0 or not ttl_s > 0:
-            raise ValueError("max_entries and ttl_s must be positive")
+        if max_entries <= 0 or max_bytes <= 0 or max_entry_bytes <= 0 or not ttl_s > 0:
+            raise ValueError("max_entries, max_bytes, max_entry_bytes and ttl_s must be positive")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_entry_bytes
         self.ttl_s = ttl_s
+        self.bytes = 0  # what the entries count against max_bytes
         self._clock = clock
         self._index_factory = index_factory or VectorIndex
         self._indexes: dict[tuple[str, bytes], VectorIndex] = {}
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # insertion order: oldest first
+        # (expires_at, key) of the entries, a heap; a dropped entry's record stays until it
+        # surfaces or the heap is rebuilt (at twice the live entries).
+        self._expiry: list[tuple[float, int]] = []
         self._per_tenant: Counter[str] = Counter()
 
     def entries(self, tenant: str | None = None) -> int:
@@ -901,8 +917,20 @@ class SemanticCache:
             return SemanticHit(answer=entry.answer, score=min(score, 1.0), entry_id=_entry_id(key))
         return None
 
-    async def insert(self, tenant: str, scope: bytes, vector: np.ndarray, answer: CachedAnswer) -> str:
-        """Store `answer` under the question `vector` in (tenant, scope); returns its entry id."""
+    async def insert(
+        self,
+        tenant: str,
+        scope: bytes,
+        vector: np.ndarray,
+        answer: CachedAnswer,
+        *,
+        ttl_s: float | None = None,
+    ) -> str | None:
+        """Store `answer` under the question `vector` in (tenant, scope) for `ttl_s` (None: this
+        cache's ttl_s); returns its entry id, or None when the answer is too large to keep."""
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        if not 0 < ttl < math.inf:
+            raise ValueError("ttl_s must be positive and finite")
         query = _unit(vector)
         if query is None:
             raise ValueError("the vector must be finite, non-zero and one-dimensional")
@@ -910,9 +938,14 @@ class SemanticCache:
         index = self._indexes.get(owner)
         if index is not None and index.dim != query.shape[0]:
             raise ValueError(f"the vector has {query.shape[0]} dimensions, this cache {index.dim}")
+        size = len(answer.body) + _SEMANTIC_ENTRY_OVERHEAD
+        if len(answer.body) > self.max_entry_bytes or size > self.max_bytes:
+            return None
         now = self._clock()
         self.expire(now)
-        while len(self._entries) >= self.max_entries:
+        while self._entries and (
+            len(self._entries) >= self.max_entries or self.bytes + size > self.max_bytes
+        ):
             self._drop(next(iter(self._entries)))
         index = self._indexes.get(owner)  # the drops above may have closed it
         if index is None:
@@ -922,8 +955,14 @@ class SemanticCache:
         while key in self._entries:
             key = secrets.randbits(63)
         index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
-        self._entries[key] = _Entry(owner=owner, answer=answer, expires_at=now + self.ttl_s)
+        expires_at = now + ttl
+        self._entries[key] = _Entry(owner=owner, answer=answer, expires_at=expires_at, size=size)
+        self.bytes += size
         self._per_tenant[tenant] += 1
+        heapq.heappush(self._expiry, (expires_at, key))
+        if len(self._expiry) > 2 * len(self._entries) + 64:
+            self._expiry = [(e.expires_at, k) for k, e in self._entries.items()]
+            heapq.heapify(self._expiry)
         return _entry_id(key)
 
     async def evict(self, tenant: str, entry_id: str) -> bool:
@@ -939,21 +978,23 @@ class SemanticCache:
         return True
 
     def expire(self, now: float | None = None) -> int:
-        """Drop expired entries (oldest first); returns how many."""
+        """Drop expired entries (earliest deadline first); returns how many."""
         now = self._clock() if now is None else now
         dropped = 0
-        while self._entries:
-            key, entry = next(iter(self._entries.items()))
-            if entry.expires_at > now:
-                break
-            self._drop(key)
-            dropped += 1
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, key = heapq.heappop(self._expiry)
+            entry = self._entries.get(key)
+            # Absent or another entry under a reused id: this record is a dropped entry's.
+            if entry is not None and entry.expires_at == expires_at:
+                self._drop(key)
+                dropped += 1
         return dropped
 
     def _drop(self, key: int) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        self.bytes -= entry.size
         tenant = entry.owner[0]
         self._per_tenant[tenant] -= 1
         if self._per_tenant[tenant] <= 0:

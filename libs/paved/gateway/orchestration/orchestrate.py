@@ -138,18 +138,36 @@ class InternalClient:
                                 raise GatewayError(
                                     502, f"{purpose} call answered {resp.status}", code="internal_call_failed"
                                 )
+                            try:
+                                answer = json.loads(data)
+                            except ValueError:
+                                # A 200 that is not JSON (a proxy's error page) fails like a 5xx:
+                                # as a GatewayError, which is what the callers' fallbacks catch.
+                                ok = False
+                                raise GatewayError(
+                                    502,
+                                    f"{purpose} call answered a body that is not JSON",
+                                    code="internal_call_failed",
+                                ) from None
                             outcome = "ok"
-                            return json.loads(data)
+                            return answer
                 except (aiohttp.ClientConnectionError, OSError) as e:
                     ok = False
+                    if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ClientError):
+                        # The call's own deadline (TimeoutError is an OSError): spent, not to be
+                        # spent again on another backend.
+                        raise GatewayError(
+                            504, f"{purpose} call timed out", code="internal_call_failed"
+                        ) from None
                     excluded.add(backend.id)
                     logger.warning(
                         "%s call to %s failed (%s); trying another backend", purpose, backend.id, e
                     )
-                except TimeoutError:
+                except aiohttp.ClientError as e:
+                    # A body cut off before its Content-Length (ClientPayloadError) and the like.
                     ok = False
                     raise GatewayError(
-                        504, f"{purpose} call timed out", code="internal_call_failed"
+                        502, f"{purpose} call failed: {type(e).__name__}", code="internal_call_failed"
                     ) from None
                 finally:
                     self._router.end(backend.id, ok=ok)
@@ -206,7 +224,8 @@ class InternalClient:
                     listing = json.loads(await resp.read()) if resp.status == 200 else {}
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             return None
-        for card in listing.get("data") or []:
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        for card in cards if isinstance(cards, list) else []:
             if isinstance(card, dict) and card.get("id") == backend.upstream_model:
                 value = card.get("max_model_len")
                 if isinstance(value, int) and value > 0:
@@ -637,7 +656,9 @@ class Orchestrator:
                 if plan.policy.exact and self.exact is not None:
                     await self.exact.put(plan.keys.exact, cached, plan.policy.ttl_s)
                 if plan.policy.semantic and self.semantic is not None and plan.vector is not None:
-                    await self.semantic.insert(plan.tenant, plan.keys.scope, plan.vector, cached)
+                    await self.semantic.insert(
+                        plan.tenant, plan.keys.scope, plan.vector, cached, ttl_s=plan.policy.ttl_s
+                    )
             if plan.conversation is not None and answer is not None and self.conversations is not None:
                 message = _assistant_message(answer)
                 if message is not None:
