@@ -253,6 +253,25 @@ def _logprobs(text: bytes, top: int) -> list[TokenLogprob] | None:
     return result
 
 
+def _merged(into: GenerateOutput, out: GenerateOutput) -> GenerateOutput:
+    """`into` followed by `out`, as one output (`into` is updated)."""
+    choices = {c.index: c for c in into.choices}
+    for delta in out.choices:
+        held = choices.get(delta.index)
+        if held is None:
+            into.choices.append(delta)
+            choices[delta.index] = delta
+            continue
+        held.text += delta.text
+        if delta.logprobs is not None:
+            held.logprobs = [*(held.logprobs or ()), *delta.logprobs]
+        if delta.num_tokens is not None:
+            held.num_tokens = held.token_count + delta.num_tokens
+        held.finish_reason = delta.finish_reason or held.finish_reason
+    into.finished = out.finished
+    return into
+
+
 class _Overrides(TypedDict):
     """What the URI or the caller fixed; None: the remote model's published value."""
 
@@ -551,7 +570,12 @@ class KServeEngine:
 
         infer = service_pb2.ModelInferRequest(model_name=self.model, id=request.request_id)
         _tensor(infer, "text_input", "BYTES", text.encode())
-        _tensor(infer, "stream", "BOOL", request.stream)
+        # Always streamed from the remote, whatever the caller asked: its first response then
+        # comes with the first token instead of with the last. Admission is awaited below; a
+        # non-streaming wait for the whole generation there could not be cancelled by the
+        # caller (a disconnected client's request ran to its end) and made a caller that
+        # admits several prompts one after the other run them one after the other.
+        _tensor(infer, "stream", "BOOL", True)
         _tensor(infer, "sampling_parameters", "BYTES", json.dumps(params).encode())
         _tensor(infer, "exclude_input_in_output", "BOOL", True)
         _tensor(infer, "return_num_input_tokens", "BOOL", True)
@@ -614,6 +638,12 @@ class KServeEngine:
         s = request.sampling
         first = True
         finished = False
+        # Choices already finished. With n > 1 the remote reports every choice in every
+        # response, an ended one again with its finish reason (and nothing new): dropped, so
+        # that each choice finishes once.
+        ended: set[int] = set()
+        # stream=False: the outputs so far, handed on as one when the request ends.
+        held: GenerateOutput | None = None
         try:
             while response is not None:
                 outputs = _outputs(response)
@@ -628,6 +658,8 @@ class KServeEngine:
                 counts = outputs.get("num_output_tokens")
                 choices = []
                 for i in range(len(texts)):
+                    if i in ended:
+                        continue
                     reason = reasons[i].decode() if reasons is not None and i < len(reasons) else "None"
                     choices.append(
                         ChoiceDelta(
@@ -644,6 +676,8 @@ class KServeEngine:
                             else None,
                         )
                     )
+                    if choices[-1].finish_reason is not None:
+                        ended.add(i)
                 if counts is not None:
                     self._generated_tokens += int(counts.sum())
                 output = GenerateOutput(choices=choices, finished=final)
@@ -655,7 +689,12 @@ class KServeEngine:
                         output.prompt_text = prompt_text
                         output.prompt_token_ids = prompt_ids
                 finished = final
-                yield output
+                if request.stream:
+                    yield output
+                else:
+                    held = output if held is None else _merged(held, output)
+                    if final:
+                        yield held
                 if final:
                     break
                 try:
@@ -663,9 +702,11 @@ class KServeEngine:
                 except _Aborted:
                     # Aborted by request id: the choices end like an engine-side abort.
                     finished = True
-                    yield GenerateOutput(
-                        [ChoiceDelta(i, finish_reason="abort") for i in range(s.n)], finished=True
+                    end = GenerateOutput(
+                        [ChoiceDelta(i, finish_reason="abort") for i in range(s.n) if i not in ended],
+                        finished=True,
                     )
+                    yield end if held is None else _merged(held, end)
                     break
             if not finished:
                 raise EngineError(

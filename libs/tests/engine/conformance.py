@@ -329,6 +329,25 @@ def test_n_choices(loop, h, stream):
         assert text_of(outputs, index)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_choices_that_end_apart_each_finish_once(loop, h, stream):
+    """n > 1 where a stop string ends some choices before the others: each choice still
+    finishes exactly once, and nothing of it follows its finish."""
+    sampling = dict(n=3, max_tokens=24, ignore_eos=True, temperature=1.0, seed=11)
+    reference = collect(loop, h, request(**sampling))
+    texts = [text_of(reference, i) for i in range(3)]
+    # A character some choice holds early and another does not hold at that place.
+    ends = {c: [t.find(c) if c in t else len(t) for t in texts] for c in set(texts[0][1:12])}
+    stop = next((c for c, at in sorted(ends.items()) if len(set(at)) > 1 and min(at) > 0), None)
+    assert stop, f"no stop string ending the choices apart in {texts!r}"
+    outputs = collect(loop, h, request(stop=[stop], stream=stream, **sampling))
+    check_shape(outputs, 3)
+    for index, text in enumerate(texts):
+        cut = text.find(stop)
+        assert text_of(outputs, index) == (text if cut < 0 else text[:cut])
+        assert finishes(outputs, index) == ["length" if cut < 0 else "stop"]
+
+
 def test_stop_string_truncates_and_is_reported(loop, h):
     reference = text_of(collect(loop, h, request(max_tokens=40, ignore_eos=True)))
     # A stop string from the middle of the greedy output, at its first occurrence.

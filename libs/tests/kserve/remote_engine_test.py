@@ -5,11 +5,13 @@ Proves the remote path carries what it must (prompt, sampling options, the const
 unchanged, cancellation) and refuses what the tensor interface cannot carry.
 """
 
+import asyncio
 import json
 
 import httpx
 import jsonschema
 import pytest
+from servers import serve_engines
 
 from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, loopback_server, serving, wait_for
 from paved.engine.kserve_engine import KServeEngine
@@ -180,6 +182,41 @@ def test_closing_a_never_iterated_stream_aborts_the_remote_request(loop, engine,
     loop.run(run())
     admitted = backend.requests[-1].request_id
     assert wait_for(lambda: admitted in backend.aborted)
+
+
+def test_a_non_streaming_request_is_admitted_at_its_first_token_and_closes_like_a_stream(
+    loop, engine, backend
+):
+    """stream=False still returns from `generate` once the remote has started the request (not
+    when it has finished), so a caller that gives up can abort it: the prompt "hang" never ends."""
+
+    async def run():
+        stream = await asyncio.wait_for(
+            engine.generate(GenerateRequest("r-unary-hang", LLM, TextPrompt("hang"), stream=False)), 30
+        )
+        await stream.aclose()
+
+    loop.run(run())
+    admitted = backend.requests[-1].request_id
+    assert wait_for(lambda: admitted in backend.aborted)
+    assert not engine._calls
+
+
+def test_a_disconnected_non_streaming_client_aborts_every_remote_prompt(server, backend):
+    """A non-streaming completion of two prompts whose client goes away: both remote requests
+    are aborted (they never end by themselves) and the admission is given back."""
+    before = set(backend.aborted)
+    # Its own engine: the frontend's server loop starts it and owns its channel.
+    remote = KServeEngine.from_uri(f"kserve://127.0.0.1:{server.grpc_port}", LLM, connect_timeout_s=10)
+    with serve_engines(remote) as url:
+        body = {"model": LLM, "prompt": ["hang", "hang"], "max_tokens": 200}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=1)
+        assert wait_for(lambda: len(set(backend.aborted) - before) == 2)
+        assert wait_for(
+            lambda: 'paved_queued_sequences{model="fake-llm"} 0.0' in httpx.get(url + "/metrics").text
+        )
+        assert not remote._calls
 
 
 def test_abort_by_request_id(loop, engine, backend):
