@@ -30,7 +30,11 @@ class Closing:
     async def aclose(self) -> None:
         cleanups, self._cleanups = self._cleanups, []
         try:
-            await aclose(self._iterator)
+            # Another task is inside the generator (a sibling's failure ended the gather that
+            # was reading it): closing it now would raise "already running". The cleanups
+            # abort the request, which ends that task's read and then the generator itself.
+            if not getattr(self._iterator, "ag_running", False):
+                await aclose(self._iterator)
         finally:
             for cleanup in cleanups:
                 try:

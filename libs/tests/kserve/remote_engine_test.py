@@ -17,9 +17,11 @@ from libs.tests.kserve.kserve_fakes import EMBED, LLM, SCHEMA, FakeEngine, loopb
 from paved.engine.kserve_engine import KServeEngine
 from paved.engine.protocol import (
     ChatPrompt,
+    ChoiceDelta,
     Constraint,
     EmbedRequest,
     EngineUnavailableError,
+    GenerateOutput,
     GenerateRequest,
     InvalidRequestError,
     ModelNotFoundError,
@@ -32,9 +34,21 @@ from paved.frontend.registry import ModelRegistry
 from paved.testing.fixtures import tiny_model_dir
 
 
+class Backend(FakeEngine):
+    """FakeEngine, and the prompt "down": one token, then the engine fails (503-class)."""
+
+    async def _stream(self, request, prompt):
+        if prompt == "down":
+            self.requests.append(request)
+            yield GenerateOutput([ChoiceDelta(0, "x", [0])], prompt_tokens=1)
+            raise EngineUnavailableError("the engine died")
+        async for out in super()._stream(request, prompt):
+            yield out
+
+
 @pytest.fixture(scope="module")
 def backend():
-    return FakeEngine()
+    return Backend()
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +231,21 @@ def test_a_disconnected_non_streaming_client_aborts_every_remote_prompt(server, 
             lambda: 'paved_queued_sequences{model="fake-llm"} 0.0' in httpx.get(url + "/metrics").text
         )
         assert not remote._calls
+
+
+def test_one_prompt_failing_mid_generation_fails_the_completion_with_its_status(server, backend):
+    """Two prompts, not streamed: the remote fails one after its first token while the other
+    runs on. The client gets that failure's 503 (not a 500 from closing a stream another task
+    was still reading), and the other remote request is aborted."""
+    before = set(backend.aborted)
+    remote = KServeEngine.from_uri(f"kserve://127.0.0.1:{server.grpc_port}", LLM, connect_timeout_s=10)
+    with serve_engines(remote) as url:
+        body = {"model": LLM, "prompt": ["down", "hang"], "max_tokens": 200}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["message"] == "the engine died"
+        assert wait_for(lambda: len(set(backend.aborted) - before) == 1)
+        assert wait_for(lambda: not remote._calls)
 
 
 def test_abort_by_request_id(loop, engine, backend):
