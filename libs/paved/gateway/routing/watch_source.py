@@ -163,7 +163,7 @@ class HttpRoutesSource(RoutesSource):
             ) from None
         except OSError as e:
             raise RoutesError(f"{self._cache}: cannot read the routes cache ({e.strerror or e})") from None
-        revision, table = self._decode(data, source=f"routes cache {self._cache}")
+        revision, table = await asyncio.to_thread(self._decode, data, source=f"routes cache {self._cache}")
         await self._install(revision, table, save=False)
         self._resync = True
         self._from_cache = True
@@ -230,7 +230,7 @@ class HttpRoutesSource(RoutesSource):
                 self._url, params=params, timeout=timeout, allow_redirects=False
             ) as resp:
                 status = resp.status
-                data = await resp.content.read(MAX_FILE_BYTES + 1)
+                data = await _read_at_most(resp.content, MAX_FILE_BYTES + 1)
         except TimeoutError:
             raise RoutesError(f"{self._url}: no answer within {wait_s + slack_s:g} s") from None
         except (aiohttp.ClientError, OSError) as e:
@@ -243,7 +243,8 @@ class HttpRoutesSource(RoutesSource):
             return False
         if status != 200:
             raise RoutesError(f"{self._url}: HTTP {status}: {_error_message(data)}")
-        revision, table = self._decode(data, source=self._url)
+        # A table of thousands of backends takes a few hundred ms to validate: not on the loop.
+        revision, table = await asyncio.to_thread(self._decode, data, source=self._url)
         self._ok()
         self._resync = False
         self._bad = None
@@ -314,6 +315,20 @@ def _save(path: Path, feed_revision: int, table: RoutesTable) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+async def _read_at_most(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body up to `limit` bytes. StreamReader.read(n) answers what has arrived (one chunk,
+    often 64 KiB), not n bytes: a single call cut bigger tables short."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await content.read(limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _read_bounded(path: Path) -> bytes:
