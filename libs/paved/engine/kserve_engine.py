@@ -587,8 +587,7 @@ class KServeEngine:
         call = self._rpc.ModelStreamInfer(timeout=self.request_timeout_s or None)
         self._calls[request.request_id] = call
         try:
-            await call.write(infer)
-            await call.done_writing()
+            await self._send(call, infer)
             # Admission: the first response (or the error that replaces it).
             first = await self._read(call)
         except BaseException:
@@ -612,6 +611,16 @@ class KServeEngine:
         del self._calls[request.request_id]
         self._counts["cancelled"] += 1
         call.cancel()
+
+    async def _send(self, call, infer: service_pb2.ModelInferRequest) -> None:
+        """Write the call's one request. A call that has already failed (the remote is down or
+        unreachable) raises its status here, before any read: mapped like a read's."""
+        try:
+            await call.write(infer)
+            await call.done_writing()
+        except grpc.aio.AioRpcError as e:
+            hint = f"request_timeout_s={self.request_timeout_s:g} s" if self.request_timeout_s else ""
+            raise _status_error(e, self.target, hint) from e
 
     async def _read(self, call) -> service_pb2.ModelInferResponse | None:
         try:
@@ -746,8 +755,7 @@ class KServeEngine:
             _tensor(infer, "return_num_input_tokens", "BOOL", True)
             call = self._rpc.ModelStreamInfer(timeout=self.request_timeout_s or None)
             try:
-                await call.write(infer)
-                await call.done_writing()
+                await self._send(call, infer)
                 response = await self._read(call)
             finally:
                 call.cancel()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from libs.tests.kserve.kserve_fakes import LLM, FakeEngine
+from libs.tests.kserve.kserve_fakes import EMBED, LLM, FakeEngine
 from paved.engine.kserve_engine import KServeEngine
 from paved.engine.protocol import (
     Constraint,
@@ -180,3 +180,45 @@ def test_the_frontend_answers_400_with_an_openai_body(loop, engine, servicer, st
     servicer.error = "Error generating stream: CUDA out of memory"
     failed = loop.run(post({"max_tokens": 2}))
     assert failed.status_code == 500
+
+
+def test_a_remote_gone_since_start_is_a_503_with_retry_after(loop):
+    """The remote stops after the engine started (before its health probe notices): calls then
+    fail as they are written, and the client gets 503 + Retry-After, not a 500."""
+
+    async def start():
+        server = grpc.aio.server()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            KServeServicer(ModelRepository([FakeEngine()])), server
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        generator = KServeEngine(f"127.0.0.1:{port}", LLM, connect_timeout_s=10)
+        embedder = KServeEngine(f"127.0.0.1:{port}", EMBED, connect_timeout_s=10)
+        await generator.start()
+        await embedder.start()
+        await server.stop(0)
+        return generator, embedder
+
+    generator, embedder = loop.run(start())
+    registry = ModelRegistry([generator, embedder])
+    loop.run(registry.start())
+    app = create_app(registry)
+
+    async def post(path, body):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://paved") as client:
+            return await client.post(path, json=body)
+
+    try:
+        for path, body in (
+            ("/v1/completions", {"model": LLM, "prompt": "hi", "max_tokens": 2}),
+            ("/v1/completions", {"model": LLM, "prompt": "hi", "max_tokens": 2, "stream": True}),
+            ("/v1/embeddings", {"model": EMBED, "input": ["a", "b"]}),
+        ):
+            response = loop.run(post(path, body))
+            assert response.status_code == 503, (path, response.text)
+            assert response.headers["retry-after"]
+            assert response.json()["error"]["code"] == "unavailable"
+    finally:
+        loop.run(registry.stop())
