@@ -38,6 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from paved.bodies import read_at_most
 from paved.control_plane.api import _jsonable, deployment_view, rollout_view
 from paved.control_plane.controller import Controller
 from paved.control_plane.errors import ControlError
@@ -365,7 +366,7 @@ def dashboard_router(
             async with session.get(url) as response:
                 if response.status != 200:
                     return {"url": url, "error": f"HTTP {response.status}"}
-                body = await response.content.read(MAX_METRICS_BYTES + 1)
+                body = await read_at_most(response.content, MAX_METRICS_BYTES + 1)
             if len(body) > MAX_METRICS_BYTES:
                 return {"url": url, "error": "metrics too large"}
             return {"url": url, **parse_gateway_usage(body.decode("utf-8", errors="replace"))}
@@ -402,7 +403,7 @@ def dashboard_router(
                 if response.status != 200:
                     # Only the status: the body of a refusal is the gateway's, never the key.
                     return {"url": url, "error": f"HTTP {response.status}"}
-                body = await response.content.read(MAX_BATCHES_BYTES + 1)
+                body = await read_at_most(response.content, MAX_BATCHES_BYTES + 1)
             if len(body) > MAX_BATCHES_BYTES:
                 return {"url": url, "error": "batch listing too large"}
             return {"url": url, "batches": parse_gateway_batches(json.loads(body))}

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from paved.bodies import read_at_most
 from paved.metrics.gauges import (
     KV_USAGE,
     MAX_METRICS_BYTES,
@@ -243,7 +244,7 @@ class ScrapeSource:
                     async with session.get(url) as r:
                         if r.status != 200:
                             raise MetricsSourceError(f"{url}: HTTP {r.status}")
-                        body = await r.content.read(MAX_METRICS_BYTES + 1)
+                        body = await read_at_most(r.content, MAX_METRICS_BYTES + 1)
                     if len(body) > MAX_METRICS_BYTES:
                         raise MetricsSourceError(f"{url}: metrics larger than {MAX_METRICS_BYTES} bytes")
                     merged.add(parse_gateway_metrics(body.decode("utf-8", errors="replace"), merged.at))
@@ -309,7 +310,7 @@ class PrometheusSource:
                 aiohttp.ClientSession(timeout=timeout) as session,
                 session.get(self.url + "/api/v1/query", params=params, allow_redirects=False) as r,
             ):
-                body = await r.content.read(self.max_bytes + 1)
+                body = await read_at_most(r.content, self.max_bytes + 1)
                 status = r.status
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise MetricsSourceError(f"{self.url}: {type(e).__name__}: {e}") from e

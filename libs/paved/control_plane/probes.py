@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 
+from paved.bodies import read_at_most
 from paved.control_plane.driver import Driver
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.types import Replica
@@ -78,7 +79,7 @@ async def _request(
         async with session.request(
             method, url, json=body, timeout=aiohttp.ClientTimeout(total=deadline.left(what))
         ) as resp:
-            data = await resp.content.read(_MAX_BODY + 1)
+            data = await read_at_most(resp.content, _MAX_BODY + 1)
             if len(data) > _MAX_BODY:
                 raise _Failed(f"{what}: answer larger than {_MAX_BODY} bytes")
             return resp.status, data

@@ -345,10 +345,10 @@ def check_config(
         )
     if config.max_batch_size < 0:
         raise ModelConfigError(f"{where}: max_batch_size must be >= 0")
-    if config.HasField("dynamic_batching"):
-        # With max_batch_size 0 it is accepted and each request runs alone, as in Triton.
-        if any(not 1 <= p <= config.max_batch_size for p in config.dynamic_batching.preferred_batch_size):
-            raise ModelConfigError(f"{where}: preferred_batch_size entries must be in [1, max_batch_size]")
+    # dynamic_batching with max_batch_size 0 is accepted and each request runs alone, as in Triton.
+    preferred = config.dynamic_batching.preferred_batch_size if config.HasField("dynamic_batching") else ()
+    if any(not 1 <= p <= config.max_batch_size for p in preferred):
+        raise ModelConfigError(f"{where}: preferred_batch_size entries must be in [1, max_batch_size]")
     for group in config.instance_group:
         if group.kind not in instance_kinds:
             kinds = ", ".join(model_config_pb2.ModelInstanceGroup.Kind.Name(k) for k in instance_kinds)

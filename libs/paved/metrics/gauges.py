@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from paved.bodies import read_at_most
+
 __all__ = [
     "KV_USAGE",
     "MAX_METRICS_BYTES",
@@ -126,7 +128,7 @@ async def _read(
     async with session.get(url, timeout=limits, allow_redirects=False) as response:
         if response.status != 200:
             raise ScrapeError(f"{url}: HTTP {response.status}")
-        body = await response.content.read(max_bytes + 1)
+        body = await read_at_most(response.content, max_bytes + 1)
     if len(body) > max_bytes:
         raise ScrapeError(f"{url}: metrics larger than {max_bytes} bytes")
     return body

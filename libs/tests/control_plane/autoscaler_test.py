@@ -393,3 +393,42 @@ def test_scrape_errors_are_clear(frontend):
             asyncio.run(scrape(f"http://127.0.0.1:{closed}/metrics", timeout_s=2))
     with pytest.raises(ValueError, match="http"):
         asyncio.run(scrape("ftp://127.0.0.1/metrics"))
+
+
+def test_scrape_reads_a_metrics_page_that_arrives_in_pieces():
+    """A /metrics page bigger than what has arrived at the first read (other families first,
+    vLLM's gauges at its end): one read() answered one chunk, and the gauges read as missing."""
+    import time
+    from http.server import BaseHTTPRequestHandler
+
+    from paved.testing.http_stub import LoopbackHTTPServer
+
+    filler = "".join(f'other_metric_total{{i="{i}"}} {i}\n' for i in range(12000)).encode()
+    gauges = (
+        b'vllm:num_requests_running{model_name="m"} 3\n'
+        b'vllm:num_requests_waiting{model_name="m"} 5\n'
+        b'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+    )
+    page = filler + gauges
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page[:65536])
+            self.wfile.flush()
+            time.sleep(0.2)  # the rest arrives after the first read has returned
+            self.wfile.write(page[65536:])
+
+        def log_message(self, *args):
+            pass
+
+    server = LoopbackHTTPServer(Metrics)
+    try:
+        got = asyncio.run(scrape(server.url + "/metrics", model_id="m"))
+    finally:
+        server.close()
+    assert len(page) > 300_000
+    assert (got.running, got.waiting, got.kv_usage) == (3, 5, 0.25)

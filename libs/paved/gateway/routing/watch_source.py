@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from paved.bodies import read_at_most
 from paved.gateway.routing.router import Router
 from paved.gateway.routing.routes import MAX_FILE_BYTES, RoutesError, RoutesSource, RoutesTable, parse_routes
 
@@ -230,7 +231,7 @@ class HttpRoutesSource(RoutesSource):
                 self._url, params=params, timeout=timeout, allow_redirects=False
             ) as resp:
                 status = resp.status
-                data = await _read_at_most(resp.content, MAX_FILE_BYTES + 1)
+                data = await read_at_most(resp.content, MAX_FILE_BYTES + 1)
         except TimeoutError:
             raise RoutesError(f"{self._url}: no answer within {wait_s + slack_s:g} s") from None
         except (aiohttp.ClientError, OSError) as e:
@@ -315,20 +316,6 @@ def _save(path: Path, feed_revision: int, table: RoutesTable) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-
-
-async def _read_at_most(content: aiohttp.StreamReader, limit: int) -> bytes:
-    """The body up to `limit` bytes. StreamReader.read(n) answers what has arrived (one chunk,
-    often 64 KiB), not n bytes: a single call cut bigger tables short."""
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await content.read(limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def _read_bounded(path: Path) -> bytes:
