@@ -76,6 +76,7 @@ from paved.kserve.wire import (
     PARAM_KIND,
     PARAM_MAX_LOGPROBS,
     PARAM_MAX_MODEL_LEN,
+    RETRY_AFTER_PARAMETER,
     error_code_of,
     parameters_from_options,
 )
@@ -140,6 +141,9 @@ def _inband_error(response: service_pb2.ModelStreamInferResponse, target: str) -
     if code == "NOT_FOUND":
         return ModelNotFoundError(message)
     if code == "UNAVAILABLE":
+        if RETRY_AFTER_PARAMETER in params:  # paved's push-back, with its delay
+            delay = params[RETRY_AFTER_PARAMETER].int64_param
+            return EngineOverloadedError(message, retry_after_s=max(1, delay))
         if "queue" in message.lower():
             return EngineOverloadedError(message)
         return EngineUnavailableError(message)

@@ -53,7 +53,7 @@ from paved.kserve.repository import (
     custom_parameters,
 )
 from paved.kserve.tensors import from_contents, from_raw, to_raw
-from paved.kserve.wire import ERROR_CODE_PARAMETER
+from paved.kserve.wire import ERROR_CODE_PARAMETER, RETRY_AFTER_PARAMETER
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("paved.kserve.access")
@@ -408,6 +408,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             )
             message.parameters["triton_final_response"].bool_param = True
             message.parameters[ERROR_CODE_PARAMETER].string_param = error.code.name
+            if error.retry_after_s is not None:
+                message.parameters[RETRY_AFTER_PARAMETER].int64_param = int(error.retry_after_s)
             await queue.put(
                 service_pb2.ModelStreamInferResponse(error_message=error.message, infer_response=message)
             )

@@ -24,6 +24,10 @@ PARAM_KIND = "paved.kind"
 # Response parameter naming the status code of an in-band stream error: Triton's stream
 # protocol carries none, and the client needs it to tell a bad request from an outage.
 ERROR_CODE_PARAMETER = "paved_error_code"
+# Beside an in-band UNAVAILABLE that is push-back (an admission bound or a queue full, not an
+# outage): the seconds to wait, the HTTP Retry-After the refusal would have had. A client
+# counts such a refusal apart from failures, as alerting does.
+RETRY_AFTER_PARAMETER = "paved_retry_after_s"
 
 # The same code where a server cannot set response parameters on an error: Triton (2.51
 # measured) sends a Python-backend model's `TritonError(message, code)` on ModelStreamInfer as

@@ -222,3 +222,33 @@ def test_a_remote_gone_since_start_is_a_503_with_retry_after(loop):
             assert response.json()["error"]["code"] == "unavailable"
     finally:
         loop.run(registry.stop())
+
+
+def test_a_remote_at_capacity_is_push_back_not_an_outage(loop):
+    """paved's KServe server refusing a request for want of capacity (its admission bound, a
+    full queue) answers in-band with the Retry-After it gave: the engine reads push-back
+    (EngineOverloadedError, counted apart from errors by alerting) with that delay, where it
+    read an outage unless the message happened to say "queue"."""
+    from paved.engine.protocol import EngineOverloadedError
+    from paved.kserve.server import KServeServer
+
+    def full(model, sequences):
+        raise EngineOverloadedError(f"model {model!r} is at capacity", retry_after_s=3)
+
+    async def start():
+        server = KServeServer(
+            [FakeEngine()], [], host="127.0.0.1", grpc_port=0, http_port=None, admission=full
+        )
+        await server.start()
+        engine = KServeEngine(f"127.0.0.1:{server.grpc_port}", LLM, connect_timeout_s=10)
+        await engine.start()
+        return server, engine
+
+    server, engine = loop.run(start())
+    try:
+        with pytest.raises(EngineOverloadedError) as refused:
+            _generate(loop, engine)
+        assert refused.value.retry_after_s == 3 and "capacity" in str(refused.value)
+    finally:
+        loop.run(engine.stop())
+        loop.run(server.stop(grace_s=1))
