@@ -64,7 +64,7 @@ from paved.engine.protocol import (
     TokenPrompt,
     TopLogprob,
 )
-from paved.engine.streams import Closing
+from paved.engine.streams import Closing, gather_or_cancel
 from paved.engine.text import render_chat_template
 
 if TYPE_CHECKING:
@@ -773,7 +773,7 @@ class KServeEngine:
         for prompt in request.inputs:
             if not isinstance(prompt, TextPrompt | TokenPrompt):
                 raise InvalidRequestError("embedding inputs must be text or token ids", param="input")
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(request.inputs)))
+        results = await gather_or_cancel(*(one(i, p) for i, p in enumerate(request.inputs)))
         return EmbedResult(embeddings=[v for v, _ in results], prompt_tokens=sum(c for _, c in results))
 
     async def tokenize(self, model: str, text: str, *, add_special_tokens: bool) -> list[int]:

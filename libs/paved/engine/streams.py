@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Closing:
@@ -50,3 +51,17 @@ async def aclose(iterator: Any) -> None:
     close = getattr(iterator, "aclose", None)
     if close is not None:
         await close()
+
+
+async def gather_or_cancel(*awaitables: Awaitable[T]) -> list[T]:
+    """asyncio.gather, except that the first failure cancels the others (and waits for them)
+    before it is raised: a request's sibling prompts or inputs must not keep generating, or
+    hold their engine streams, for an answer that has already failed."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -28,6 +28,7 @@ from paved.engine.protocol import (
     TextPrompt,
     TokenPrompt,
 )
+from paved.engine.streams import gather_or_cancel
 from paved.frontend import responses, schemas, structured
 from paved.frontend.bodies import OffLoopBodyRoute
 from paved.frontend.errors import APIError
@@ -341,7 +342,7 @@ async def completions(body: schemas.CompletionRequest, request: Request):
     streams = [counted(s, log, i) for i, s in enumerate(admitted.streams)]
     try:
         results = await unless_disconnected(
-            request, asyncio.gather(*(responses.collect(s, body.n) for s in streams))
+            request, gather_or_cancel(*(responses.collect(s, body.n) for s in streams))
         )
     finally:
         await admitted.close()
@@ -466,7 +467,7 @@ async def rank(body: schemas.RankRequest, request: Request):
     try:
         results = await unless_disconnected(
             request,
-            asyncio.gather(
+            gather_or_cancel(
                 *(responses.collect(counted(s, log, i), 1) for i, s in enumerate(admitted.streams))
             ),
         )

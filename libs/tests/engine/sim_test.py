@@ -234,3 +234,37 @@ def test_gauges_on_the_frontends_metrics():
         assert 'vllm:generation_tokens_total{engine="0",model_name="chat"}' in text
 
     run(body())
+
+
+def test_one_failure_cancels_the_sibling_generations():
+    """A request's prompts are generated side by side: the first to fail cancels the others
+    (which close their engine streams) before the error is raised; asyncio.gather left them
+    generating for an answer that had already failed."""
+    from paved.engine.streams import gather_or_cancel
+
+    async def main():
+        engine = SimEngine(SimConfig("sim", tokens_per_s=50, max_model_len=512))
+        await engine.start()
+        sibling_closed = asyncio.Event()
+
+        async def long_prompt():
+            stream = await engine.generate(req(1, max_tokens=400))
+            try:
+                async for _ in stream:
+                    pass
+            finally:
+                await stream.aclose()
+                sibling_closed.set()
+
+        async def failing_prompt():
+            await asyncio.sleep(0.1)
+            raise RuntimeError("the engine died")
+
+        with pytest.raises(RuntimeError, match="died"):
+            await gather_or_cancel(long_prompt(), failing_prompt())
+        assert sibling_closed.is_set()  # closed before the error reached the caller
+        assert engine.num_running == 0
+        assert await gather_or_cancel(asyncio.sleep(0, 1), asyncio.sleep(0, 2)) == [1, 2]
+        await engine.stop()
+
+    run(main())
