@@ -249,6 +249,38 @@ def test_batcher_waits_again_once_a_wait_gathers_a_request():
     asyncio.run(main())
 
 
+def test_batcher_waits_again_once_requests_overlap():
+    """In the no-wait state, a request arriving while another executes is concurrency: the
+    batch it forms waits its delay again (and gathers the third)."""
+    release = None
+
+    async def run(batch):
+        await release.wait()
+        return batch
+
+    async def main():
+        nonlocal release
+        release = asyncio.Event()
+        batcher = DynamicBatcher(
+            run, name="m", max_batch_size=8, max_queue_delay_s=60.0, preferred_batch_sizes=[2]
+        )
+        batcher._fruitless = batcher_module.FRUITLESS_WAITS  # as after that many fruitless waits
+        first = asyncio.ensure_future(batcher.submit(np.array([[1]])))
+        await asyncio.sleep(0.05)
+        assert batcher.waits == 0 and dict(batcher.batches) == {1: 1}  # left at once, executing
+        second = asyncio.ensure_future(batcher.submit(np.array([[2]])))  # while the first runs
+        release.set()
+        await first
+        await asyncio.sleep(0.05)
+        assert not second.done() and batcher.waits == 1  # waiting (60 s) for company
+        await batcher.submit(np.array([[3]]))
+        await second
+        assert dict(batcher.batches) == {1: 1, 2: 1}
+        await batcher.close()
+
+    asyncio.run(main())
+
+
 def test_adaptive_queue_delay_parameter(tmp_path):
     """`paved_adaptive_queue_delay` "false" keeps Triton's always-wait; anything but
     true/false fails the load with the reason."""
