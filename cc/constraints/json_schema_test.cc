@@ -81,7 +81,7 @@ TEST(JsonSchema, DateFormatAcceptsExactlyTheDaysOfTheCalendar) {
         const bool short_month = m == 4 || m == 6 || m == 9 || m == 11;
         const int days = m < 1 || m > 12 ? 0 : m == 2 ? (leap(y) ? 29 : 28) : short_month ? 30 : 31;
         for (int d = 0; d <= 32; ++d) {
-          char text[16];
+          char text[24];
           std::snprintf(text, sizeof(text), "\"%04d-%02d-%02d\"", y, m, d);
           ASSERT_EQ(dfa.Matches(text), y > 0 && d >= 1 && d <= days) << text;
         }

@@ -227,6 +227,29 @@ def test_a_wait_past_its_deadline_is_refused_and_leaves_the_queue():
     assert _sample(metrics, "paved_gateway_queue_depth", model=M, tenant="t") == 0
 
 
+def test_a_timeout_after_a_long_wait_with_nobody_let_through_asks_for_more_than_a_second():
+    """Nobody let through, so no recent wait to go by: the Retry-After of a request that
+    waited 30 s for nothing is half that, not the 1 s that sent clients straight back."""
+    now = [1000.0]
+    flow = FlowController(clock=lambda: now[0])
+
+    async def run() -> None:
+        flow.set_window(M, 0)
+        # Its deadline passes 50 ms from now (the loop's timer); the clock says 30 s went by.
+        waiter = asyncio.create_task(flow.acquire(M, "t", FG, now[0] + 0.05))
+        await asyncio.sleep(0)
+        now[0] += 30
+        try:
+            await asyncio.wait_for(waiter, 60)
+        except QueueRefusedError as refused:
+            assert refused.code == "queue_timeout"
+            assert int(refused.headers["Retry-After"]) >= 15
+            return
+        raise AssertionError("the request was let through")
+
+    asyncio.run(run())
+
+
 def test_a_cancelled_waiter_leaves_no_waiter_and_no_slot():
     metrics = GatewayMetrics()
     flow = FlowController(metrics=metrics)

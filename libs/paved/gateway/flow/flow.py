@@ -338,8 +338,8 @@ class FlowController:
             q = self._queues[model] = _ModelQueue(model)
         return q
 
-    def _retry_after(self, q: _ModelQueue) -> int:
-        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(q.wait_ewma)))
+    def _retry_after(self, q: _ModelQueue, *, at_least_s: float = 0.0) -> int:
+        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(max(q.wait_ewma, at_least_s))))
 
     async def _join(self, slot: Slot, *, front: bool, pump: bool = True) -> None:
         q = slot._q
@@ -399,7 +399,10 @@ class FlowController:
             f"the model '{slot.model}' had no capacity for this request within its queue's wait "
             f"limit ({slot.waited_s:.1f} s waited); retry after the Retry-After delay",
             "queue_timeout",
-            self._retry_after(slot._q),
+            # The recent wait of those let through, but no less than half this request's own
+            # wait for nothing: with none let through (a model that does not wake, say) the
+            # average is 0, and Retry-After 1 asked clients to come straight back.
+            self._retry_after(slot._q, at_least_s=slot.waited_s / 2),
         )
 
     def _enqueue(self, q: _ModelQueue, slot: Slot, now: float, *, front: bool) -> None:
