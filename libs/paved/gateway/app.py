@@ -176,7 +176,7 @@ def create_app(
     app.add_route("/health/ready", ready, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/admin/v1/routes", routes_view, methods=["GET"])
-    app.include_router(admin_router(gateway.store, gateway.admin))
+    app.include_router(admin_router(gateway.store, gateway.admin, on_revoke=gateway.authenticator.invalidate))
     orchestrator = gateway.orchestrator
     if orchestrator is not None:
         _orchestration_routes(app, gateway, orchestrator)

@@ -256,6 +256,12 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             routes_url(args.routes)
         except RoutesError as e:
             p.error(f"--routes: {e}")
+    try:
+        # Here, not in build(): a bad key file or key is a usage error (exit 2, one line),
+        # not a traceback from inside the event loop.
+        load_admin_key(args.admin_key_file)
+    except ValueError as e:
+        p.error(str(e))
     if bool(args.bootstrap_tenant) != bool(args.bootstrap_key_file):
         p.error("--bootstrap-tenant and --bootstrap-key-file go together")
     if args.exact_cache == "redis" and not args.redis:
@@ -334,7 +340,8 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
     if state.startswith("sqlite:///"):
         Path(state.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     store = GatewayStore(state)
-    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY")
+    # Stripped as load_admin_key strips it: a blank variable gets a fresh key, which is shown.
+    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY", "").strip()
     admin_key = load_admin_key(args.admin_key_file)
     if generated:
         # No configured admin key: this one exists only in this process; shown once.

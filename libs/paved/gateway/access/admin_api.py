@@ -120,7 +120,11 @@ def _admin_route_class(admin: AdminAuth) -> type[APIRoute]:
     return AdminRoute
 
 
-def admin_router(store: GatewayStore, admin: AdminAuth) -> APIRouter:
+def admin_router(
+    store: GatewayStore, admin: AdminAuth, on_revoke: Callable[[str], None] | None = None
+) -> APIRouter:
+    """`on_revoke(key_id)` runs after each revocation: the replica's Authenticator.invalidate,
+    so the key stops working here at once, not when its cached lookup ages out."""
     router = APIRouter(prefix="/admin/v1", route_class=_admin_route_class(admin))
 
     @router.post("/tenants", status_code=201)
@@ -166,7 +170,10 @@ def admin_router(store: GatewayStore, admin: AdminAuth) -> APIRouter:
         return {"object": "list", "data": [k.to_dict() for k in await store.list_keys(tenant)]}
 
     async def revoke(key_id: str) -> dict[str, Any]:
-        return (await store.revoke_key(key_id)).to_dict()
+        info = await store.revoke_key(key_id)
+        if on_revoke is not None:
+            on_revoke(info.key_id)
+        return info.to_dict()
 
     router.add_api_route("/keys/{key_id}/revoke", revoke, methods=["POST"])
     router.add_api_route("/keys/{key_id}", revoke, methods=["DELETE"])

@@ -166,12 +166,29 @@ class Authenticator:
         return record
 
 
+def check_admin_key(admin_key: object) -> str:
+    """`admin_key` stripped, if it can be presented at all; ValueError otherwise.
+
+    Only printable ASCII: an HTTP header value reaches the app as latin-1 and HTTP clients
+    (httpx, the `paved` CLI) refuse to send anything else, so a key with any other character
+    would be accepted at startup and then never match, locking the admin out with no hint why.
+    """
+    if not isinstance(admin_key, str) or not admin_key.strip():
+        raise ValueError("the admin key must be a non-empty string")
+    key = admin_key.strip()
+    if not all(" " <= c <= "~" for c in key):
+        raise ValueError(
+            "the admin key must be printable ASCII (it travels in an HTTP header); "
+            "generate one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return key
+
+
 class AdminAuth:
     """The admin key check. Holds only the key's SHA-256; compares in constant time."""
 
     def __init__(self, admin_key: str):
-        if not isinstance(admin_key, str) or not admin_key.strip():
-            raise ValueError("the admin key must be a non-empty string")
+        admin_key = check_admin_key(admin_key)
         self._hash = hashlib.sha256(admin_key.strip().encode()).digest()
 
     def check(self, authorization: str | None) -> None:
@@ -196,7 +213,8 @@ def generate_admin_key() -> str:
 def load_admin_key(path: str | os.PathLike[str] | None, env: str = "PAVED_ADMIN_KEY") -> str:
     """The admin key: from `path` (file contents, stripped) if given, else the `env` variable,
     else a freshly generated one (the server prints that once to stderr). A named file that is
-    missing, unreadable, empty or oversized is an error, never a silent fresh key."""
+    missing, unreadable, empty or oversized, and a key from either that is not printable ASCII,
+    are errors (ValueError), never a silent fresh key."""
     if path is not None:
         p = Path(path)
         try:
@@ -212,7 +230,15 @@ def load_admin_key(path: str | os.PathLike[str] | None, env: str = "PAVED_ADMIN_
             raise ValueError(f"the admin key file {p} is not UTF-8 text") from None
         if not key:
             raise ValueError(f"the admin key file {p} is empty")
-        return key
+        try:
+            return check_admin_key(key)
+        except ValueError as exc:
+            raise ValueError(f"the admin key file {p}: {exc}") from None
     # An empty variable counts as unset (a common way to "unset" one in compose files).
     key = os.environ.get(env, "").strip()
-    return key or generate_admin_key()
+    if not key:
+        return generate_admin_key()
+    try:
+        return check_admin_key(key)
+    except ValueError as exc:
+        raise ValueError(f"${env}: {exc}") from None
