@@ -54,6 +54,9 @@ from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body, validation_message
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# A rollout id as the store makes them ("ro_" + hex). Checked before any query: PostgreSQL
+# refuses a NUL in a text parameter (a DataError, so a 500), which a path or query may carry.
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # Admin bodies are small JSON documents (a deployment spec, a patch, rollout params); 1 MiB is
 # far above any real one and keeps a client from making the control plane hold a huge upload.
@@ -214,6 +217,12 @@ def create_app(
         except GatewayError as e:  # the gateway's AdminAuth: the same 401 here
             raise ControlError(e.status, e.message, code=e.code, headers=e.headers) from None
 
+    async def _rollout(rollout_id: str) -> Any:
+        record = await store.get_rollout(rollout_id) if _ROLLOUT_ID.fullmatch(rollout_id) else None
+        if record is None:
+            raise NotFound(f"no rollout {rollout_id[:80]!r}", code="rollout_not_found")
+        return record
+
     async def _deployment(model: str, version: str) -> Deployment:
         d = await store.get_deployment(model, version)
         if d is None or d.state == "deleted":
@@ -230,6 +239,14 @@ def create_app(
             raise BadRequest(
                 f"unknown region(s) {unknown}; this control plane has {sorted(controller.drivers)}"
             )
+        for field, value, code in (
+            ("package_uri", body.package_uri, "bad_package"),
+            ("engine", body.engine, "bad_engine"),
+        ):
+            # Both reach a replica's command line (a NUL cannot be in an argument: the driver
+            # failed every reconcile pass on it) and its logs: a URI has no control characters.
+            if not value.isprintable():
+                raise BadRequest(f"{field} must not contain control characters", code=code)
         if body.engine != "package" and not body.engine.startswith("sim://"):
             raise BadRequest("engine must be 'package' or a sim:// URI (the simulated engine)")
         if body.engine != "package":
@@ -443,17 +460,13 @@ def create_app(
     @api.get("/rollouts/{rollout_id}")
     async def get_rollout(rollout_id: str, request: Request) -> dict[str, Any]:
         auth(request)
-        record = await store.get_rollout(rollout_id)
-        if record is None:
-            raise NotFound(f"no rollout {rollout_id}", code="rollout_not_found")
+        record = await _rollout(rollout_id)
         return rollout_view(record)
 
     @api.post("/rollouts/{rollout_id}/abort")
     async def abort_rollout(rollout_id: str, request: Request) -> dict[str, Any]:
         auth(request)
-        record = await store.get_rollout(rollout_id)
-        if record is None:
-            raise NotFound(f"no rollout {rollout_id}", code="rollout_not_found")
+        record = await _rollout(rollout_id)
         record = await rollout_mod.request_abort(store, record, reason="aborted through the API")
         controller.poke()
         return rollout_view(record)
@@ -495,6 +508,8 @@ def create_app(
         auth(request)
         if not 1 <= limit <= 1000:
             raise BadRequest("limit must be 1..1000")
+        if rollout_id is not None and not _ROLLOUT_ID.fullmatch(rollout_id):
+            raise BadRequest(f"rollout_id must match {_ROLLOUT_ID.pattern}", code="invalid_rollout_id")
         events = await store.list_audit(
             model_id=model_id, rollout_id=rollout_id, after_id=after_id, limit=limit
         )
