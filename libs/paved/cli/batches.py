@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,9 @@ from paved.cli.common import DEFAULT_GATEWAY, CliError, base_url, gateway_url_op
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
 _TIMEOUT_S = 60.0
+# Sent in a header: printable ASCII without spaces. Anything else made httpx fail mid-request,
+# with the header (the key) in its message or as a UnicodeEncodeError traceback.
+_API_KEY = re.compile(r"[\x21-\x7e]{1,4096}")
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -37,6 +42,16 @@ def _pair(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--metadata takes KEY=VALUE, got '{text}'")
     return key, value
+
+
+def _poll_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.05 <= value <= 3600:  # nan fails this too; time.sleep refused a negative one
+        raise argparse.ArgumentTypeError(f"--poll {text!r:.40}: seconds in 0.05..3600")
+    return value
 
 
 def _options() -> argparse.ArgumentParser:
@@ -64,7 +79,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     create.add_argument(
         "--wait", action="store_true", help="follow the batch with a progress bar until it ends"
     )
-    create.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
+    create.add_argument("--poll", type=_poll_s, default=1.0, help=argparse.SUPPRESS)
     create.set_defaults(run=_create, parser=create)
 
     list_ = sub.add_parser("list", parents=[common], help="the tenant's batches, newest first")
@@ -100,6 +115,9 @@ class _Client:
         key = str(args.api_key or os.environ.get("PAVED_API_KEY") or os.environ.get("OPENAI_API_KEY") or "")
         if not key.strip():
             args.parser.error("no API key: set PAVED_API_KEY (or pass --api-key)")
+        if _API_KEY.fullmatch(key.strip()) is None:
+            # The message never repeats the key.
+            args.parser.error("the API key must be 1-4096 printable ASCII characters, without spaces")
         self.url = url
         self.headers = {"Authorization": f"Bearer {key.strip()}"}
 
