@@ -780,7 +780,7 @@ class KServeForwarder:
                 message: bytes | None = first
                 while message is not None:
                     if message is not first:
-                        refusal = await self._admit_stream_message(principal, head, message)
+                        refusal = await self._admit_stream_message(principal, head, message, context)
                         if refusal is not None:
                             await queue.put(refusal)
                             message = await _next(request_iterator)
@@ -824,15 +824,23 @@ class KServeForwarder:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _admit_stream_message(
-        self, principal: Principal, head: RequestHead, message: bytes
+        self, principal: Principal, head: RequestHead, message: bytes, context: grpc.aio.ServicerContext
     ) -> bytes | None:
         """None to forward a later stream message; else the in-band error answering it. Each
-        message counts against the per-minute limits (acquired and finished at once: the
+        message is authorized again (through the authenticator's cache: a key revoked or
+        expired, or a model taken off the tenant's list, stops an open stream too, not only the
+        next one) and counts against the per-minute limits (acquired and finished at once: the
         stream itself holds the concurrency slot)."""
         try:
             this = read_head(message, infer=True)
         except GatewayError as e:
             return _stream_error(RequestHead(name=head.name), grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        try:
+            principal = await self._authenticate(context)
+            if not principal.allows(this.name):
+                raise ModelNotAllowedError(this.name)
+        except GatewayError as e:
+            return _stream_error(this, _code(e), e.message)
         if (this.name, this.version) != (head.name, head.version):
             return _stream_error(
                 this,
