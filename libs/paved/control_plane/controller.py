@@ -54,6 +54,11 @@ _LIVE = ("starting", "ready", "unhealthy")
 _ADDRESSES = ("url", "admin_url", "kserve_grpc", "kserve_http", "metrics_url", "driver_ref")
 
 
+# The first wait after a failed reconcile pass (doubled per failure in a row, up to the
+# pass interval).
+FAILED_PASS_BACKOFF_S = 0.1
+
+
 class Controller:
     def __init__(
         self,
@@ -142,17 +147,27 @@ class Controller:
         self._wakeup.set()
 
     async def _loop(self) -> None:
+        failures = 0
         while True:
             try:
                 await self.reconcile()
                 self.last_error = None
+                failures = 0
             except Exception as e:  # one bad pass must not stop the controller
                 self.last_error = f"{type(e).__name__}: {e}"
                 logger.exception("reconcile pass failed")
+                failures += 1
             # Sleep to the next pass, or sooner when a rollout's next step is due.
             due = min(self._wake.values(), default=math.inf) - time.time()
+            wait = max(0.0, min(self.interval_s, due))
+            if failures:
+                # A pass that fails with a step already due would run again at once, over and
+                # over, and the loop would starve the API on the same event loop (a stored
+                # value the driver refuses did). Back off, doubling up to the pass interval.
+                backoff = FAILED_PASS_BACKOFF_S * 2 ** min(failures - 1, 16)
+                wait = max(wait, min(self.interval_s, backoff))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), max(0.0, min(self.interval_s, due)))
+                await asyncio.wait_for(self._wakeup.wait(), wait)
             self._wakeup.clear()
 
     async def _adopt(self) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import math
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -795,3 +796,28 @@ def test_check_fingerprint() -> None:
     assert "max_model_len, tokenizer_sha256" in e.value.message
     assert "use the versioned strategy or force" in e.value.message
     check_fingerprint(fp, changed, force=True)
+
+
+def test_a_failing_reconcile_pass_with_a_step_due_backs_off():
+    """A pass that fails while a rollout step is already due was run again at once, in a
+    tight loop that starved the API on the same event loop (a NUL in a stored engine URI made
+    every pass fail). After a failure the next pass waits, doubling up to the pass interval."""
+    controller = Controller(None, {}, None, None, interval_s=5.0)  # type: ignore[arg-type]
+    passes = 0
+
+    async def failing() -> None:
+        nonlocal passes
+        passes += 1
+        raise ValueError("embedded null byte")
+
+    async def main() -> None:
+        controller.reconcile = failing  # type: ignore[method-assign]
+        controller._wake["ro_due"] = time.time() - 1  # a step already due
+        loop = asyncio.create_task(controller._loop())
+        await asyncio.sleep(1.0)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    asyncio.run(main())
+    assert 1 <= passes <= 6, passes  # 0.1 + 0.2 + 0.4 s waits fit in the second; thousands before
+    assert controller.last_error == "ValueError: embedded null byte"
