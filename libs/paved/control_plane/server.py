@@ -244,7 +244,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Path]:
 
 
 async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver]) -> int:
-    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY")
+    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY", "").strip()
     admin_key = load_admin_key(args.admin_key_file)
     if generated:
         print(
