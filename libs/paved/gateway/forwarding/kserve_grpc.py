@@ -60,6 +60,7 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError, grpc_code_n
 from paved.gateway.flow.flow import PRIORITY_HEADER, Priority
 from paved.gateway.forwarding.held import HeldRequests
 from paved.gateway.routing.router import Pick, Router
+from paved.gateway.routing.routes import ModelRoute
 from paved.gateway.types import Principal
 from paved.http.kserve_names import grpc_status_name
 from paved.http.tracing import (
@@ -406,12 +407,30 @@ def _usable_ids(router: Router) -> set[str]:
     }
 
 
+_PROTOCOLS = {"kserve_grpc": "KServe gRPC", "kserve_http": "KServe HTTP"}
+
+
+def require_protocol(route: ModelRoute, model: str, attribute: str) -> None:
+    """GatewayError 400 `protocol_not_supported` when no backend of `route` (awake) has the
+    KServe address `attribute` ("kserve_grpc" / "kserve_http"): no retry could help, and the
+    pick would run out of candidates and call them all unhealthy (a 503 retried forever)."""
+    if route.scaled_to_zero or any(getattr(b, attribute) for b in route.backends):
+        return
+    other = _PROTOCOLS["kserve_http" if attribute == "kserve_grpc" else "kserve_grpc"]
+    raise GatewayError(
+        400,
+        f"model '{model}' is not served over {_PROTOCOLS[attribute]} by this gateway; use the API its "
+        f"replicas serve (the OpenAI API, or {other})",
+        code="protocol_not_supported",
+    )
+
+
 def kserve_models(router: Router, principal: Principal, attribute: str) -> list[tuple[str, bool, str]]:
     """(alias, ready, reason) of each routed model the caller may use; ready: some usable
     backend has the KServe address `attribute` ("kserve_grpc" / "kserve_http"); reason: why
     not ("" when ready)."""
     usable = _usable_ids(router)
-    protocol = "KServe gRPC" if attribute == "kserve_grpc" else "KServe HTTP"
+    protocol = _PROTOCOLS[attribute]
     out = []
     for alias, route in router.table.models.items():
         if not principal.allows(alias):
@@ -895,15 +914,7 @@ class KServeForwarder:
     def _pick(self, model: str, principal: Principal, exclude: list[str]) -> tuple[Pick, grpc.aio.Channel]:
         """A backend with a KServe gRPC address (others are excluded and the pick repeated)."""
         self._retain_channels()
-        route = self.router.route(model)
-        if not route.scaled_to_zero and not any(b.kserve_grpc for b in route.backends):
-            # No retry can help (it was a 503 "unhealthy" with Retry-After, retried forever).
-            raise GatewayError(
-                400,
-                f"model '{model}' is not served over KServe gRPC by this gateway; use the API its "
-                "replicas serve (the OpenAI API, or KServe HTTP)",
-                code="protocol_not_supported",
-            )
+        require_protocol(self.router.route(model), model, "kserve_grpc")
         for _ in range(_MAX_PICKS):
             pick = self.router.pick(model, sticky_key=principal.key_id, exclude=tuple(exclude))
             if pick.backend.kserve_grpc:

@@ -66,6 +66,7 @@ from paved.gateway.forwarding.kserve_grpc import (
     CallLog,
     any_kserve_ready,
     kserve_models,
+    require_protocol,
     sampling_max_tokens,
     write_access,
 )
@@ -341,15 +342,7 @@ def kserve_http_routes(
                     400, f"the model '{name}' is scaled to zero (not ready; a request wakes it)"
                 )
             raise held.waking_error(name)
-        if not route.scaled_to_zero and not any(b.kserve_http for b in route.backends):
-            # (Its replicas serve KServe gRPC or the OpenAI API: the pick below would run out of
-            # candidates and call them all unhealthy.)
-            raise GatewayError(
-                400,
-                f"model '{name}' is not served over KServe HTTP by this gateway; use the API its "
-                "replicas serve (the OpenAI API, or KServe gRPC)",
-                code="protocol_not_supported",
-            )
+        require_protocol(route, name, "kserve_http")
         body = await _read_body(request, max_body_bytes) if method == "POST" else b""
         tokens = 0
         priority = Priority.INTERACTIVE
