@@ -176,8 +176,8 @@ class DynamicBatcher:
         self._timer: _DeadlineTimer | None = None
         self._scheduler: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
-        # Batches whose model call has not returned yet (the tasks outlive it a little: their
-        # callers may already be sending their next requests).
+        # Model calls in progress (not the tasks, which outlive their call a little: its callers
+        # may already be sending their next requests).
         self._executing = 0
         self._closed = False
         # Batch sizes dispatched (rows), and queue-delay waits begun, for tests and the benchmark.
@@ -276,7 +276,6 @@ class DynamicBatcher:
             except BaseException:
                 self._slots.release()
                 raise
-            self._executing += 1
             task = asyncio.create_task(self._execute(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -346,14 +345,6 @@ class DynamicBatcher:
         return batch
 
     async def _execute(self, batch: list[_Pending]) -> None:
-        ran = False
-
-        def returned() -> None:
-            nonlocal ran
-            if not ran:
-                ran = True
-                self._executing -= 1
-
         try:
             inputs = batch[0].rows if len(batch) == 1 else np.concatenate([item.rows for item in batch])
             self.batches[len(inputs)] += 1
@@ -362,6 +353,7 @@ class DynamicBatcher:
             for item in batch:
                 if item.timing is not None:
                     item.timing.dispatched(int(item.enqueued * 1e9), dispatched)
+            self._executing += 1
             try:
                 if self._run_on_loop:
                     outputs = await cast(Callable[[np.ndarray], Awaitable[np.ndarray]], self._run)(inputs)
@@ -369,7 +361,7 @@ class DynamicBatcher:
                     run = cast(Callable[[np.ndarray], np.ndarray], self._run)
                     outputs = await loop.run_in_executor(self._executor, run, inputs)
             finally:
-                returned()
+                self._executing -= 1
                 _record(batch, len(inputs), dispatched)
             offset = 0
             for item in batch:
@@ -378,13 +370,11 @@ class DynamicBatcher:
                     item.future.set_result(outputs[offset : offset + n])
                 offset += n
         except Exception as e:
-            returned()
             logger.exception("model %s: batch of %d request(s) failed", self.name, len(batch))
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(e)
         finally:
-            returned()
             self._slots.release()
 
 
