@@ -856,8 +856,7 @@ class KServeForwarder:
             return _stream_error(RequestHead(name=head.name), grpc.StatusCode.INVALID_ARGUMENT, e.message)
         try:
             principal = await self._authenticate(context)
-            if not principal.allows(this.name):
-                raise ModelNotAllowedError(this.name)
+            self._check_model(principal, this)
         except GatewayError as e:
             return _stream_error(this, _code(e), e.message)
         if (this.name, this.version) != (head.name, head.version):
