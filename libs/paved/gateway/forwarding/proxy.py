@@ -62,6 +62,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
+from paved.bodies import read_at_most
 from paved.gateway.caching.cache import answer_from_stream, replay_sse
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.flow.flow import PRIORITY_HEADER, FlowController, Priority, Slot
@@ -762,17 +763,12 @@ def is_pushback(status: int, body: bytes) -> bool:
 async def _refusal_body(upstream: aiohttp.ClientResponse) -> bytes:
     """The body of an answer the gateway will not pass on (to classify it), or b"" when it is
     larger than an error body or does not arrive within `_REFUSAL_READ_S`."""
-    body = b""
     try:
         async with asyncio.timeout(_REFUSAL_READ_S):
-            while len(body) <= _MAX_REFUSAL_BYTES:
-                chunk = await upstream.content.read(_MAX_REFUSAL_BYTES + 1 - len(body))
-                if not chunk:
-                    return body
-                body += chunk
+            body = await read_at_most(upstream.content, _MAX_REFUSAL_BYTES + 1)
     except (aiohttp.ClientError, OSError, TimeoutError):
-        pass
-    return b""
+        return b""
+    return body if len(body) <= _MAX_REFUSAL_BYTES else b""
 
 
 async def _read_whole(upstream: aiohttp.ClientResponse, timeout_s: float) -> bytes:
