@@ -14,6 +14,7 @@ import json
 import math
 import secrets
 import sqlite3
+import time
 
 import httpx
 import numpy as np
@@ -70,7 +71,11 @@ def platform(tmp_path_factory):
                  "backends": [{"id": "embed", "url": server.url, "version": "v1"}]},
             ],
         )  # fmt: skip
-        gw = GatewayProcess(routes, admin_key="adm-" + secrets.token_hex(16), state_dir=tmp)
+        # A chat stream whose client left is aborted after half a second without a reader
+        # (resumable streams' grace; 30 s by default).
+        gw = GatewayProcess(
+            routes, "--stream-grace", "0.5", admin_key="adm-" + secrets.token_hex(16), state_dir=tmp
+        )
         for tenant in ("team", "other"):
             gw.tenant(tenant, models=["tiny", "plain", "minilm"])
         gw.keys = {t: gw.key(t) for t in ("team", "other")}  # type: ignore[attr-defined]
@@ -84,6 +89,13 @@ def platform(tmp_path_factory):
 
 def _client(gw, tenant: str = "team") -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.keys[tenant], max_retries=0, timeout=120)
+
+
+def _disconnects(gw) -> float:
+    """The gateway's count of the tiny model's answers aborted for want of a client."""
+    metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+    prefix = 'paved_gateway_client_disconnects_total{model="tiny"} '
+    return sum(float(line[len(prefix) :]) for line in metrics.splitlines() if line.startswith(prefix))
 
 
 def _chat(client, **kwargs):
@@ -378,21 +390,34 @@ def test_error_answers_are_never_cached(platform):
         # The engine answered (its 400), not the cache.
         assert e.value.response.headers["x-paved-cache"] == "miss"
         assert "x-paved-backend" in e.value.response.headers
-    # An aborted stream is not cached: the same request afterwards is a miss.
-    messages = [{"role": "user", "content": f"abort {secrets.token_hex(4)}"}]
-    with httpx.stream(
-        "POST", gw.url + "/v1/chat/completions",
-        json={"model": "tiny", "messages": messages, "max_tokens": 200, "temperature": 0, "stream": True,
-              "ignore_eos": True},
-        headers={"Authorization": f"Bearer {gw.keys['team']}"}, timeout=60,
-    ) as r:  # fmt: skip
-        for _ in r.iter_lines():
+    # An aborted stream is not cached: the same request afterwards is a miss. Chat streams are
+    # resumable, so a client leaving aborts the generation only once no reader came back for
+    # the stream's grace (0.5 s here); a generation that finished within it is a whole answer,
+    # and caching it is right. So an abort counts once the gateway has counted the disconnect,
+    # and a race lost to the model is tried again with a new prompt.
+    for _attempt in range(4):
+        messages = [{"role": "user", "content": f"abort {secrets.token_hex(4)}"}]
+        before = _disconnects(gw)
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "max_tokens": 400, "temperature": 0, "stream": True,
+                  "ignore_eos": True},
+            headers={"Authorization": f"Bearer {gw.keys['team']}"}, timeout=60,
+        ) as r:  # fmt: skip
+            for _ in r.iter_lines():
+                break
+        deadline = time.monotonic() + 10
+        while _disconnects(gw) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _disconnects(gw) > before:
             break
+    else:
+        raise AssertionError("the model finished every answer within the stream's grace")
     _, h = _chat(
         client,
         model="tiny",
         messages=messages,
-        max_tokens=200,
+        max_tokens=400,
         temperature=0,
         extra_body={"ignore_eos": True},
     )

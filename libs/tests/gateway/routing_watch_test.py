@@ -197,3 +197,40 @@ def test_tables_are_validated_off_the_event_loop(control_plane, tmp_path: Path, 
         assert all(t is not loop_thread for t in threads)
 
     asyncio.run(run())
+
+
+def test_a_stop_during_the_cache_write_waits_for_it(control_plane, monkeypatch, tmp_path: Path) -> None:
+    """The router takes a new table before its cache write ends: a stop then (a gateway's
+    shutdown) must not cut the write, or the next start offline serves the table before."""
+    control_plane.publish(_big_table(2, 10, "a"))
+    real = watch_source._save
+
+    def slow(*args: Any) -> None:
+        time.sleep(0.5)
+        real(*args)
+
+    monkeypatch.setattr(watch_source, "_save", slow)
+
+    async def run() -> None:
+        router = Router(parse_routes({"models": []}))
+        source = HttpRoutesSource(
+            control_plane.url, router, token=TOKEN, timeout_s=5, retry_s=0.05, start_timeout_s=5,
+            cache_file=tmp_path / "cache.json",
+        )  # fmt: skip
+        await source.start()
+        try:
+            await asyncio.to_thread(control_plane.publish, _big_table(2, 11, "b"))
+            await _wait_for(lambda: _count(router) == 22, "the second table")
+        finally:
+            await source.stop()
+        cached = Router(parse_routes({"models": []}))
+        offline = HttpRoutesSource(
+            "http://127.0.0.1:9", cached, start_timeout_s=0.2, cache_file=tmp_path / "cache.json"
+        )
+        await offline.start()
+        try:
+            assert _count(cached) == 22
+        finally:
+            await offline.stop()
+
+    asyncio.run(run())

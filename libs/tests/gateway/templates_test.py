@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -1016,6 +1017,9 @@ def test_a_hung_child_compiler_is_killed_at_the_compile_deadline(registry, monke
     monkeypatch.setattr(tm, "_INLINE_COMPILE_CHARS", 0)
     monkeypatch.setattr(tm, "_COMPILE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(tm, "_COMPILER", "import time\ntime.sleep(600)\n")
+    # The watchdog kicks the worker every 5 ms past the deadline, and a reap takes 50 ms: a kick
+    # lands in any wait the worker makes for its killed compiler.
+    monkeypatch.setattr(tm, "_KICK_INTERVAL_S", 0.005)
     children: list[subprocess.Popen] = []
     popen = subprocess.Popen
 
@@ -1023,6 +1027,11 @@ def test_a_hung_child_compiler_is_killed_at_the_compile_deadline(registry, monke
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             children.append(self)
+
+        def wait(self, timeout=None):
+            if self.returncode is None:
+                time.sleep(0.05)
+            return super().wait(timeout)
 
     monkeypatch.setattr(tm.subprocess, "Popen", Recorded)
     err = gateway_error(registry.create, "t", [msg("Hi {{ who }}")])

@@ -1050,23 +1050,44 @@ def _compile_python(source: str, filename: str) -> types.CodeType:
         )
     except OSError:  # no child can be started here (no executable, no processes left): compile inline
         return compile(source, filename, "exec", dont_inherit=True)
-    with child:
-        try:
-            out, _ = child.communicate(
-                source.encode("utf-8", "surrogatepass"), timeout=max(0.0, deadline - time.monotonic())
-            )
-        except subprocess.TimeoutExpired:
-            child.kill()
-            raise _DeadlineExceeded from None
-        except BaseException:
-            child.kill()  # the watchdog's interruption, or anything else: no child outlives its job
-            raise
+    if watchdog is not None:
+        watchdog.adopt(child)
+    try:
+        with child:
+            try:
+                out, _ = child.communicate(
+                    source.encode("utf-8", "surrogatepass"), timeout=max(0.0, deadline - time.monotonic())
+                )
+            except subprocess.TimeoutExpired:
+                _kill_and_reap(child)
+                raise _DeadlineExceeded from None
+            except BaseException:  # the watchdog's interruption, or anything else
+                _kill_and_reap(child)  # no child outlives its job
+                raise
+    finally:
+        if watchdog is not None:
+            watchdog.adopt(None)
+    if child.returncode != 0 and time.monotonic() >= deadline:
+        raise _DeadlineExceeded  # the watchdog killed it, before this thread's interruption came
     if out[:1] == b"C" and child.returncode == 0:
         return cast("types.CodeType", marshal.loads(out[1:]))  # noqa: S302 - our own child's output
     error = _COMPILE_ERRORS.get(out[1:]) if out[:1] == b"E" else None
     if error is not None:
         raise error
     raise _CompilerDied
+
+
+def _kill_and_reap(child: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child and wait for it (at once: nothing outlives SIGKILL). The watchdog
+    kicks this thread every _KICK_INTERVAL_S past the deadline, which is exactly when this
+    runs, so kicks are absorbed until it is done (the caller raises the deadline anyway)."""
+    while True:
+        try:
+            child.kill()
+            child.wait()
+            return
+        except _DeadlineExceeded:
+            continue
 
 
 # -- rendering under a deadline ---------------------------------------------------------------
@@ -1114,6 +1135,7 @@ class _Watchdog:
         self._thread_id = threading.get_ident()
         self._lock = threading.Lock()
         self._done = False
+        self._child: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="paved-template-watchdog", daemon=True).start()
 
@@ -1129,10 +1151,20 @@ class _Watchdog:
             with self._lock:
                 if self._done:
                     return
+                if kicks == 0 and self._child is not None:
+                    # Killed and reaped from here, where no kick lands: an interruption of the
+                    # worker between its timeout and its own kill, or inside its wait, would
+                    # leave a compiler running or unreaped.
+                    _kill_and_reap(self._child)
                 _set_async_exc(ctypes.c_ulong(self._thread_id), ctypes.py_object(_DeadlineExceeded))
             kicks += 1
             if self._stop.wait(_KICK_INTERVAL_S):
                 return
+
+    def adopt(self, child: subprocess.Popen[bytes] | None) -> None:
+        """The child compiler to kill at the deadline (None once it has ended)."""
+        with self._lock:
+            self._child = child
 
     def close(self) -> None:
         while True:

@@ -101,6 +101,7 @@ class HttpRoutesSource(RoutesSource):
         self._bad: int | None = None  # revision of the latest table, when it was invalid
         self._from_cache = False  # the table in force came from cache_file, not the feed
         self._saved: tuple[int, str] | None = None  # what the cache file holds
+        self._saving: asyncio.Future[None] | None = None  # the cache write under way
         self.loaded_at: float | None = None  # time.time() of the last applied table
 
     @property
@@ -147,6 +148,12 @@ class HttpRoutesSource(RoutesSource):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            # A cache write cut off by stop() would leave the file one table behind the one in
+            # force: the next start offline would serve the older table.
+            with contextlib.suppress(Exception):
+                await saving
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -287,8 +294,9 @@ class HttpRoutesSource(RoutesSource):
                 len(table.models),
             )
         if save and self._cache is not None and (feed_revision, table.revision) != self._saved:
+            self._saving = asyncio.ensure_future(asyncio.to_thread(_save, self._cache, feed_revision, table))
             try:
-                await asyncio.to_thread(_save, self._cache, feed_revision, table)
+                await asyncio.shield(self._saving)  # stop() waits for it; its cancel does not cut it
                 self._saved = (feed_revision, table.revision)
             except OSError as e:  # the cache is a convenience; serving goes on without it
                 logger.warning("routes cache %s not written: %s", self._cache, e.strerror or e)
