@@ -14,7 +14,8 @@ Invariants:
     engine below it: they inherit the environment) carries `PAVED_PLATFORM=<token>`. `stop()`
     signals the groups, waits a bounded time, SIGKILLs what is left, then sweeps /proc for the
     token, so no process outlives the platform, whether it stops after a failed start, on
-    Ctrl-C/SIGTERM/SIGHUP, or because a child died.
+    Ctrl-C/SIGTERM/SIGHUP, or because a child died. A SIGKILL of `up` itself runs none of that:
+    its guardian (paved.platform.guardian, started first) then ends them.
   * One admin key for the control plane and the gateway: read from `WORK/admin_key` or generated
     there (mode 0600); it reaches the children through files and the environment, never argv.
   * Loopback only; every HTTP call has a deadline and every wait loop a bound.
@@ -46,11 +47,12 @@ import httpx
 
 from paved import procs
 from paved.control_plane.prometheus import MAX_RULES_INTERVAL_S, RULE_FILES, scrape_config
+from paved.platform import guardian
 from paved.platform import prometheus as local_prometheus
 from paved.runfiles import runfile
 
 HOST = "127.0.0.1"
-MARKER_ENV = "PAVED_PLATFORM"
+MARKER_ENV = guardian.MARKER_ENV
 MODEL_ID = "tiny"
 VERSION = "v1"
 TENANT = "demo"
@@ -360,6 +362,7 @@ class Platform:
         self.prometheus_url = ""
         self.rules_dir: Path | None = None
         self._stopped = False
+        self._guardian: subprocess.Popen[bytes] | None = None
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -377,6 +380,7 @@ class Platform:
         if env.get("PYTHONPATH"):
             paths.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        self._start_guardian(env)  # first, and without the token: nothing may outlive this process
         env[MARKER_ENV] = self.token
         env["PAVED_ADMIN_KEY"] = self.admin_key
         env["PAVED_ROUTES_TOKEN"] = self.admin_key  # the gateway's --routes-token default
@@ -496,6 +500,38 @@ class Platform:
             local_prometheus.wait_ready(self.prometheus_url, child.proc, 60, child.log)
         except local_prometheus.PrometheusError as e:
             raise PlatformError(str(e)) from None
+
+    def _start_guardian(self, env: dict[str, str]) -> None:
+        """paved.platform.guardian, in a session of its own, reading a pipe whose write end only
+        this process holds: if this process dies without stop() (SIGKILL), the kernel closes
+        the pipe and the guardian ends everything carrying the token."""
+        with open(self.cfg.work_dir / "logs" / "guardian.log", "ab") as log:
+            try:
+                self._guardian = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+                    [sys.executable, "-m", "paved.platform.guardian", self.token],
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    cwd=self.cfg.work_dir,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                raise PlatformError(f"cannot start the guardian process: {e.strerror or e}") from None
+
+    def _release_guardian(self) -> None:
+        """After stop()'s own sweep: the guardian reads EOF, finds nothing and exits."""
+        child, self._guardian = self._guardian, None
+        if child is None:
+            return
+        with contextlib.suppress(OSError):
+            if child.stdin is not None:
+                child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(5)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], log: str) -> _Child:
         child = _Child(name, argv, env, self.cfg.work_dir / "logs" / log, self.cfg.work_dir)
@@ -730,17 +766,8 @@ class Platform:
                 child.stop(timeout_s)
         # Replicas run in their own sessions (a control plane that crashed leaves them running):
         # whatever still carries the token is ended here.
-        deadline = time.monotonic() + 15
-        left = marked_processes(self.token)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = marked_processes(self.token)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        guardian.sweep(self.token, 15.0)
+        self._release_guardian()
 
 
 def _rules_dir() -> Path | None:

@@ -242,6 +242,26 @@ def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path, sig: signa
         up.cleanup()
 
 
+def test_a_sigkilled_up_leaves_nothing_behind(tmp_path: Path) -> None:
+    """kill -9 (an OOM kill, a CI runner's timeout) runs none of up's teardown: its guardian
+    sees the pipe from up close and ends the control plane, the gateway, S3 and every replica."""
+    up = Up(tmp_path, "--port", "0", "--replica-ports", "28200", "--engine", "sim", "--replicas", "2")
+    try:
+        up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
+        children = marked(up.token)
+        assert len(children) >= 4, children  # guardian, control plane, gateway, S3, replicas
+        up.proc.kill()
+        up.proc.wait(10)
+        deadline = time.monotonic() + 60
+        while marked(up.token) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert marked(up.token) == {}, marked(up.token)
+        log = (tmp_path / "work" / "logs" / "guardian.log").read_text()
+        assert "up ended without stopping its processes" in log, log
+    finally:
+        up.cleanup()
+
+
 def test_a_failed_start_exits_1_and_stops_what_it_started(tmp_path: Path) -> None:
     # The gateway's port is taken: the control plane is already up when the gateway fails.
     with socket.socket() as busy:
