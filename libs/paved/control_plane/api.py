@@ -549,9 +549,18 @@ def create_app(
         return {"status": "live"}
 
     @app.get("/health/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
         is_leader = True if leader is None else leader.is_leader
-        return JSONResponse({"status": "ready", "leader": is_leader, "last_error": controller.last_error})
+        body: dict[str, Any] = {
+            "status": "ready", "leader": is_leader, "controller_ok": controller.last_error is None
+        }  # fmt: skip
+        # Probes read this without a key; the controller's error names deployments, engine URIs
+        # and database hosts, so only the admin sees it (as on the dashboard).
+        try:
+            check_admin(request.headers.get("authorization"))
+        except (GatewayError, ControlError):
+            return JSONResponse(body)
+        return JSONResponse({**body, "last_error": controller.last_error})
 
     app.include_router(api)
     app.include_router(routes_api(feed, check_admin))

@@ -59,6 +59,22 @@ def test_openapi_and_auth(client):
     _error(client.get("/v1/deployments"), 401)
 
 
+def test_readiness_shows_the_controller_error_only_to_the_admin(plane):
+    """Probes read /health/ready without a key; the controller's last error (deployment names,
+    engine URIs, database hosts) is the admin's alone."""
+    client, _, controller = plane
+    controller.last_error = "deploy tiny@v1: postgresql://db.internal:5432 refused the connection"
+    anonymous = client.get("/health/ready", headers={"Authorization": ""})
+    assert anonymous.status_code == 200
+    assert anonymous.json() == {"status": "ready", "leader": True, "controller_ok": False}
+    wrong = client.get("/health/ready", headers={"Authorization": "Bearer not-the-key"}).json()
+    assert "last_error" not in wrong and "db.internal" not in json.dumps(wrong)
+    admin = client.get("/health/ready").json()
+    assert admin["last_error"] == controller.last_error and admin["controller_ok"] is False
+    controller.last_error = None
+    assert client.get("/health/ready", headers={"Authorization": ""}).json()["controller_ok"] is True
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
