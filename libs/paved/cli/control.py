@@ -274,8 +274,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     rlist.add_argument("--model", type=resource_name)
 
     def run_rlist(args: argparse.Namespace) -> int:
-        params = {"model_id": args.model} if args.model else None
-        body = _client(args, rlist).request("GET", "/rollouts", params=params)
+        params = {"model_id": args.model} if args.model else {}
+        client = _client(args, rlist)
+        body = client.request("GET", "/rollouts", params=params or None)
+        # Every page (bounded): the API answers at most 1000 rollouts a request.
+        for _ in range(1000):
+            if not body.get("has_more"):
+                break
+            more = client.request("GET", "/rollouts", params={**params, "after": body["data"][-1]["id"]})
+            body = {**more, "data": body["data"] + more["data"]}
         lines = [
             f"{r['id']} {r['model_id']} {r['from_version'] or '-'} -> {r['to_version']} "
             f"{r['status']:11} {r['phase']}{' (' + r['reason'] + ')' if r['reason'] else ''}"

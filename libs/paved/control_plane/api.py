@@ -449,13 +449,24 @@ def create_app(
 
     @api.get("/rollouts")
     async def list_rollouts(
-        request: Request, model_id: str | None = None, status: str | None = None
+        request: Request,
+        model_id: str | None = None,
+        status: str | None = None,
+        after: str | None = None,
+        limit: int = 1000,
     ) -> dict[str, Any]:
+        """Oldest first, a page at a time: `after` the last id of the page before (has_more)."""
         auth(request)
+        if not 1 <= limit <= 1000:
+            raise BadRequest("limit must be 1..1000")
+        if after is not None and not _ROLLOUT_ID.fullmatch(after):
+            raise BadRequest(f"after must match {_ROLLOUT_ID.pattern}", code="invalid_rollout_id")
+        page = await store.list_rollouts(model_id=model_id, status=status, after=after, limit=limit + 1)
+        data = [rollout_view(r) for r in page[:limit]]
         return {
-            "object": "list",
-            "data": [rollout_view(r) for r in await store.list_rollouts(model_id=model_id, status=status)],
-        }
+            "object": "list", "data": data, "has_more": len(page) > limit,
+            "last_id": data[-1]["id"] if data else None,
+        }  # fmt: skip
 
     @api.get("/rollouts/{rollout_id}")
     async def get_rollout(rollout_id: str, request: Request) -> dict[str, Any]:

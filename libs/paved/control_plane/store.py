@@ -1043,23 +1043,45 @@ class ControlStore:
         return None if row is None else _rollout_from_row(row)
 
     async def list_rollouts(
-        self, model_id: str | None = None, status: str | None = None
+        self,
+        model_id: str | None = None,
+        status: str | None = None,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
     ) -> list[RolloutRecord]:
-        """Oldest first."""
+        """Oldest first; with `after` (a rollout's id) those that come after it, at most `limit`
+        (a page: rollouts are kept, so a fleet's list only grows). NotFound for an unknown
+        `after`."""
         if model_id is not None:
             _name(model_id, "model_id")
         if status is not None and status not in ROLLOUT_STATUSES:
             raise BadRequest(f"status must be one of {list(ROLLOUT_STATUSES)}")
-        return await self._run(self._list_rollouts_sync, model_id, status)
+        if after is not None:
+            _text(after, "after", 64)
+        if limit is not None:  # one past a page: the caller learns whether there are more
+            _int(limit, "limit", 1, MAX_AUDIT_LIMIT + 1)
+        return await self._run(self._list_rollouts_sync, model_id, status, after, limit)
 
-    def _list_rollouts_sync(self, model_id: str | None, status: str | None) -> list[RolloutRecord]:
+    def _list_rollouts_sync(
+        self, model_id: str | None, status: str | None, after: str | None, limit: int | None
+    ) -> list[RolloutRecord]:
         t = rollouts_table
         query = sa.select(t).order_by(t.c.created_at, t.c.id)
         if model_id is not None:
             query = query.where(t.c.model_id == model_id)
         if status is not None:
             query = query.where(t.c.status == status)
+        if limit is not None:
+            query = query.limit(limit)
         with self._engine.connect() as conn:
+            if after is not None:
+                created = conn.execute(sa.select(t.c.created_at).where(t.c.id == after)).scalar()
+                if created is None:
+                    raise NotFound(f"no rollout {after!r} to list after")
+                query = query.where(
+                    sa.or_(t.c.created_at > created, sa.and_(t.c.created_at == created, t.c.id > after))
+                )
             rows = conn.execute(query).all()
         return [_rollout_from_row(r) for r in rows]
 

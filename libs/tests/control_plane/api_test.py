@@ -59,6 +59,30 @@ def test_openapi_and_auth(client):
     _error(client.get("/v1/deployments"), 401)
 
 
+def test_rollouts_are_listed_a_page_at_a_time(plane):
+    """Rollouts are kept, so a fleet's list only grows: pages of `limit`, oldest first,
+    continued `after` the last id, `has_more` until the end."""
+    client, store, _ = plane
+    made = [asyncio.run(store.create_rollout(f"m{i}", None, "v1", "red_black", {})).id for i in range(5)]
+    assert [r["id"] for r in client.get("/v1/rollouts").json()["data"]] == made
+    seen: list[str] = []
+    after = None
+    for want, more in ((2, True), (2, True), (1, False)):
+        page = client.get("/v1/rollouts", params={"limit": 2, **({"after": after} if after else {})}).json()
+        assert len(page["data"]) == want and page["has_more"] is more, page
+        assert page["last_id"] == page["data"][-1]["id"]
+        seen += [r["id"] for r in page["data"]]
+        after = page["last_id"]
+    assert seen == made
+    assert client.get("/v1/rollouts", params={"after": made[-1]}).json() == {
+        "object": "list", "data": [], "has_more": False, "last_id": None
+    }  # fmt: skip
+    assert _error(client.get("/v1/rollouts", params={"after": "ro_nope"}), 404)
+    assert _error(client.get("/v1/rollouts", params={"limit": 0}), 400)["param"] is None
+    assert _error(client.get("/v1/rollouts", params={"limit": 1001}), 400)
+    assert _error(client.get("/v1/rollouts", params={"after": "../x"}), 400)["code"] == "invalid_rollout_id"
+
+
 def test_readiness_shows_the_controller_error_only_to_the_admin(plane):
     """Probes read /health/ready without a key; the controller's last error (deployment names,
     engine URIs, database hosts) is the admin's alone."""
