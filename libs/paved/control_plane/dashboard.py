@@ -464,7 +464,7 @@ def dashboard_router(
                     "gauges": read_by_id.get(r.id),
                 }
             )
-        rollouts = sorted(await store.list_rollouts(), key=lambda r: r.created_at, reverse=True)
+        rollouts = await store.newest_rollouts(ROLLOUTS_SHOWN)
         latest = await store.latest_routes()
         audit = await audit_tail.refresh(store)
         body = {
@@ -472,7 +472,7 @@ def dashboard_router(
             "controller_error": controller.last_error,
             "deployments": [deployment_view(d, await store.get_desired(d.id)) for d in deployments],
             "replicas": replica_rows,
-            "rollouts": [rollout_view(r) for r in rollouts[:ROLLOUTS_SHOWN]],
+            "rollouts": [rollout_view(r) for r in rollouts],
             "routes_revision": latest[0] if latest else None,
             "traffic": traffic_split(latest[1] if latest else None),
             "audit": audit,

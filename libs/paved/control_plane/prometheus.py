@@ -277,9 +277,7 @@ async def control_plane_families(store: ControlStore, *, is_leader: bool = True)
         "Rollouts on record by model and status (running, succeeded, rolled_back, failed, halted).",
         labels=["model", "status"],
     )
-    for (model, status), count in sorted(
-        _Tally((r.model_id, r.status) for r in await store.list_rollouts()).items()
-    ):
+    for (model, status), count in sorted((await store.rollout_counts()).items()):
         rollouts.add_metric([model, status], count)
     leader = GaugeMetricFamily(
         "paved_control_plane_leader", "1 when this control plane runs the controller (holds the lock)."

@@ -1085,6 +1085,27 @@ class ControlStore:
             rows = conn.execute(query).all()
         return [_rollout_from_row(r) for r in rows]
 
+    async def newest_rollouts(self, limit: int) -> list[RolloutRecord]:
+        """The `limit` most recent rollouts, newest first (the dashboard's)."""
+        _int(limit, "limit", 1, MAX_AUDIT_LIMIT)
+        return await self._run(self._newest_rollouts_sync, limit)
+
+    def _newest_rollouts_sync(self, limit: int) -> list[RolloutRecord]:
+        t = rollouts_table
+        query = sa.select(t).order_by(t.c.created_at.desc(), t.c.id.desc()).limit(limit)
+        with self._engine.connect() as conn:
+            return [_rollout_from_row(r) for r in conn.execute(query).all()]
+
+    async def rollout_counts(self) -> dict[tuple[str, str], int]:
+        """(model_id, status) -> how many rollouts are on record, counted by the database."""
+        return await self._run(self._rollout_counts_sync)
+
+    def _rollout_counts_sync(self) -> dict[tuple[str, str], int]:
+        t = rollouts_table
+        query = sa.select(t.c.model_id, t.c.status, sa.func.count()).group_by(t.c.model_id, t.c.status)
+        with self._engine.connect() as conn:
+            return {(model, status): int(n) for model, status, n in conn.execute(query).all()}
+
     async def update_rollout(
         self,
         rollout_id: str,

@@ -271,6 +271,17 @@ def test_one_running_rollout_per_model(store):
     assert status_of(store.create_rollout("bad id", None, "4", "red_black", {})) == 400
     assert status_of(store.update_rollout("ro_missing", phase="x")) == 404
     assert run(store.get_rollout("ro_missing")) is None
+    # What the dashboard and /metrics read, without loading every rollout on record.
+    assert [r.id for r in run(store.newest_rollouts(2))] == [
+        second.id,
+        run(store.list_rollouts("other"))[0].id,
+    ]
+    assert run(store.rollout_counts()) == {
+        ("llama", "succeeded"): 1,
+        ("llama", "running"): 1,
+        ("other", "running"): 1,
+    }
+    assert status_of(store.newest_rollouts(0)) == 400
 
 
 def test_compare_and_set_has_exactly_one_winner(store):
