@@ -12,24 +12,59 @@ a process that vanishes or belongs to another user while being read is skipped, 
 from __future__ import annotations
 
 import os
+import time
+
+# A kernel thread (field 9 of /proc/<pid>/stat): it has no environment, ever.
+_PF_KTHREAD = 0x00200000
+# How long a process whose environment reads empty is read again: one caught inside execve,
+# after the point its parent's Popen returns and before the kernel has laid out the new image's
+# environment, reads empty for a moment (seen under load right after a spawn).
+_EXEC_RETRIES = (0.002, 0.005, 0.01, 0.02, 0.05)
 
 
-def proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None when the
-    process does not exist or is a zombie (it has exited, only its exit status is left)."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (state) on; None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces or ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None when the
+    process does not exist or is a zombie (it has exited, only its exit status is left)."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
     try:
         return int(fields[19])
     except ValueError:
         return None
+
+
+def _environ(pid: int) -> bytes:
+    """/proc/<pid>/environ, read again for a moment while it is empty for a process that is
+    not a kernel thread (see _EXEC_RETRIES). OSError when it cannot be read."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        data = f.read()
+    if data:
+        return data
+    fields = _stat_fields(pid)
+    try:
+        if fields is None or len(fields) < 7 or fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_KTHREAD:
+            return data
+    except ValueError:
+        return data
+    for pause in _EXEC_RETRIES:
+        time.sleep(pause)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+        if data:
+            break
+    return data
 
 
 def marked_processes(name: str, value: str) -> dict[int, str]:
@@ -41,9 +76,8 @@ def marked_processes(name: str, value: str) -> dict[int, str]:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
+            if needle not in _environ(int(entry)).split(b"\0"):
+                continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone, or another user's process
