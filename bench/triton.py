@@ -29,6 +29,8 @@ Keys (python model `batched` unless named):
   throughput_ratio_vs_triton_c32_xgboost_python  xgb_python on both
   throughput_ratio_vs_triton_c32_xgboost_native  paved's xgb_native / Triton's xgb_python
   p50_ratio_vs_triton_c1                         paved p50 / Triton p50 at c1 (steadier than p99)
+  inside_server_ratio_vs_triton_c1               the request's time inside each server at c1, as
+                                                 its ModelStatistics count it (no transport)
 With --baseline-src DIR (another paved tree, e.g. `git archive OLD libs/paved | tar -x -C DIR`)
 that tree's server runs beside paved's in the same run, and its ratios are reported under
 "baseline". With --null-server a third gRPC server that does no work at all (null_grpc_server.cc,
@@ -273,6 +275,30 @@ def aio_null_server(tmp: Path):
     return _listening([sys.executable, str(source), str(_null_answer(tmp))], "aio_null_server", env)
 
 
+# The stages of a request each server reports in its statistics (KServe v2's statistics
+# extension, Triton's fields): the whole request as the server saw it, its wait for a batch,
+# the model's execution.
+_STAGES = ("success", "queue", "compute_infer")
+
+
+def _statistics(url: str, model: str) -> dict[str, tuple[int, int]]:
+    """{stage: (count, ns)} from the server's ModelStatistics for `model`."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=model), timeout=30)
+    inference = reply.model_stats[0].inference_stats
+    return {k: (getattr(inference, k).count, getattr(inference, k).ns) for k in _STAGES}
+
+
+def _per_request(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Microseconds per request spent in each stage between two readings."""
+    n = max(1, after["success"][0] - before["success"][0])
+    return {k: (after[k][1] - before[k][1]) / n / 1e3 for k in _STAGES}
+
+
 def measure(
     urls: dict[str, str], pgids: dict[str, int], x: np.ndarray, expected: dict, args: argparse.Namespace
 ) -> dict:
@@ -291,14 +317,17 @@ def measure(
     async def run() -> dict:
         for server, model in pairs:  # warm-up: first requests, stubs' imports, batcher threads
             await drive(urls[server], model, x, want(server, model), c, 200, input_name="INPUT")
-        keys = ("c1", "rps", "p99c", "server_cpu", "client_cpu")
+        keys = ("c1", "rps", "p99c", "server_cpu", "client_cpu", "inside")
         samples: dict = {p: {k: [] for k in keys} for p in pairs}
         for _ in range(args.repeats):
             for pair in pairs:
                 server, model = pair
+                before = _statistics(urls[server], model) if server not in NULLS else None
                 _, latencies = await drive(
                     urls[server], model, x, want(server, model), 1, args.requests_c1, input_name="INPUT"
                 )
+                if before is not None:
+                    samples[pair]["inside"].append(_per_request(before, _statistics(urls[server], model)))
                 samples[pair]["c1"].extend(latencies)
                 server_cpu, client_cpu = _group_cpu_s(pgids[server]), _self_cpu_s()
                 seconds, latencies = await drive(
@@ -310,9 +339,14 @@ def measure(
                 samples[pair]["p99c"].append(float(np.percentile(latencies, 99)))
         out = {}
         for pair, s in samples.items():
+            inside = {
+                f"server_{k}_us_c1": round(statistics.median(run[k] for run in s["inside"]), 1)
+                for k in _STAGES
+            } if s["inside"] else {}  # fmt: skip
             out[pair] = {
                 "p50_us_c1": round(statistics.median(s["c1"]) * 1e6, 1),
                 "p99_us_c1": round(float(np.percentile(s["c1"], 99)) * 1e6, 1),
+                **inside,
                 f"rps_c{c}": round(statistics.median(s["rps"]), 1),
                 f"p99_ms_c{c}": round(statistics.median(s["p99c"]) * 1e3, 2),
                 f"server_cpu_us_c{c}": round(statistics.median(s["server_cpu"]) * 1e6, 1),
@@ -411,6 +445,9 @@ def main() -> int:
             f"throughput_ratio_vs_triton_c{c}_xgboost_native": ratio(nx[f"rps_c{c}"], tx[f"rps_c{c}"]),
             "p99_ratio_vs_triton_c1_xgboost_python": ratio(px["p99_us_c1"], tx["p99_us_c1"]),
             "p50_ratio_vs_triton_c1": ratio(pb["p50_us_c1"], tb["p50_us_c1"]),
+            # The request as each server's own statistics time it (decode to response, not the
+            # transport): where the c1 gap is, inside the server or around it.
+            "inside_server_ratio_vs_triton_c1": ratio(pb["server_success_us_c1"], tb["server_success_us_c1"]),
             f"server_cpu_per_request_ratio_vs_triton_c{c}": ratio(
                 pb[f"server_cpu_us_c{c}"], tb[f"server_cpu_us_c{c}"]
             ),
@@ -448,8 +485,14 @@ def main() -> int:
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     for (server, model), r in results.items():
+        inside = (
+            f"  (inside the server: {r['server_success_us_c1']:.0f} us, of which queue "
+            f"{r['server_queue_us_c1']:.0f}, execution {r['server_compute_infer_us_c1']:.0f})"
+            if "server_success_us_c1" in r
+            else ""
+        )
         print(
-            f"{server:8} {model:10}  c1 p50 {r['p50_us_c1']:8.0f} us  p99 {r['p99_us_c1']:8.0f} us   "
+            f"{server:8} {model:10}  c1 p50 {r['p50_us_c1']:8.0f} us  p99 {r['p99_us_c1']:8.0f} us{inside}   "
             f"c{c} {r[f'rps_c{c}']:8.0f} req/s  p99 {r[f'p99_ms_c{c}']:7.2f} ms  "
             f"CPU/request: server {r[f'server_cpu_us_c{c}']:5.0f} us, "
             f"client {r[f'client_cpu_us_c{c}']:4.0f} us"
