@@ -129,6 +129,33 @@ async def _wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _follow(control_plane: _ControlPlane, cache_file: Path, table: dict[str, Any], want: int) -> None:
+    """A source started on the control plane's table follows it to `table` (`want` backends),
+    then stops."""
+    router = Router(parse_routes({"models": []}))
+    source = HttpRoutesSource(
+        control_plane.url, router, token=TOKEN, timeout_s=5, retry_s=0.05, start_timeout_s=5,
+        cache_file=cache_file,
+    )  # fmt: skip
+    await source.start()
+    try:
+        await asyncio.to_thread(control_plane.publish, table)
+        await _wait_for(lambda: _count(router) == want, "the second table")
+    finally:
+        await source.stop()
+
+
+async def _served_offline(cache_file: Path) -> int:
+    """The backends a gateway restarted while the control plane is down serves from the cache."""
+    cached = Router(parse_routes({"models": []}))
+    offline = HttpRoutesSource("http://127.0.0.1:9", cached, start_timeout_s=0.2, cache_file=cache_file)
+    await offline.start()
+    try:
+        return _count(cached)
+    finally:
+        await offline.stop()
+
+
 def test_a_table_of_hundreds_of_kib_is_read_whole(control_plane, tmp_path: Path) -> None:
     control_plane.publish(_big_table(20, 100, "a"))  # 2,000 backends, ~220 KB of JSON
 
@@ -150,15 +177,7 @@ def test_a_table_of_hundreds_of_kib_is_read_whole(control_plane, tmp_path: Path)
             await source.stop()
         # The cache it wrote is a whole table too: a restart while the control plane is down
         # serves it.
-        cached = Router(parse_routes({"models": []}))
-        offline = HttpRoutesSource(
-            "http://127.0.0.1:9", cached, start_timeout_s=0.2, cache_file=tmp_path / "cache.json"
-        )
-        await offline.start()
-        try:
-            assert _count(cached) == 2400
-        finally:
-            await offline.stop()
+        assert await _served_offline(tmp_path / "cache.json") == 2400
 
     asyncio.run(run())
 
@@ -176,23 +195,8 @@ def test_tables_are_validated_off_the_event_loop(control_plane, tmp_path: Path, 
 
     async def run() -> None:
         loop_thread = threading.current_thread()
-        router = Router(parse_routes({"models": []}))
-        source = HttpRoutesSource(
-            control_plane.url, router, token=TOKEN, timeout_s=5, retry_s=0.05, start_timeout_s=5,
-            cache_file=tmp_path / "cache.json",
-        )  # fmt: skip
-        await source.start()
-        try:
-            await asyncio.to_thread(control_plane.publish, _big_table(2, 11, "b"))
-            await _wait_for(lambda: _count(router) == 22, "the second table")
-        finally:
-            await source.stop()
-        offline = HttpRoutesSource(
-            "http://127.0.0.1:9", Router(parse_routes({"models": []})), start_timeout_s=0.2,
-            cache_file=tmp_path / "cache.json",
-        )  # fmt: skip
-        await offline.start()
-        await offline.stop()
+        await _follow(control_plane, tmp_path / "cache.json", _big_table(2, 11, "b"), 22)
+        await _served_offline(tmp_path / "cache.json")
         assert len(threads) == 3  # start, the publish, the cache
         assert all(t is not loop_thread for t in threads)
 
@@ -212,25 +216,7 @@ def test_a_stop_during_the_cache_write_waits_for_it(control_plane, monkeypatch, 
     monkeypatch.setattr(watch_source, "_save", slow)
 
     async def run() -> None:
-        router = Router(parse_routes({"models": []}))
-        source = HttpRoutesSource(
-            control_plane.url, router, token=TOKEN, timeout_s=5, retry_s=0.05, start_timeout_s=5,
-            cache_file=tmp_path / "cache.json",
-        )  # fmt: skip
-        await source.start()
-        try:
-            await asyncio.to_thread(control_plane.publish, _big_table(2, 11, "b"))
-            await _wait_for(lambda: _count(router) == 22, "the second table")
-        finally:
-            await source.stop()
-        cached = Router(parse_routes({"models": []}))
-        offline = HttpRoutesSource(
-            "http://127.0.0.1:9", cached, start_timeout_s=0.2, cache_file=tmp_path / "cache.json"
-        )
-        await offline.start()
-        try:
-            assert _count(cached) == 22
-        finally:
-            await offline.stop()
+        await _follow(control_plane, tmp_path / "cache.json", _big_table(2, 11, "b"), 22)
+        assert await _served_offline(tmp_path / "cache.json") == 22
 
     asyncio.run(run())
