@@ -416,10 +416,19 @@ class Controller:
         )
         try:
             replica = await driver.create(request)
-        except ControlError as e:
+        except (ControlError, OSError, ValueError) as e:
+            # A start that failed (the driver's refusal; no process could be forked or executed;
+            # an argument the OS refuses) is this deployment's failure: the pass goes on for
+            # the others, and the next one tries again.
+            if isinstance(e, ControlError):
+                reason = e.message
+            else:
+                logger.warning("could not start a replica of %s@%s in %s", d.spec.model_id, d.spec.version,
+                               region, exc_info=True)  # fmt: skip
+                reason = f"{type(e).__name__}: {e}"
             await self.store.audit(
                 "replica.failed",
-                f"could not start a replica of {d.spec.model_id}@{d.spec.version} in {region}: {e.message}",
+                f"could not start a replica of {d.spec.model_id}@{d.spec.version} in {region}: {reason}",
                 model_id=d.spec.model_id,
                 version=d.spec.version,
             )

@@ -377,6 +377,51 @@ def test_the_controller_drains_replicas_of_a_deleted_deployment(tmp_path: Path):
     asyncio.run(main())
 
 
+class _ForkFailingDriver(_RecordingDriver):
+    """Starts replicas as records, except for model `bad`, whose start fails as a fork or an
+    exec does (OSError)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[str] = []
+
+    async def create(self, req: Any) -> Replica:
+        if req.model_id == "bad":
+            raise OSError(12, "Cannot allocate memory")
+        self.created.append(req.model_id)
+        return Replica(
+            id=req.replica_id, deployment_id=req.deployment_id, region=req.region, state="starting",
+            url="http://127.0.0.1:1", admin_url="http://127.0.0.1:1",
+        )  # fmt: skip
+
+
+def test_a_start_that_fails_in_the_os_fails_its_deployment_not_the_pass(tmp_path: Path):
+    """A replica that could not be forked or executed is that deployment's audited failure; the
+    other deployments of the same pass still get their replicas."""
+
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        driver = _ForkFailingDriver()
+        controller = Controller(store, {"local": driver}, RoutesFeed(store), GatewayAnalyzer([]))
+        try:
+            for model in ("bad", "good"):
+                spec = DeploymentSpec(
+                    model_id=model, version="v1", package_uri="/pkg/v1", strategy="red_black",
+                    min_replicas=0, max_replicas=1, replicas=1, regions=("local",), engine="sim://tiny",
+                )  # fmt: skip
+                await store.create_deployment(spec, {})
+            await controller.reconcile()
+            assert controller.last_error is None
+            assert driver.created == ["good"] and len(await store.list_replicas()) == 1
+            (failed,) = [e for e in await store.list_audit(model_id="bad") if e.kind == "replica.failed"]
+            assert "Cannot allocate memory" in failed.message and failed.version == "v1"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 class _AdoptingDriver(_RecordingDriver):
     """After a restart: the replicas in `running` are still there, the others are gone."""
 
