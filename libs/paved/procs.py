@@ -64,6 +64,9 @@ def _environ(pid: int) -> bytes:
             data = f.read()
         if data:
             break
+        fields = _stat_fields(pid)
+        if fields is None or fields[0] in (b"Z", b"X"):
+            break  # exited meanwhile: its environment is gone for good
     return data
 
 

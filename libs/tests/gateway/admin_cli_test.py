@@ -479,3 +479,32 @@ def test_patch_refuses_null_fields_and_changes_nothing(store):
             )
 
     asyncio.run(go())
+
+
+def test_rollout_list_reads_every_page(capsys, monkeypatch):
+    """GET /v1/rollouts answers a page (at most 1000) and has_more: `paved rollout list` follows
+    `after` the page's last id until the end."""
+    from paved.cli import control
+
+    made = [f"ro_{i:03d}" for i in range(5)]
+    calls: list[dict | None] = []
+
+    class Pages:
+        def request(self, method: str, path: str, params: dict | None = None) -> dict:
+            assert (method, path) == ("GET", "/rollouts")
+            calls.append(params)
+            start = made.index(params["after"]) + 1 if params and "after" in params else 0
+            page = made[start : start + 2]
+            rows = [
+                {"id": i, "model_id": "tiny", "from_version": "v1", "to_version": "v2", "status": "succeeded",
+                 "phase": "done", "reason": None}
+                for i in page
+            ]  # fmt: skip
+            return {"object": "list", "data": rows, "has_more": start + 2 < len(made), "last_id": page[-1]}
+
+    monkeypatch.setattr(control, "_client", lambda args, parser: Pages())
+    monkeypatch.setenv("PAVED_ADMIN_KEY", ADMIN_KEY)
+    code, out, err = cli(capsys, "rollout", "list", "--model", "tiny")
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines()] == made
+    assert calls == [{"model_id": "tiny"}, *({"model_id": "tiny", "after": a} for a in ("ro_001", "ro_003"))]

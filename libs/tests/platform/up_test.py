@@ -249,7 +249,7 @@ def test_a_sigkilled_up_leaves_nothing_behind(tmp_path: Path) -> None:
     try:
         up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
         children = marked(up.token)
-        assert len(children) >= 4, children  # guardian, control plane, gateway, S3, replicas
+        assert len(children) >= 4, children  # guardian, control plane, gateway, replicas
         up.proc.kill()
         up.proc.wait(10)
         deadline = time.monotonic() + 60

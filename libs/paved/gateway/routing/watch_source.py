@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF_S = 10.0
 # Slack on top of the server-side wait before the client gives up on an answer.
 _DEADLINE_SLACK_S = 10.0
+# How long stop() waits for a cache write under way.
+_SAVE_WAIT_S = 10.0
 
 
 class _InvalidTable(RoutesError):
@@ -151,9 +153,10 @@ class HttpRoutesSource(RoutesSource):
         saving, self._saving = self._saving, None
         if saving is not None:
             # A cache write cut off by stop() would leave the file one table behind the one in
-            # force: the next start offline would serve the older table.
+            # force: the next start offline would serve the older table. Bounded: a hung disk
+            # must not hold the gateway's shutdown.
             with contextlib.suppress(Exception):
-                await saving
+                await asyncio.wait_for(asyncio.shield(saving), _SAVE_WAIT_S)
         if self._session is not None:
             await self._session.close()
             self._session = None
