@@ -46,28 +46,31 @@ def proc_start_time(pid: int) -> int | None:
 
 
 def _environ(pid: int) -> bytes:
-    """/proc/<pid>/environ, read again for a moment while it is empty for a process that is
-    not a kernel thread (see _EXEC_RETRIES). OSError when it cannot be read."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        data = f.read()
-    if data:
-        return data
-    fields = _stat_fields(pid)
-    try:
-        if fields is None or len(fields) < 7 or fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_KTHREAD:
-            return data
-    except ValueError:
-        return data
+    """/proc/<pid>/environ, read again for a moment while it is empty for a process that may be
+    inside execve (see _EXEC_RETRIES). OSError when it cannot be read."""
+    data = _read_environ(pid)
     for pause in _EXEC_RETRIES:
-        time.sleep(pause)
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read()
-        if data:
+        if data or not _may_be_in_exec(pid):
             break
-        fields = _stat_fields(pid)
-        if fields is None or fields[0] in (b"Z", b"X"):
-            break  # exited meanwhile: its environment is gone for good
+        time.sleep(pause)
+        data = _read_environ(pid)
     return data
+
+
+def _read_environ(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+
+
+def _may_be_in_exec(pid: int) -> bool:
+    """False for what never has an environment again: a kernel thread, an exited process."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 7 or fields[0] in (b"Z", b"X"):
+        return False
+    try:
+        return not int(fields[6]) & _PF_KTHREAD
+    except ValueError:
+        return False
 
 
 def marked_processes(name: str, value: str) -> dict[int, str]:

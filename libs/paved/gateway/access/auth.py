@@ -188,8 +188,7 @@ class AdminAuth:
     """The admin key check. Holds only the key's SHA-256; compares in constant time."""
 
     def __init__(self, admin_key: str):
-        admin_key = check_admin_key(admin_key)
-        self._hash = hashlib.sha256(admin_key.strip().encode()).digest()
+        self._hash = hashlib.sha256(check_admin_key(admin_key).encode()).digest()
 
     def check(self, authorization: str | None) -> None:
         try:
