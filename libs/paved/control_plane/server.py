@@ -35,7 +35,7 @@ from paved.control_plane.metrics_source import check_prometheus_url, parse_metri
 from paved.control_plane.prometheus import FileSdWriter, discover, metrics_endpoint, prometheus_router
 from paved.control_plane.routes_feed import RoutesFeed
 from paved.control_plane.store import ControlStore
-from paved.gateway.access.auth import AdminAuth, load_admin_key
+from paved.gateway.access.auth import AdminAuth, admin_key_for_run, configured_admin_key, load_admin_key
 from paved.http.sockets import SERVER_KEEPALIVE_S, bind
 
 logger = logging.getLogger("paved.control_plane")
@@ -244,13 +244,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Path]:
 
 
 async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver]) -> int:
-    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY", "").strip()
-    admin_key = load_admin_key(args.admin_key_file)
-    if generated:
-        print(
-            f"control plane: admin key for this run (set PAVED_ADMIN_KEY to choose one): {admin_key}",
-            file=sys.stderr,
-        )
+    admin_key = admin_key_for_run(args.admin_key_file, "control plane")
     admin = AdminAuth(admin_key)
     store = ControlStore(state)
     await store.start()
@@ -397,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"control plane: --gateway-admin: {e}", file=sys.stderr)
             return 2
     for flag, check in (
+        # A bad key file or $PAVED_ADMIN_KEY is a usage error, not a traceback from the loop.
+        ("admin key", lambda: configured_admin_key(args.admin_key_file)),
         (
             "--gateway-admin-key-file",
             lambda: args.gateway_admin_key_file is None or load_admin_key(args.gateway_admin_key_file),

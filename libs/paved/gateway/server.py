@@ -22,7 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
-from paved.gateway.access.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.access.auth import AdminAuth, Authenticator, admin_key_for_run, configured_admin_key
 from paved.gateway.access.limits import make_limiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import DEFAULT_MAX_BODY_BYTES, Gateway, create_app
@@ -151,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
         help="semantic cache entries kept in this replica, over all tenants (0: off)",
     )
     p.add_argument(
+        "--semantic-cache-mb",
+        type=int,
+        default=1024,
+        help="semantic cache memory in this replica (MiB): answers, their vectors and indexes",
+    )
+    p.add_argument(
         "--template-timeout", type=float, default=0.25, help="seconds a prompt template may render"
     )
     p.add_argument(
@@ -259,7 +265,7 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     try:
         # Here, not in build(): a bad key file or key is a usage error (exit 2, one line),
         # not a traceback from inside the event loop.
-        load_admin_key(args.admin_key_file)
+        configured_admin_key(args.admin_key_file)
     except ValueError as e:
         p.error(str(e))
     if bool(args.bootstrap_tenant) != bool(args.bootstrap_key_file):
@@ -270,6 +276,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--exact-cache-mb must be 1..1048576")
     if not 0 <= args.semantic_cache_entries <= 100_000_000:
         p.error("--semantic-cache-entries must be 0..100000000")
+    if not 1 <= args.semantic_cache_mb <= 1 << 20:
+        p.error("--semantic-cache-mb must be 1..1048576")
     if not 0 < args.template_timeout <= 10:
         p.error("--template-timeout must be in (0, 10] seconds")
     if not 0 <= args.queue_size <= 1_000_000:
@@ -340,15 +348,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
     if state.startswith("sqlite:///"):
         Path(state.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     store = GatewayStore(state)
-    # Stripped as load_admin_key strips it: a blank variable gets a fresh key, which is shown.
-    generated = args.admin_key_file is None and not os.environ.get("PAVED_ADMIN_KEY", "").strip()
-    admin_key = load_admin_key(args.admin_key_file)
-    if generated:
-        # No configured admin key: this one exists only in this process; shown once.
-        print(
-            f"gateway: admin key for this run (set PAVED_ADMIN_KEY to choose one): {admin_key}",
-            file=sys.stderr,
-        )
+    admin_key = admin_key_for_run(args.admin_key_file, "gateway")
     router = Router(table, region=args.region)
     metrics = GatewayMetrics()
     authenticator = Authenticator(store, cache_s=args.auth_cache)
@@ -456,7 +456,9 @@ def _orchestrator(args: argparse.Namespace, store: GatewayStore, proxy: OpenAIPr
 
         exact = cache.RedisExactCache(redis.asyncio.Redis.from_url(args.redis))
     semantic = (
-        cache.SemanticCache(max_entries=args.semantic_cache_entries) if args.semantic_cache_entries else None
+        cache.SemanticCache(max_entries=args.semantic_cache_entries, max_bytes=args.semantic_cache_mb << 20)
+        if args.semantic_cache_entries
+        else None
     )
     conversations = ConversationStore(store)
     return Orchestrator(

@@ -27,22 +27,39 @@ from paved import procs
 MARKER_ENV = "PAVED_PLATFORM"
 
 
+# SIGKILL passes after the grace: a process may fork between a scan and its kill; each pass
+# rescans, so a child forked that late is killed too. Bounded: a marked process that outlives
+# this many kills is in uninterruptible sleep, and no signal would help.
+_KILL_PASSES = 10
+
+
 def sweep(token: str, grace_s: float) -> int:
-    """SIGTERM every process carrying the token, SIGKILL what is left after `grace_s`; the
-    number of processes found."""
-    found = procs.marked_processes(MARKER_ENV, token)
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    left = found
+    """SIGTERM every process carrying the token, one that appears during the grace (a
+    supervisor's restart, a child forked while its parent stopped) included, then SIGKILL what
+    is left after `grace_s`, rescanning until nothing is; the number of processes found."""
+    termed: set[int] = set()
     deadline = time.monotonic() + grace_s
-    while left and time.monotonic() < deadline:
+    left = set(procs.marked_processes(MARKER_ENV, token))
+    while left:
+        for pid in left - termed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        termed |= left
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
-        left = procs.marked_processes(MARKER_ENV, token)
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return len(found)
+        left = set(procs.marked_processes(MARKER_ENV, token))
+    killed: set[int] = set()
+    for _ in range(_KILL_PASSES):
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= left
+        time.sleep(0.1)
+        left = set(procs.marked_processes(MARKER_ENV, token))
+    return len(termed | killed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

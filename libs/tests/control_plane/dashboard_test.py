@@ -291,6 +291,10 @@ def test_control_plane_refuses_a_bad_gateway_admin_flag(tmp_path: Path, capsys):
     missing = tmp_path / "no-key"
     assert main(["--gateway-admin-key-file", str(missing)]) == 2
     assert f"cannot read the admin key file {missing}" in capsys.readouterr().err
+    # Its own admin key too: a usage error (exit 2, one line), not a traceback from the loop.
+    assert main(["--admin-key-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"admin key: cannot read the admin key file {missing}" in err and "Traceback" not in err
 
 
 def test_an_unreadable_gateway_is_an_error_in_the_summary_not_a_failed_one(tmp_path: Path):

@@ -18,7 +18,13 @@ from gateway_proc import GatewayProcess, write_routes
 from in_process import app_with
 
 from paved.gateway.access.admin_api import admin_router
-from paved.gateway.access.auth import AdminAuth, Authenticator, load_admin_key
+from paved.gateway.access.auth import (
+    AdminAuth,
+    Authenticator,
+    admin_key_for_run,
+    configured_admin_key,
+    load_admin_key,
+)
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.errors import AuthError
 
@@ -113,6 +119,21 @@ def test_admin_key_checks(tmp_path, monkeypatch):
         load_admin_key(None)
     admin = AdminAuth(" spaced admin key ")
     admin.check("Bearer spaced admin key")
+
+
+def test_only_a_key_nobody_configured_is_generated_and_shown(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAVED_ADMIN_KEY", " \t")
+    # The argument check validates without making (and dropping) a key of its own.
+    assert configured_admin_key(None) is None
+    key = admin_key_for_run(None, "gateway")
+    shown = capsys.readouterr().err
+    assert shown.count(key) == 1 and shown.startswith("gateway: admin key for this run")
+    monkeypatch.setenv("PAVED_ADMIN_KEY", "chosen-key")
+    assert admin_key_for_run(None, "gateway") == "chosen-key"
+    f = tmp_path / "admin.key"
+    f.write_text("from-file\n")
+    assert admin_key_for_run(f, "control plane") == "from-file"
+    assert capsys.readouterr().err == ""  # a configured key is never printed
 
 
 def test_a_revoke_takes_effect_on_this_replica_at_once(tmp_path):

@@ -239,6 +239,36 @@ def test_semantic_entries_are_bounded_in_bytes():
     asyncio.run(go())
 
 
+def test_semantic_memory_counts_vectors_and_indexes_not_only_answers():
+    """Small answers in many scopes, or under wide embeddings, are bounded by max_bytes too:
+    the bound once counted bodies alone, so a million 384-dimension vectors (1.5 GiB) or a
+    million one-entry scopes (each index's first block) sat outside the 1 GiB it promised."""
+    max_bytes = 400_000
+    cache = SemanticCache(max_entries=1_000_000, max_bytes=max_bytes)
+    wide = 1024  # 4 KiB a vector
+
+    async def go():
+        for i in range(200):  # a scope each: its index and first block are paid for
+            assert await cache.insert("t", b"scope-%d" % i, _vector(i), _answer(10)) is not None
+            assert cache.bytes <= max_bytes
+        scopes = cache.entries()
+        assert 0 < scopes < 200  # the oldest scopes went to keep the bound
+        assert cache.index("t", b"scope-0") is None and cache.index("t", b"scope-199") is not None
+        for i in range(400):
+            v = np.random.default_rng(i).standard_normal(wide).astype(np.float32)
+            assert await cache.insert("u", b"wide", v, _answer(10)) is not None
+            assert cache.bytes <= max_bytes
+        # Each wide vector counts at least its own 4 KiB.
+        assert cache.entries("u") * 4 * wide <= max_bytes
+        hit = await cache.lookup("u", b"wide", v, 0.999)
+        assert hit is not None  # the newest is kept
+        while cache.entries():
+            cache._drop(next(iter(cache._entries)))
+        assert cache.bytes == 0  # every index's cost went with its last entry
+
+    asyncio.run(go())
+
+
 def test_semantic_ttl_per_entry_expires_in_time_order():
     """Entries with different TTLs (two routes) expire by their own deadline, whatever their
     insertion order, and expire() frees them without a lookup meeting them."""

@@ -6,8 +6,10 @@ The same capabilities against real vLLM and MiniLM: orchestration_vllm_test."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import secrets
+import threading
 
 import httpx
 import openai
@@ -15,6 +17,7 @@ import pytest
 from gateway_proc import GatewayProcess, write_routes
 from servers import ServerProcess
 
+from paved.gateway.forwarding import proxy
 from paved.runfiles import tiny_model_dir
 
 MAX_MODEL_LEN = 320
@@ -126,6 +129,35 @@ def test_bodies_nested_too_deep_are_400_not_500(gw, depth):
     assert r.json()["error"]["message"] == "the request body is nested more than 128 levels deep"
     ok = b'{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"hi"}],"metadata":{}}'
     assert _post(gw, ok).status_code == 200
+
+
+def test_bodies_over_a_mebibyte_are_decoded_off_the_loop_with_the_same_answers(gw):
+    # Over paved.http.off_loop's 1 MiB the gateway decodes on its body pool (a 32 MiB body is
+    # the better part of a second of parse): the errors are those of a small body.
+    pad = b" " * (1 << 20)
+    r = _post(gw, b"[" + pad + b"]")
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
+    r = _post(gw, b'{"model":"tiny","messages":[{"role":"user","content":"\\ud800"}]' + pad + b"}")
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    for stream in (False, True):  # the resumable-chat check decodes it too, once for both
+        body = b'{"model":"tiny","max_tokens":2,"stream":%s,' % (b"true" if stream else b"false")
+        ok = _post(gw, body + b'"messages":[{"role":"user","content":"hi"}]' + pad + b"}")
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_large_body_is_decoded_on_the_body_pool(monkeypatch):
+    threads: list[str] = []
+    parse = proxy._parse_body
+
+    def recording(raw: bytes) -> dict:
+        threads.append(threading.current_thread().name)
+        return parse(raw)
+
+    monkeypatch.setattr(proxy, "_parse_body", recording)
+    assert asyncio.run(proxy.decode_body(b'{"a": 1}')) == {"a": 1}
+    assert asyncio.run(proxy.decode_body(b'{"a": 1}' + b" " * (1 << 20))) == {"a": 1}
+    assert threads[0] == threading.current_thread().name  # small: inline, cheaper than a hop
+    assert threads[1].startswith("paved-body"), threads
 
 
 def test_exact_cache_rules(gw, client):

@@ -26,6 +26,7 @@ import pytest
 
 from paved.cli.main import main as paved_main
 from paved.control_plane.prometheus import RULE_FILES
+from paved.platform import guardian
 from paved.platform.up import (
     MAX_PROMETHEUS_INTERVAL_S,
     PROMETHEUS_RETENTION,
@@ -260,6 +261,52 @@ def test_a_sigkilled_up_leaves_nothing_behind(tmp_path: Path) -> None:
         assert "up ended without stopping its processes" in log, log
     finally:
         up.cleanup()
+
+
+# A process that, told to stop, starts another marked one and exits (a supervisor handing over):
+# the newcomer, which was not there at the first scan, must get its SIGTERM too.
+_HANDS_OVER = r"""
+import os, signal, subprocess, sys, time
+d = sys.argv[1]
+newcomer = (
+    "import pathlib, signal, sys, time\n"
+    "def stop(*_):\n"
+    "    pathlib.Path(sys.argv[1], 'newcomer-termed').touch(); sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "pathlib.Path(sys.argv[1], 'newcomer').touch()\n"
+    "time.sleep(60)\n"
+)
+def stop(*_):
+    subprocess.Popen([sys.executable, "-c", newcomer, d], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(d, "newcomer")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(d, "ready"), "w").close()
+time.sleep(60)
+"""
+
+
+def test_the_guardian_stops_a_process_that_appears_while_the_others_stop(tmp_path: Path) -> None:
+    token = f"guardian-test-{os.getpid()}"
+    env = {**os.environ, guardian.MARKER_ENV: token}
+    first = subprocess.Popen([sys.executable, "-c", _HANDS_OVER, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "ready").exists()
+        assert guardian.sweep(token, grace_s=20) == 2
+        first.wait(10)
+        # SIGTERMed (it wrote its file and exited) well before the 20 s grace ran out: not
+        # SIGKILLed at its end as a process missing from the first scan used to be.
+        assert (tmp_path / "newcomer-termed").exists()
+        assert marked(token) == {}
+    finally:
+        guardian.sweep(token, grace_s=0)
+        first.kill()
+        first.wait(10)
 
 
 def test_a_failed_start_exits_1_and_stops_what_it_started(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import sys
 import time
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -211,9 +212,28 @@ def generate_admin_key() -> str:
 
 def load_admin_key(path: str | os.PathLike[str] | None, env: str = "PAVED_ADMIN_KEY") -> str:
     """The admin key: from `path` (file contents, stripped) if given, else the `env` variable,
-    else a freshly generated one (the server prints that once to stderr). A named file that is
+    else a freshly generated one (`admin_key_for_run` prints that once). A named file that is
     missing, unreadable, empty or oversized, and a key from either that is not printable ASCII,
     are errors (ValueError), never a silent fresh key."""
+    key = configured_admin_key(path, env)
+    return generate_admin_key() if key is None else key
+
+
+def admin_key_for_run(path: str | os.PathLike[str] | None, server: str) -> str:
+    """`load_admin_key(path)` for a server's run: a key it had to generate (none configured)
+    exists only in this process, so it is printed once to stderr, `server` naming whose."""
+    key = configured_admin_key(path)
+    if key is not None:
+        return key
+    key = generate_admin_key()
+    print(f"{server}: admin key for this run (set PAVED_ADMIN_KEY to choose one): {key}", file=sys.stderr)
+    return key
+
+
+def configured_admin_key(path: str | os.PathLike[str] | None, env: str = "PAVED_ADMIN_KEY") -> str | None:
+    """The admin key `path` or the `env` variable configures, None where neither does (no
+    file named, the variable unset or blank); ValueError as `load_admin_key`. A server's
+    argument check calls this: it validates without generating a key."""
     if path is not None:
         p = Path(path)
         try:
@@ -236,7 +256,7 @@ def load_admin_key(path: str | os.PathLike[str] | None, env: str = "PAVED_ADMIN_
     # An empty variable counts as unset (a common way to "unset" one in compose files).
     key = os.environ.get(env, "").strip()
     if not key:
-        return generate_admin_key()
+        return None
     try:
         return check_admin_key(key)
     except ValueError as exc:

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["VectorIndex"]
 
 _BLOCK = 4096  # rows per block of an exact part (the first block grows to it by doubling)
-_FIRST_BLOCK = 16
+FIRST_BLOCK_ROWS = 16  # rows an exact part allocates first, however few it holds
 _TRAIN_POINTS_PER_LIST = 32  # k-means sample: faiss warns below 39, quality is flat above ~30
 _MIN_POINTS_PER_LIST = 8
 _NPROBES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -88,8 +88,8 @@ class _Flat:
     def _grow(self, need: int) -> None:
         while self._capacity() < need:
             if not self._blocks:
-                self._blocks.append(np.empty((_FIRST_BLOCK, self.dim), np.float32))
-                self._ids.append(np.empty(_FIRST_BLOCK, np.int64))
+                self._blocks.append(np.empty((FIRST_BLOCK_ROWS, self.dim), np.float32))
+                self._ids.append(np.empty(FIRST_BLOCK_ROWS, np.int64))
             elif len(self._blocks) == 1 and len(self._blocks[0]) < _BLOCK:
                 size = min(_BLOCK, 2 * len(self._blocks[0]))
                 vecs = np.empty((size, self.dim), np.float32)

@@ -66,7 +66,7 @@ import sqlalchemy as sa
 from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
-from paved.gateway.caching.ann import VectorIndex
+from paved.gateway.caching.ann import FIRST_BLOCK_ROWS, VectorIndex
 from paved.http.sse import event_json
 
 if TYPE_CHECKING:
@@ -833,9 +833,22 @@ _ENTRY_ID = re.compile(r"sc-([0-9a-f]{16})")
 # A search scanning more rows exactly than this (a bulk load left a big delta) goes to a thread.
 _INLINE_EXACT_ROWS = 16384
 _NEIGHBOURS = 4  # candidates per lookup: the best may have expired
-# Bytes an entry costs beyond its body (the entry, its id, owner and expiry records); its vector
-# lives in the index, bounded by max_entries.
-_SEMANTIC_ENTRY_OVERHEAD = 256
+# Bytes an entry costs beyond its body: the entry, its id, owner and expiry records, and its
+# index's row map and id set.
+_SEMANTIC_ENTRY_OVERHEAD = 384
+
+
+def _vector_cost(dim: int) -> int:
+    """Bytes one float32 vector of `dim` costs its index, counted twice: an exact part grows by
+    doubling (or by a block once it is a block or more), so it holds at most twice its rows;
+    an IVF index holds its vectors once in its lists."""
+    return 2 * 4 * dim
+
+
+def _index_cost(dim: int) -> int:
+    """Bytes an index costs before any entry: its first block (FIRST_BLOCK_ROWS rows, however
+    few it holds) and its bookkeeping. Many small scopes each pay it."""
+    return FIRST_BLOCK_ROWS * (4 * dim + 8) + 4096
 
 
 def _entry_id(key: int) -> str:
@@ -849,9 +862,11 @@ class SemanticCache:
     Each entry lives for the TTL it was inserted with (`insert`'s `ttl_s`: the route's; else
     this cache's `ttl_s`): expired entries are dropped in deadline order on every insert (and
     when a lookup meets one). Entries are dropped oldest first when `max_entries` is reached or
-    their bodies (plus a fixed overhead each) would pass `max_bytes`; an answer over
-    `max_entry_bytes` is not stored. One embedding model per instance: an index's dimension is
-    fixed by its first vector."""
+    what they hold would pass `max_bytes`: each entry's body, its vector (with its index's
+    growth room) and a fixed overhead, and each (tenant, scope) index's own fixed cost, so many
+    scopes or wide embeddings are bounded as large answers are (`bytes`; an index rebuilding
+    into IVF briefly holds a second copy). An answer over `max_entry_bytes` is not stored. One
+    embedding model per instance: an index's dimension is fixed by its first vector."""
 
     def __init__(
         self,
@@ -869,7 +884,7 @@ class SemanticCache:
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_entry_bytes
         self.ttl_s = ttl_s
-        self.bytes = 0  # what the entries count against max_bytes
+        self.bytes = 0  # what the entries and indexes count against max_bytes
         self._clock = clock
         self._index_factory = index_factory or VectorIndex
         self._indexes: dict[tuple[str, bytes], VectorIndex] = {}
@@ -938,19 +953,25 @@ class SemanticCache:
         index = self._indexes.get(owner)
         if index is not None and index.dim != query.shape[0]:
             raise ValueError(f"the vector has {query.shape[0]} dimensions, this cache {index.dim}")
-        size = len(answer.body) + _SEMANTIC_ENTRY_OVERHEAD
-        if len(answer.body) > self.max_entry_bytes or size > self.max_bytes:
+        dim = query.shape[0]
+        size = len(answer.body) + _SEMANTIC_ENTRY_OVERHEAD + _vector_cost(dim)
+        if len(answer.body) > self.max_entry_bytes or size + _index_cost(dim) > self.max_bytes:
             return None
         now = self._clock()
         self.expire(now)
+
+        def need() -> int:  # a drop may close this owner's index: then it is paid for again
+            return size + (0 if owner in self._indexes else _index_cost(dim))
+
         while self._entries and (
-            len(self._entries) >= self.max_entries or self.bytes + size > self.max_bytes
+            len(self._entries) >= self.max_entries or self.bytes + need() > self.max_bytes
         ):
             self._drop(next(iter(self._entries)))
-        index = self._indexes.get(owner)  # the drops above may have closed it
+        index = self._indexes.get(owner)
         if index is None:
-            index = self._index_factory(query.shape[0])
+            index = self._index_factory(dim)
             self._indexes[owner] = index
+            self.bytes += _index_cost(dim)
         key = secrets.randbits(63)
         while key in self._entries:
             key = secrets.randbits(63)
@@ -1005,6 +1026,7 @@ class SemanticCache:
             if len(index) == 0:
                 index.close()
                 del self._indexes[entry.owner]
+                self.bytes -= _index_cost(index.dim)
 
 
 def _unit(vector: np.ndarray) -> np.ndarray | None:

@@ -71,6 +71,7 @@ from paved.gateway.metrics import GatewayMetrics
 from paved.gateway.orchestration.tokens import TokenCounter
 from paved.http.errors import error_body
 from paved.http.json_body import JSONBodyError, parse_json
+from paved.http.off_loop import off_loop_if_large
 from paved.http.sockets import POOL_KEEPALIVE_S
 from paved.http.tracing import request_ids
 
@@ -191,11 +192,19 @@ class OpenAIProxy:
 
     # ---- generation and embeddings ---------------------------------------------------------
     async def forward(
-        self, request: Request, endpoint: str, path: str, *, principal: Principal | None = None
+        self,
+        request: Request,
+        endpoint: str,
+        path: str,
+        *,
+        principal: Principal | None = None,
+        body: dict[str, Any] | None = None,
     ) -> Response:
         """Answer one OpenAI request. `principal`: the caller is already known (the batch
         runner, paved.gateway.batches, replays a line for the tenant that created the batch):
-        no Authorization is read, everything after it (limits, queue, cache) applies as is."""
+        no Authorization is read, everything after it (limits, queue, cache) applies as is.
+        `body`: the request's body as `decode_body` returned it, when a caller already decoded
+        it (it is not decoded twice; this call may change it)."""
         started = time.perf_counter()
         request_id, traceparent = request_ids(request)
         # The trace id joins this line to the instance's access line for the same request.
@@ -206,7 +215,7 @@ class OpenAIProxy:
         }
         try:
             return await self._forward(
-                request, endpoint, path, request_id, traceparent, started, log, principal
+                request, endpoint, path, request_id, traceparent, started, log, principal, body
             )
         except GatewayError as e:
             log["status"] = e.status
@@ -227,7 +236,8 @@ class OpenAIProxy:
         traceparent: str,
         started: float,
         log: dict[str, Any],
-        principal: Principal | None = None,
+        principal: Principal | None,
+        body: dict[str, Any] | None,
     ) -> Response:
         if principal is None:
             principal = await self.authenticator.authenticate(request.headers.get("authorization"))
@@ -236,12 +246,13 @@ class OpenAIProxy:
         log["auth_ms"] = _ms(started, t_auth)
         self.metrics.stage.labels("auth").observe(t_auth - started)
 
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            # Gone mid-upload: nobody reads an answer, and it is no server error.
-            raise GatewayError(499, "client closed the request", code="client_closed_request") from None
-        body = _parse_body(raw)
+        if body is None:
+            try:
+                raw = await request.body()
+            except ClientDisconnect:
+                # Gone mid-upload: nobody reads an answer, and it is no server error.
+                raise GatewayError(499, "client closed the request", code="client_closed_request") from None
+            body = await decode_body(raw)
         model, alias, route = _check_model(principal, self.router, body)
         log["model"] = alias
         priority = Priority.parse(request.headers.get(PRIORITY_HEADER))
@@ -840,9 +851,16 @@ def _response_headers(
     return headers
 
 
-def _parse_body(raw: bytes) -> dict[str, Any]:
+async def decode_body(raw: bytes) -> dict[str, Any]:
+    """`raw`, an OpenAI request body, as a JSON object (else GatewayError 400), decoded off the
+    event loop when large (paved.http.off_loop): a body near the 32 MiB bound takes the better
+    part of a second to parse."""
     if not raw:
         raise GatewayError(400, "the request body is missing")
+    return await off_loop_if_large(len(raw), _parse_body, raw)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = parse_json(raw)
     except JSONBodyError as e:

@@ -40,11 +40,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
+from paved.gateway.forwarding.proxy import decode_body
 from paved.gateway.responses.events import HOLE, MAX_SEQ, LiveStream, LiveStreams, StreamTrimmed
 from paved.gateway.responses.store import ACTIVE, Claimed, ResponseStore, failed_body
 from paved.http import openai_responses as oai
 from paved.http.errors import error_body
 from paved.http.json_body import JSONBodyError, parse_json
+from paved.http.off_loop import off_loop_if_large
 
 if TYPE_CHECKING:
     from paved.gateway.access.auth import Authenticator
@@ -87,6 +89,7 @@ async def run_chat(
     on_event: Callable[[bytes], Awaitable[None] | None],
     principal: Principal | None = None,
     on_start: Callable[[], Awaitable[None]] | None = None,
+    parsed: dict[str, Any] | None = None,
 ) -> None:
     """POST `body` to the gateway's own chat path as a client with `headers` would, with no
     client: `abort` set is that client leaving. SSE events go to `on_event` whole (without
@@ -94,7 +97,8 @@ async def run_chat(
     caller is already known (a takeover has no Authorization to send). `on_start`: awaited
     once the chat path accepted the request (it answered 200 with an event stream), before
     `chat.started` is set and before any event; when it raises, the chat is aborted, its
-    events are dropped and `chat.refused` says why."""
+    events are dropped and `chat.refused` says why. `parsed`: `body` already decoded
+    (paved.gateway.forwarding.proxy.decode_body), not decoded again."""
     delivered = False
 
     async def receive() -> dict[str, Any]:
@@ -150,7 +154,9 @@ async def run_chat(
         "headers": [(b"content-type", b"application/json"), *headers],
     }  # fmt: skip
     try:
-        response = await proxy.forward(Request(scope, receive), "chat", CHAT_PATH, principal=principal)
+        response = await proxy.forward(
+            Request(scope, receive), "chat", CHAT_PATH, principal=principal, body=parsed
+        )
         await response(scope, receive, send)
     finally:
         if not chat.started.done():
@@ -272,7 +278,7 @@ class ResponsesAPI:
         except ClientDisconnect:
             raise GatewayError(499, "client closed the request", code="client_closed_request") from None
         try:
-            body = parse_json(raw) if raw else None
+            body = await off_loop_if_large(len(raw), parse_json, raw) if raw else None
         except JSONBodyError as e:
             raise GatewayError(400, f"the request body is {e}") from None
         parsed = oai.parse_request(body)
@@ -555,11 +561,13 @@ class ResponsesAPI:
             raw = await request.body()
         except ClientDisconnect:
             return await self.proxy.forward(request, "chat", CHAT_PATH)
-        body: Any = None
-        with contextlib.suppress(JSONBodyError):
-            body = parse_json(raw) if raw else None
-        if not self.resumable_chat or not isinstance(body, dict) or body.get("stream") is not True:
+        try:
+            body = await decode_body(raw)
+        except GatewayError:
+            # The chat path answers it, as it answers any body it cannot take.
             return await self.proxy.forward(request, "chat", CHAT_PATH)
+        if not self.resumable_chat or body.get("stream") is not True:
+            return await self.proxy.forward(request, "chat", CHAT_PATH, body=body)
         principal = await self._principal(request)
         stream_id = oai.new_id("chatstream")
         abort = asyncio.Event()
@@ -581,7 +589,7 @@ class ResponsesAPI:
         async def generate() -> None:
             try:
                 headers = _passed_headers(request)
-                await run_chat(self.proxy, headers, raw, abort, chat, on_event, on_start=accept)
+                await run_chat(self.proxy, headers, raw, abort, chat, on_event, on_start=accept, parsed=body)
             except Exception as e:  # noqa: BLE001 - the stream must still end
                 logger.warning("chat stream %s failed: %s", stream_id, e)
             finally:
