@@ -180,3 +180,23 @@ def test_a_revoke_takes_effect_on_this_replica_at_once(tmp_path):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--semantic-cache-mb", "0"], "--semantic-cache-mb must be 1..1048576"),
+        (["--exact-cache-mb", "0"], "--exact-cache-mb must be 1..1048576"),
+        (["--admin-key-file", "/nonexistent/admin.key"], "cannot read the admin key file"),
+    ],
+)
+def test_gateway_usage_errors_exit_2_before_starting(tmp_path, capsys, argv, message):
+    from paved.gateway.server import main
+
+    routes = write_routes(tmp_path / "routes.json", ROUTES)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--routes", str(routes), "--state", f"sqlite:///{tmp_path / 'gw.sqlite'}", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "gw.sqlite").exists()  # nothing started, nothing written
