@@ -115,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a request may wait in the queue before a 503 (default 30)",
     )
     p.add_argument(
+        "--queue-charge-unit",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="tenants share the queue's slots by time held: a request costs one turn per this "
+        "many seconds it holds its slot, at least one (default 1)",
+    )
+    p.add_argument(
         "--wake-max-wait",
         type=float,
         default=180.0,
@@ -284,6 +292,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--queue-size must be 0..1000000")
     if not 0 < args.queue_max_wait <= 3600:
         p.error("--queue-max-wait must be in (0, 3600] seconds")
+    if not 0 < args.queue_charge_unit <= 3600:
+        p.error("--queue-charge-unit must be in (0, 3600] seconds")
     if not 0 < args.wake_max_wait <= 3600:
         p.error("--wake-max-wait must be in (0, 3600] seconds")
     if not 0 <= args.stream_grace <= 3600:
@@ -366,6 +376,7 @@ def build(args: argparse.Namespace) -> tuple[Gateway, RoutesTable]:
             max_queued=args.queue_size,
             max_wait_s=args.queue_max_wait,
             tenant_weights=args.tenant_weights,
+            charge_unit_s=args.queue_charge_unit,
         ),
         metrics=metrics,
     )

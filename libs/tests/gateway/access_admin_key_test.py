@@ -187,6 +187,7 @@ def test_a_revoke_takes_effect_on_this_replica_at_once(tmp_path):
     [
         (["--semantic-cache-mb", "0"], "--semantic-cache-mb must be 1..1048576"),
         (["--exact-cache-mb", "0"], "--exact-cache-mb must be 1..1048576"),
+        (["--queue-charge-unit", "0"], "--queue-charge-unit must be in (0, 3600] seconds"),
         (["--admin-key-file", "/nonexistent/admin.key"], "cannot read the admin key file"),
     ],
 )

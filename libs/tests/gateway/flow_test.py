@@ -122,6 +122,82 @@ def test_a_late_tenant_gets_its_share_at_once_and_no_more(weight, backlog, when,
         assert abs(served - k / (weight + 1)) <= 1, order
 
 
+async def _held(flow: FlowController, holds: dict[str, float], backlog: int, now: list[float]) -> list[str]:
+    """Each tenant queues `backlog` requests behind a closed window; one at a time, each holds
+    its slot `holds[tenant]` seconds of the controller's clock. The dispatch order."""
+    order: list[str] = []
+
+    async def one(tenant: str) -> None:
+        slot = await flow.acquire(M, tenant, FG, _far())
+        order.append(tenant)
+        now[0] += holds[tenant]
+        slot.release(completed=True)
+
+    flow.set_window(M, 0)
+    tasks = [asyncio.create_task(one(t)) for _ in range(backlog) for t in holds]
+    await asyncio.sleep(0)
+    flow.set_window(M, 1)
+    await asyncio.gather(*tasks)
+    return order
+
+
+@settings(max_examples=40, deadline=None)
+@given(long_s=st.integers(2, 30), weight=st.integers(1, 3))
+def test_tenants_share_time_in_the_slots_not_a_count_of_dispatches(long_s, weight):
+    """A tenant of long requests (`long_s` seconds each) against one of 1 s requests: each gets
+    the slot for time in proportion to its weight (dispatches alone gave the long one `long_s`
+    times its share of the time)."""
+    now = [0.0]
+    flow = FlowController(FlowConfig(tenant_weights={"long": weight}), clock=lambda: now[0])
+    holds = {"long": float(long_s), "short": 1.0}
+    order = asyncio.run(_held(flow, holds, 40, now))
+    held = {"long": 0.0, "short": 0.0}
+    left = {"long": 40, "short": 40}
+    for tenant in order:
+        if not left["long"] or not left["short"]:
+            break  # one is no longer backlogged
+        held[tenant] += holds[tenant]
+        left[tenant] -= 1
+        # Within one long request of the weighted share of the time at every point.
+        total = held["long"] + held["short"]
+        assert abs(held["long"] - total * weight / (weight + 1)) <= long_s + 1, order
+
+
+def test_requests_within_the_charge_unit_are_scheduled_by_count():
+    now = [0.0]
+    flow = FlowController(FlowConfig(charge_unit_s=10.0), clock=lambda: now[0])
+    order = asyncio.run(_held(flow, {"a": 9.0, "b": 0.1}, 4, now))
+    assert order == ["a", "b"] * 4  # both under 10 s: one unit each
+
+
+def test_a_long_stream_delays_its_tenants_next_turn_by_a_bounded_debt():
+    """A request that held its slot an hour costs its tenant at most _MAX_DEBT (64) others'
+    turns, not 3600."""
+    now = [0.0]
+    flow = FlowController(clock=lambda: now[0])
+
+    async def run() -> list[str]:
+        stream = await flow.acquire(M, "a", FG, _far())
+        order: list[str] = []
+
+        async def one(tenant: str) -> None:
+            slot = await flow.acquire(M, tenant, FG, _far())
+            order.append(tenant)
+            slot.release(completed=True)
+
+        flow.set_window(M, 1)  # the stream holds the only slot; the rest queue behind it
+        tasks = [asyncio.create_task(one("b")) for _ in range(100)]
+        tasks.append(asyncio.create_task(one("a")))
+        await asyncio.sleep(0)
+        now[0] += 3600.0
+        stream.release(completed=True)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(run())
+    assert 60 <= order.index("a") <= 66, order
+
+
 def test_interactive_goes_before_background():
     flow = FlowController()
     arrivals = [("batch", BG)] * 4 + [("app", FG), ("batch", BG), ("app", FG)]

@@ -29,6 +29,14 @@ becomes backlogged starts at the class's current virtual time, so idle time bank
 Two backlogged tenants with weights a and b are served a : b, within one request at any point.
 A tenant's own requests keep their arrival order.
 
+What is shared is time in a slot, not a count of dispatches: a request is charged one unit at
+dispatch and, when it ends, one more per further `charge_unit_s` it held its slot (its whole
+stream), so at equal weights a tenant of 30 s streams gets a fifth of the turns of a tenant of
+6 s ones and the two hold the slots equally. A request that ends within `charge_unit_s` costs
+one unit whatever its length (short requests are scheduled by count, as above). A tenant's debt
+is capped at _MAX_DEBT units beyond its class's virtual time: a burst of hour-long streams
+delays its next turn by at most that many of the others' turns.
+
 Refusal (503 with Retry-After and an OpenAI error body, `QueueRefusedError`): when the model's
 queue holds `max_queued` requests, a newcomer takes the place of the newest waiter of the tenant
 holding the largest weighted share of the queue (or of a less important class), else it is
@@ -60,6 +68,8 @@ __all__ = ["FlowConfig", "FlowController", "Priority", "QueueRefusedError", "Slo
 PRIORITY_HEADER = "x-paved-priority"
 # Smoothing of the recent wait (the Retry-After of a refusal).
 _WAIT_EWMA = 0.2
+# The most units a tenant's pass may run ahead of its class's virtual time (module docstring).
+_MAX_DEBT = 64.0
 _MAX_RETRY_AFTER_S = 60
 
 
@@ -95,11 +105,13 @@ class FlowConfig:
     forget_after_s: float = 10.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     default_weight: float = 1.0
+    # A request is charged a unit per this many seconds it holds its slot (at least one).
+    charge_unit_s: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 0:
             raise ValueError("max_queued must be an integer >= 0")
-        for name in ("max_wait_s", "retry_interval_s", "forget_after_s", "default_weight"):
+        for name in ("max_wait_s", "retry_interval_s", "forget_after_s", "default_weight", "charge_unit_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number")
@@ -144,6 +156,7 @@ class Slot:
         self._state = _State.DONE
         self._future: asyncio.Future[None] | None = None
         self._queued_at = 0.0
+        self._granted_at = 0.0
         # Seconds spent waiting in the queue, over every try.
         self.waited_s = 0.0
 
@@ -544,6 +557,7 @@ class FlowController:
 
     def _grant(self, q: _ModelQueue, slot: Slot, now: float) -> None:
         slot._state = _State.GRANTED
+        slot._granted_at = now
         q.active += 1
         q.last_progress = now
 
@@ -572,6 +586,7 @@ class FlowController:
         q.active -= 1
         now = self._clock()
         q.last_progress = now
+        self._charge_hold(q, slot, now - slot._granted_at)
         # It was full when no further whole request fitted beside the `active + 1` in flight.
         if completed and q.window is not None and q.active + 2 > q.window:
             # The window was full and a backend still answered: it may hold more.
@@ -581,6 +596,21 @@ class FlowController:
                 q.window += 1.0 / q.window
             self._window_metric(q)
         self._pump(q)
+
+    def _charge_hold(self, q: _ModelQueue, slot: Slot, held_s: float) -> None:
+        """Charge the tenant the units its request held the slot beyond the one its dispatch
+        paid. Nothing is charged when nobody of its class waits and it has no pass on record:
+        a tenant that joins later starts at the virtual time either way."""
+        extra = held_s / self.config.charge_unit_s - 1.0
+        if not extra > 0:
+            return
+        cls = q.classes[slot.priority]
+        if slot.tenant not in cls.passes and not cls.lines:
+            return
+        weight = self.config.weight(slot.tenant)
+        start = max(cls.passes.get(slot.tenant, cls.virtual), cls.virtual)
+        capped = min(start + extra / weight, cls.virtual + _MAX_DEBT / weight)
+        cls.passes[slot.tenant] = max(start, capped)
 
     def _window_metric(self, q: _ModelQueue) -> None:
         if self._metrics is not None:
