@@ -33,32 +33,38 @@ MARKER_ENV = "PAVED_PLATFORM"
 _KILL_PASSES = 10
 
 
+def _marked(token: str) -> set[tuple[int, int | None]]:
+    """(pid, start time) of every process carrying the token: a pid reused by a new marked
+    process during the grace is a process not yet told to stop."""
+    return {(pid, procs.proc_start_time(pid)) for pid in procs.marked_processes(MARKER_ENV, token)}
+
+
 def sweep(token: str, grace_s: float) -> int:
     """SIGTERM every process carrying the token, one that appears during the grace (a
     supervisor's restart, a child forked while its parent stopped) included, then SIGKILL what
     is left after `grace_s`, rescanning until nothing is; the number of processes found."""
-    termed: set[int] = set()
+    termed: set[tuple[int, int | None]] = set()
     deadline = time.monotonic() + grace_s
-    left = set(procs.marked_processes(MARKER_ENV, token))
+    left = _marked(token)
     while left:
-        for pid in left - termed:
+        for pid, _ in left - termed:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
         termed |= left
         if time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-        left = set(procs.marked_processes(MARKER_ENV, token))
-    killed: set[int] = set()
+        left = _marked(token)
+    killed: set[tuple[int, int | None]] = set()
     for _ in range(_KILL_PASSES):
         if not left:
             break
-        for pid in left:
+        for pid, _ in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         killed |= left
         time.sleep(0.1)
-        left = set(procs.marked_processes(MARKER_ENV, token))
+        left = _marked(token)
     return len(termed | killed)
 
 

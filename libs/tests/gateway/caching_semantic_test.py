@@ -25,6 +25,7 @@ from paved.gateway.access.auth import AdminAuth, Authenticator
 from paved.gateway.access.limits import InProcessLimiter
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.app import Gateway, create_app
+from paved.gateway.caching.ann import FIRST_BLOCK_ROWS, VectorIndex
 from paved.gateway.caching.cache import CachedAnswer, SemanticCache
 from paved.gateway.forwarding.proxy import OpenAIProxy, ProxyConfig
 from paved.gateway.metrics import GatewayMetrics
@@ -267,6 +268,44 @@ def test_semantic_memory_counts_vectors_and_indexes_not_only_answers():
         assert cache.bytes == 0  # every index's cost went with its last entry
 
     asyncio.run(go())
+
+
+def test_a_scope_filled_then_emptied_gives_its_memory_back():
+    """Evicting (false-hit reports) or expiring most of a scope frees the index's rows: an exact
+    part once kept its peak first block (4,096 rows) for one live entry, which the byte count
+    could not see, so fill-and-evict over many scopes grew memory past max_bytes."""
+    cache = SemanticCache(max_bytes=1 << 30)
+
+    async def go():
+        ids = [await cache.insert("t", b"s", _vector(i), _answer(10)) for i in range(5000)]
+        for entry_id in ids[:-1]:
+            assert await cache.evict("t", entry_id)
+        index = cache.index("t", b"s")
+        assert index is not None and len(index) == 1
+        assert index.rows_held <= 3 * len(index) + FIRST_BLOCK_ROWS, index.rows_held
+        assert await cache.lookup("t", b"s", _vector(4999), 0.999) is not None
+
+    asyncio.run(go())
+
+
+def test_an_ivf_index_that_shrank_is_rebuilt_compact():
+    index = VectorIndex(16, ivf_threshold=16)
+    try:
+        vectors = np.random.default_rng(7).standard_normal((300, 16)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        index.add(np.arange(300), vectors)
+        assert index.wait_idle(60) and index.kind == "ivf"
+        builds = index.builds
+        index.remove(range(250))
+        assert index.wait_idle(60)
+        assert index.builds > builds  # below two thirds of its build: rebuilt
+        assert index.rows_held <= 3 * len(index), index.rows_held
+        for i in (250, 299):
+            assert index.search(vectors[i], 1)[0][0] == i
+        index.remove(range(250, 300))
+        assert index.wait_idle(60) and index.kind == "flat" and index.rows_held == 0
+    finally:
+        index.close()
 
 
 def test_semantic_ttl_per_entry_expires_in_time_order():

@@ -198,6 +198,43 @@ def test_a_long_stream_delays_its_tenants_next_turn_by_a_bounded_debt():
     assert 60 <= order.index("a") <= 66, order
 
 
+def test_time_held_while_nobody_else_waited_costs_nothing():
+    """A tenant's long requests while it had the model to itself leave no debt: when another
+    tenant shows up later, the two alternate as if the first had just arrived."""
+    now = [0.0]
+    flow = FlowController(clock=lambda: now[0])
+
+    async def run() -> list[str]:
+        for _ in range(10):  # alone: 100 s each, nobody waiting
+            slot = await flow.acquire(M, "a", FG, _far())
+            now[0] += 100.0
+            slot.release(completed=True)
+        return await _held(flow, {"a": 1.0, "b": 1.0}, 4, now)
+
+    order = asyncio.run(run())
+    assert order[:4] in (["a", "b"] * 2, ["b", "a"] * 2), order
+
+
+def test_a_debt_is_forgotten_once_the_queue_was_quiet_for_forget_after():
+    now = [0.0]
+    flow = FlowController(FlowConfig(forget_after_s=10.0), clock=lambda: now[0])
+
+    async def run() -> list[str]:
+        # a's 30 s request holds the only slot while b waits: a contended slot, charged.
+        flow.set_window(M, 1)
+        stream = await flow.acquire(M, "a", FG, _far())
+        waiter = asyncio.create_task(flow.acquire(M, "b", FG, _far()))
+        await asyncio.sleep(0)
+        now[0] += 30.0
+        stream.release(completed=True)
+        (await waiter).release(completed=True)
+        now[0] += 11.0  # quiet past forget_after_s
+        return await _held(flow, {"a": 1.0, "b": 1.0}, 4, now)
+
+    order = asyncio.run(run())
+    assert order[:4] == ["a", "b"] * 2, order  # without forgetting: b, b, ... first
+
+
 def test_interactive_goes_before_background():
     flow = FlowController()
     arrivals = [("batch", BG)] * 4 + [("app", FG), ("batch", BG), ("app", FG)]

@@ -63,7 +63,10 @@ _HASHTABLE: int = faiss.DirectMap.Hashtable  # type: ignore[attr-defined]
 
 class _Flat:
     """An exact part: rows in blocks (the first grows by doubling, later ones are _BLOCK rows),
-    so adds never copy more than one block and removes swap the last row into the hole."""
+    so adds never copy more than one block and removes swap the last row into the hole. It holds
+    at most 3 rows per live row (or FIRST_BLOCK_ROWS): a lone first block is halved once a third
+    or less of it is used (not at half: an add and a remove at the boundary would each copy it),
+    and a trailing block goes once the rows fit in the blocks before it."""
 
     __slots__ = ("_blocks", "_ids", "_n", "_row", "dim")
 
@@ -80,13 +83,13 @@ class _Flat:
     def __contains__(self, item: int) -> bool:
         return item in self._row
 
-    def _capacity(self) -> int:
+    def capacity(self) -> int:
         if not self._blocks:
             return 0
         return (len(self._blocks) - 1) * _BLOCK + len(self._blocks[-1])
 
     def _grow(self, need: int) -> None:
-        while self._capacity() < need:
+        while self.capacity() < need:
             if not self._blocks:
                 self._blocks.append(np.empty((FIRST_BLOCK_ROWS, self.dim), np.float32))
                 self._ids.append(np.empty(FIRST_BLOCK_ROWS, np.int64))
@@ -131,6 +134,12 @@ class _Flat:
         if len(self._blocks) > 1 and self._n <= (len(self._blocks) - 1) * _BLOCK:
             self._blocks.pop()
             self._ids.pop()
+        elif len(self._blocks) == 1 and len(self._blocks[0]) > FIRST_BLOCK_ROWS:
+            size = len(self._blocks[0])
+            if 3 * self._n < size:
+                size //= 2
+                self._blocks[0] = self._blocks[0][:size].copy()
+                self._ids[0] = self._ids[0][:size].copy()
         return True
 
     def _live(self) -> Iterable[tuple[np.ndarray, np.ndarray]]:
@@ -294,6 +303,15 @@ class VectorIndex:
         return key in self._ids
 
     @property
+    def rows_held(self) -> int:
+        """Rows the index holds memory for: its exact parts' capacity and its IVF part's vectors
+        (faiss keeps each IVF list's peak allocation after removals, which this does not see;
+        the rebuild once it shrinks below two thirds of its build bounds that)."""
+        with self._lock:
+            rows = self._delta.capacity() + sum(f.capacity() for f in self._frozen_flat)
+            return rows + (int(self._ivf.ntotal) if self._ivf is not None else 0)
+
+    @property
     def kind(self) -> str:
         return "flat" if self._ivf is None else "ivf"
 
@@ -381,6 +399,8 @@ class VectorIndex:
                     to_ivf.append(key)
             if to_ivf:
                 self._ivf.remove_ids(faiss.IDSelectorArray(np.array(to_ivf, dtype=np.int64)))
+            if removed:
+                self._maybe_rebuild()
         return removed
 
     # ---- search ----------------------------------------------------------------------------------
@@ -413,7 +433,18 @@ class VectorIndex:
         if self._ivf is None:
             if len(self._delta) + sum(len(f) for f in self._frozen_flat) < self.ivf_threshold:
                 return
-        elif len(self._ids) < 2 * self._trained_n and self.exact_rows < self.ivf_threshold:
+        elif not self._ids:
+            # Emptied: nothing to build from; back to an empty exact part (memory freed).
+            self._ivf = self._quantizer = None
+            self._trained_n = 0
+            return
+        elif (
+            len(self._ids) < 2 * self._trained_n
+            and self.exact_rows < self.ivf_threshold
+            # Shrunk below two thirds of its build: rebuilt compact, so the memory of removed
+            # vectors (an IVF list keeps its peak) stays under 3 rows per live one.
+            and 3 * len(self._ids) >= 2 * self._trained_n
+        ):
             return
         if len(self._delta):
             self._frozen_flat.append(self._delta)

@@ -839,10 +839,10 @@ _SEMANTIC_ENTRY_OVERHEAD = 384
 
 
 def _vector_cost(dim: int) -> int:
-    """Bytes one float32 vector of `dim` costs its index, counted twice: an exact part grows by
-    doubling (or by a block once it is a block or more), so it holds at most twice its rows;
-    an IVF index holds its vectors once in its lists."""
-    return 2 * 4 * dim
+    """Bytes one float32 vector of `dim` (and its int64 id) costs its index, counted three
+    times: an index holds memory for at most 3 rows per live one, however entries came and went
+    (paved.gateway.caching.ann: its exact parts shrink, its IVF part is rebuilt compact)."""
+    return 3 * (4 * dim + 8)
 
 
 def _index_cost(dim: int) -> int:
@@ -863,7 +863,7 @@ class SemanticCache:
     this cache's `ttl_s`): expired entries are dropped in deadline order on every insert (and
     when a lookup meets one). Entries are dropped oldest first when `max_entries` is reached or
     what they hold would pass `max_bytes`: each entry's body, its vector (with its index's
-    growth room) and a fixed overhead, and each (tenant, scope) index's own fixed cost, so many
+    room: three times) and a fixed overhead, and each (tenant, scope) index's own fixed cost, so many
     scopes or wide embeddings are bounded as large answers are (`bytes`; an index rebuilding
     into IVF briefly holds a second copy). An answer over `max_entry_bytes` is not stored. One
     embedding model per instance: an index's dimension is fixed by its first vector."""
@@ -967,15 +967,21 @@ class SemanticCache:
             len(self._entries) >= self.max_entries or self.bytes + need() > self.max_bytes
         ):
             self._drop(next(iter(self._entries)))
-        index = self._indexes.get(owner)
-        if index is None:
-            index = self._index_factory(dim)
-            self._indexes[owner] = index
-            self.bytes += _index_cost(dim)
         key = secrets.randbits(63)
         while key in self._entries:
             key = secrets.randbits(63)
-        index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
+        index = self._indexes.get(owner)
+        if index is None:
+            index = self._index_factory(dim)
+            try:
+                index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
+            except BaseException:
+                index.close()  # not registered yet: nothing counts it
+                raise
+            self._indexes[owner] = index
+            self.bytes += _index_cost(dim)
+        else:
+            index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
         expires_at = now + ttl
         self._entries[key] = _Entry(owner=owner, answer=answer, expires_at=expires_at, size=size)
         self.bytes += size

@@ -34,8 +34,11 @@ dispatch and, when it ends, one more per further `charge_unit_s` it held its slo
 stream), so at equal weights a tenant of 30 s streams gets a fifth of the turns of a tenant of
 6 s ones and the two hold the slots equally. A request that ends within `charge_unit_s` costs
 one unit whatever its length (short requests are scheduled by count, as above). A tenant's debt
-is capped at _MAX_DEBT units beyond its class's virtual time: a burst of hour-long streams
-delays its next turn by at most that many of the others' turns.
+is capped at _MAX_DEBT units of its own weight beyond its class's virtual time: a burst of hour-long
+streams delays its next turn by at most _MAX_DEBT * (the others' weights / its weight) of their
+turns (64 for two tenants of equal weight). Only a contended slot is charged (another tenant of
+the class waited when it was granted or when it ended), and debts are forgotten once the class
+has had nobody waiting for `forget_after_s`.
 
 Refusal (503 with Retry-After and an OpenAI error body, `QueueRefusedError`): when the model's
 queue holds `max_queued` requests, a newcomer takes the place of the newest waiter of the tenant
@@ -157,6 +160,8 @@ class Slot:
         self._future: asyncio.Future[None] | None = None
         self._queued_at = 0.0
         self._granted_at = 0.0
+        # Another tenant of its class was waiting when it was granted (see _charge_hold).
+        self._contended = False
         # Seconds spent waiting in the queue, over every try.
         self.waited_s = 0.0
 
@@ -199,6 +204,9 @@ class _Class:
     # Tie-break among equal passes: the order tenants became backlogged.
     joined: dict[str, int] = field(default_factory=dict)
     virtual: float = 0.0
+    # When the class last had nobody waiting (or was charged while so): passes older than
+    # forget_after_s are dropped when it next queues, debts with them.
+    quiet_since: float = -math.inf
 
 
 class _ModelQueue:
@@ -422,6 +430,8 @@ class FlowController:
         cls = q.classes[slot.priority]
         line = cls.lines.get(slot.tenant)
         if line is None:
+            if not cls.lines and now - cls.quiet_since > self.config.forget_after_s:
+                cls.passes.clear()  # quiet for a while: old debts go (and so do gone tenants)
             line = cls.lines[slot.tenant] = deque()
             # Backlogged from now: start at the class's virtual time (no banked credit).
             cls.passes[slot.tenant] = max(cls.passes.get(slot.tenant, 0.0), cls.virtual)
@@ -448,6 +458,8 @@ class FlowController:
         if not line:
             del cls.lines[slot.tenant]
             del cls.joined[slot.tenant]
+            if not cls.lines:
+                cls.quiet_since = self._clock()
             if cls.passes[slot.tenant] <= cls.virtual:
                 del cls.passes[slot.tenant]  # max(pass, virtual) would give virtual anyway
         q.waiting -= 1
@@ -558,6 +570,7 @@ class FlowController:
     def _grant(self, q: _ModelQueue, slot: Slot, now: float) -> None:
         slot._state = _State.GRANTED
         slot._granted_at = now
+        slot._contended = any(t != slot.tenant for t in q.classes[slot.priority].lines)
         q.active += 1
         q.last_progress = now
 
@@ -586,7 +599,7 @@ class FlowController:
         q.active -= 1
         now = self._clock()
         q.last_progress = now
-        self._charge_hold(q, slot, now - slot._granted_at)
+        self._charge_hold(q, slot, now)
         # It was full when no further whole request fitted beside the `active + 1` in flight.
         if completed and q.window is not None and q.active + 2 > q.window:
             # The window was full and a backend still answered: it may hold more.
@@ -597,16 +610,18 @@ class FlowController:
             self._window_metric(q)
         self._pump(q)
 
-    def _charge_hold(self, q: _ModelQueue, slot: Slot, held_s: float) -> None:
+    def _charge_hold(self, q: _ModelQueue, slot: Slot, now: float) -> None:
         """Charge the tenant the units its request held the slot beyond the one its dispatch
-        paid. Nothing is charged when nobody of its class waits and it has no pass on record:
-        a tenant that joins later starts at the virtual time either way."""
-        extra = held_s / self.config.charge_unit_s - 1.0
+        paid, when the slot was contended: another tenant of its class waited when it was
+        granted or waits now. Time taken while nobody else wanted it costs nothing."""
+        extra = (now - slot._granted_at) / self.config.charge_unit_s - 1.0
         if not extra > 0:
             return
         cls = q.classes[slot.priority]
-        if slot.tenant not in cls.passes and not cls.lines:
+        if not (slot._contended or any(t != slot.tenant for t in cls.lines)):
             return
+        if not cls.lines:
+            cls.quiet_since = now  # the debt is recent: kept for forget_after_s
         weight = self.config.weight(slot.tenant)
         start = max(cls.passes.get(slot.tenant, cls.virtual), cls.virtual)
         capped = min(start + extra / weight, cls.virtual + _MAX_DEBT / weight)
