@@ -283,7 +283,10 @@ def test_client_disconnect_aborts_the_request_on_triton(triton, frontend):
     def aborted():
         return [m for m in ABORTED.finditer(log.read_text(errors="replace")) if m.group(1) == request_id]
 
-    assert wait_for(aborted, timeout=120), f"no abort logged for {request_id}"
+    if not wait_for(aborted, timeout=120):
+        lines = [line for line in log.read_text(errors="replace").splitlines() if "vllm_model" in line]
+        tail = "\n".join(lines[-20:])
+        raise AssertionError(f"no abort logged for {request_id}; the model's last lines:\n{tail}")
     (match,) = aborted()
     assert int(match.group(2)) < max_tokens
 

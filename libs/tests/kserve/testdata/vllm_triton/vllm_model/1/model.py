@@ -43,6 +43,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 import uuid
 
@@ -50,6 +51,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# A stream's cancellation is also polled from the generation loop this often: the response
+# thread's check after each send lags when sends fall behind generation (a loaded machine), and
+# a short request could then run to its end unaborted.
+_CANCEL_POLL_S = 0.1
 _ADDITIONAL = (
     "return_finish_reason",
     "return_cumulative_logprob",
@@ -172,9 +177,10 @@ class TritonPythonModel:
             try:
                 sender.send(response, flags=flags)
                 if not flags & _FINAL:
-                    state["cancelled"] = sender.is_cancelled()
+                    state["cancelled"] = state["cancelled"] or sender.is_cancelled()
             except Exception:  # noqa: BLE001 - the sender thread must outlive one failed send
                 self.logger.log_error(f"[vllm_model] sending a response failed: {traceback.format_exc()}")
+                state["cancelled"] = True  # nobody can be sent the rest: stop generating it
 
     def _parse(self, request):
         text = pb_utils.get_input_tensor_by_name(request, "text_input")
@@ -270,6 +276,7 @@ class TritonPythonModel:
     async def _infer(self, request):
         sender = request.get_response_sender()
         state = {"sender": sender, "cancelled": False}
+        polled = time.monotonic()
         vllm_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
         got_any = False
         try:
@@ -288,6 +295,9 @@ class TritonPythonModel:
                 for c in output.outputs:
                     choices[c.index] = c
                 generated = sum(len(c.token_ids) for c in choices if c is not None)
+                if stream and not state["cancelled"] and time.monotonic() - polled >= _CANCEL_POLL_S:
+                    polled = time.monotonic()
+                    state["cancelled"] = await asyncio.to_thread(sender.is_cancelled)
                 cancelled = state["cancelled"] if stream else await asyncio.to_thread(sender.is_cancelled)
                 if cancelled:
                     await self._engine.abort(vllm_id)
