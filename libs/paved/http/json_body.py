@@ -11,10 +11,13 @@ JSON levels with the request around them).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
 MAX_DEPTH = 128
+# A \uD800-\uDFFF escape: only a body holding one can hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class JSONBodyError(ValueError):
@@ -26,9 +29,16 @@ class JSONTooDeepError(JSONBodyError):
     text that is not JSON as plain text (a tool call's arguments)."""
 
 
-def parse_json(raw: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
+class JSONSurrogateError(JSONBodyError):
+    """Valid JSON whose strings hold a lone UTF-16 surrogate ("\\ud800"): no UTF-8 text (a
+    database's, an engine's, a response body's) can hold it."""
+
+
+def parse_json(raw: bytes | str, max_depth: int = MAX_DEPTH, *, unicode_text: bool = False) -> Any:
     """The parsed body, or JSONBodyError (not valid UTF-8, not valid JSON, or JSONTooDeepError:
-    nested too deep). Never RecursionError, however deep the text nests."""
+    nested too deep). Never RecursionError, however deep the text nests. `unicode_text`: also
+    JSONSurrogateError when a string (a key included) holds a lone surrogate, for a body whose
+    text is stored or sent on as UTF-8."""
     try:
         value = json.loads(raw)
     except UnicodeDecodeError:
@@ -39,6 +49,14 @@ def parse_json(raw: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
         raise JSONBodyError(f"not valid JSON: {e}") from None
     if _brackets(raw) > max_depth and _deeper_than(value, max_depth):
         raise JSONTooDeepError(f"nested more than {max_depth} levels deep")
+    # Text (not bytes) may hold a surrogate itself, not only its escape: always checked.
+    if unicode_text and (isinstance(raw, str) or _SURROGATE_ESCAPE.search(raw)):
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise JSONSurrogateError(
+                "not valid Unicode: it contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)"
+            ) from None
     return value
 
 

@@ -106,6 +106,19 @@ def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
 
 
+@pytest.mark.parametrize(
+    ("header", "wait"),
+    [(None, None), ("2", 2.0), ("0.5", 0.5), ("-3", 0.0), ("1e6", 300.0), ("soon", None)]
+    + [(v, None) for v in ("nan", "NaN", "inf", "-inf", "1e999")],
+)
+def test_a_backends_retry_after_is_finite_and_clamped(header, wait):
+    """Retry-After is the upstream's word: NaN failed the lease's NOT NULL write on every tick
+    (the runner stuck), inf parked the line until its batch expired."""
+    from paved.gateway.batches.runner import _retry_after_s
+
+    assert _retry_after_s(header) == wait
+
+
 def test_a_line_request_reads_connected_through_every_proxy_step():
     """The proxy watches for a client disconnect around each step of a request (headers, then
     the body) and cancels each watcher when its step ends. A batch line's request must still
@@ -577,6 +590,29 @@ def test_malformed_values_are_4xx_never_500(fleet):
     line = _chat_lines(1)[0]
     refused(upload(_jsonl([{**line, "url": {"path": "/v1/chat/completions"}}])), 400, "url")
     refused(upload(_jsonl([{**line, "custom_id": "a\x00b"}])), 400, "custom_id")
+    # A lone surrogate (no UTF-8 text holds it: every later create and read was a 500) and a
+    # line nested past the bound (RecursionError: a 500 at upload) are the line's 400.
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for raw in (rb'{"custom_id": "\ud800"}', b'{"custom_id": "x", "body": ' + deep + b"}"):
+        response = upload(raw + b"\n")
+        refused(response, 400)
+        assert "line 1" in response.json()["error"]["message"], response.text
+    raw_create = (
+        json.dumps(
+            {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        ).encode()[:-1]
+        + rb', "metadata": {"k": "\ud800"}}'
+    )
+    refused(
+        httpx.post(
+            b.url + "/v1/batches",
+            content=raw_create,
+            headers={**headers, "content-type": "application/json"},
+            timeout=30,
+        ),
+        400,
+        "metadata",
+    )
     for seconds in ("²", "9" * 5000):
         refused(
             upload(

@@ -137,6 +137,24 @@ def test_create_retrieve_and_input_items_with_the_openai_client(fleet):
 def test_unsupported_fields_are_a_400_naming_them(fleet):
     a, _ = fleet["gateways"]
     client = _client(a, fleet["keys"]["acme"])
+    headers = {"Authorization": f"Bearer {fleet['keys']['acme']}", "content-type": "application/json"}
+    # A lone surrogate left create waiting forever (the chat body could not be encoded, and the
+    # start it waited for never came); stored with background, every read was a 500.
+    for extra in (b"", b', "background": true'):
+        body = b'{"model": "%s", "input": "\\ud800"%s}' % (MODEL.encode(), extra)
+        r = httpx.post(a.url + "/v1/responses", content=body, headers=headers, timeout=30)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    # Ids no database text can hold (NUL) name nothing: 404, not a 500 from PostgreSQL.
+    for method, path in (("GET", "/v1/responses/resp_a%00b"), ("DELETE", "/v1/responses/resp_a%00b")):
+        r = httpx.request(method, a.url + path, headers=headers, timeout=30)
+        assert r.status_code == 404, r.text
+    r = httpx.post(
+        a.url + "/v1/responses",
+        json={"model": MODEL, "input": "x", "previous_response_id": "resp_a\x00b"},
+        headers=headers,
+        timeout=30,
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools[0].type"

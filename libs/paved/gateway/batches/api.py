@@ -219,10 +219,12 @@ class BatchesAPI:
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
                 for k, v in meta.items()
             )
+            or not _utf8(meta)
         ):
             raise GatewayError(
                 400,
-                "metadata must be an object of at most 16 string pairs (keys <= 64, values <= 512 chars)",
+                "metadata must be an object of at most 16 string pairs (keys <= 64, values <= 512 "
+                "chars) of valid Unicode text",
                 param="metadata",
             )
         if (
@@ -367,6 +369,18 @@ def _expires_after(anchor: object, seconds: object) -> float | None:
 # Ids this gateway issues are short printable ASCII; a NUL byte reached PostgreSQL, which
 # refuses it in text (a 500).
 MAX_ID_LEN = 128
+
+
+def _utf8(meta: dict[str, str]) -> bool:
+    """Every key and value is text UTF-8 can hold (no lone surrogate, no NUL): metadata is
+    stored and answered on every read of the batch."""
+    try:
+        for k, v in meta.items():
+            k.encode()
+            v.encode()
+    except UnicodeEncodeError:
+        return False
+    return not any("\x00" in k or "\x00" in v for k, v in meta.items())
 
 
 def _ident(value: str, kind: str) -> str:

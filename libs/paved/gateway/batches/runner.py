@@ -44,6 +44,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -444,11 +445,7 @@ class BatchRunner:
                 tenant = batch["tenant"]
                 self._pending_tokens[tenant] = self._pending_tokens.get(tenant, 0) + used
                 self._local_tokens[tenant] = self._local_tokens.get(tenant, 0) + used
-        retry_after = response.headers.get("retry-after")
-        try:
-            wait = float(retry_after) if retry_after is not None else None
-        except ValueError:
-            wait = None
+        wait = _retry_after_s(response.headers.get("retry-after"))
         return response.status_code, response.headers.get("x-request-id", request_id), answer, wait
 
     # -- output chunks ---------------------------------------------------------------------
@@ -719,3 +716,21 @@ def _request(path: str, headers: list[tuple[bytes, bytes]], payload: bytes) -> R
         "http_version": "1.1",
     }
     return Request(scope, receive)
+
+
+# The longest wait a backend's Retry-After may put on a line: it is the upstream's word, and
+# a line must not be parked past its batch's window on it.
+_MAX_RETRY_AFTER_S = 300.0
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Seconds a Retry-After (delay-seconds) asks for, clamped to [0, _MAX_RETRY_AFTER_S];
+    None when absent or not a finite number (NaN would fail the lease's NOT NULL write, inf
+    would park the line until its batch expired): the runner's own backoff then applies."""
+    try:
+        wait = float(value) if value is not None else None
+    except ValueError:
+        return None
+    if wait is None or not math.isfinite(wait):
+        return None
+    return min(max(wait, 0.0), _MAX_RETRY_AFTER_S)

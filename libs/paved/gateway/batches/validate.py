@@ -10,12 +10,12 @@ response_format's shape). Nothing of an invalid file is kept.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from paved.gateway.errors import GatewayError
 from paved.gateway.forwarding.proxy import check_openai_body
+from paved.http.json_body import JSONBodyError, parse_json
 
 if TYPE_CHECKING:
     from paved.gateway.routing.router import Router
@@ -106,9 +106,10 @@ def validate_stream(
         if len(raw) > limits.max_line_bytes:
             raise _bad(n, "", f"a line may be at most {limits.max_line_bytes} bytes")
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise _bad(n, "", "not valid JSON") from None
+            # Nesting bounded, and no lone surrogate: every line is stored and sent as UTF-8.
+            obj = parse_json(raw, unicode_text=True)
+        except JSONBodyError as e:
+            raise _bad(n, "", str(e)) from None
         if not isinstance(obj, dict):
             raise _bad(n, "", "each line must be a JSON object")
         custom_id = obj.get("custom_id")

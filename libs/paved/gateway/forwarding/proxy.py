@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -94,7 +93,6 @@ _HOP_HEADERS = frozenset(
 _DONE = b"data: [DONE]"
 # What is kept of one streamed answer to cache or record it (a longer one is just forwarded).
 MAX_CAPTURE_BYTES = 1 << 20
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # The OpenAI error code of a backend pushing back (a 503 that is not a failure; see is_pushback).
 PUSHBACK_CODE = "overloaded"
 # A refused try's body is read to classify it: error bodies are small and come with the headers,
@@ -862,20 +860,12 @@ async def decode_body(raw: bytes) -> dict[str, Any]:
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = parse_json(raw)
+        # A lone surrogate ("\ud800") is refused here: no engine can encode it.
+        body = parse_json(raw, unicode_text=True)
     except JSONBodyError as e:
         raise GatewayError(400, f"the request body is {e}") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
-    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no engine can encode; only a
-    # body with a \uD8xx-\uDFxx escape needs the full check.
-    if _SURROGATE_ESCAPE.search(raw):
-        try:
-            json.dumps(body, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise GatewayError(
-                400, "the request body contains a lone UTF-16 surrogate, which is not valid Unicode"
-            ) from None
     return body
 
 

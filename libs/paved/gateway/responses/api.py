@@ -58,6 +58,9 @@ logger = logging.getLogger("paved.gateway.responses")
 STREAM_HEADER = "x-paved-stream-id"
 CHAT_PATH = "/v1/chat/completions"
 _NOT_FOUND = "no response with that id (it may have expired or been deleted)"
+# Ids this API hands out are short printable ASCII; anything else names nothing (and a NUL
+# would be a database error, not a 404).
+_MAX_ID_LEN = 128
 _CANNOT_CONTINUE = "the gateway replica generating this response stopped, and it could not be continued"
 _EVENTS_GONE = "the events of this response are no longer kept (they expired or the event store was lost)"
 # The client headers a chat request made in-process keeps (auth, priority, tracing).
@@ -161,6 +164,14 @@ async def run_chat(
     finally:
         if not chat.started.done():
             chat.started.set_result(None)
+
+
+def _parse_text_json(raw: bytes) -> Any:
+    return parse_json(raw, unicode_text=True)
+
+
+def _well_formed_id(value: str) -> bool:
+    return len(value) <= _MAX_ID_LEN and value.isascii() and value.isprintable()
 
 
 def _passed_headers(request: Request) -> list[tuple[bytes, bytes]]:
@@ -278,7 +289,8 @@ class ResponsesAPI:
         except ClientDisconnect:
             raise GatewayError(499, "client closed the request", code="client_closed_request") from None
         try:
-            body = await off_loop_if_large(len(raw), parse_json, raw) if raw else None
+            # Strings are stored and streamed as UTF-8: a lone surrogate is the client's 400.
+            body = await off_loop_if_large(len(raw), _parse_text_json, raw) if raw else None
         except JSONBodyError as e:
             raise GatewayError(400, f"the request body is {e}") from None
         parsed = oai.parse_request(body)
@@ -287,7 +299,9 @@ class ResponsesAPI:
             raise ModelNotAllowedError(parsed.model)
         tenant = principal.tenant.name
         if parsed.previous_response_id is not None:
-            previous = await self.store.get(tenant, parsed.previous_response_id)
+            previous = None
+            if _well_formed_id(parsed.previous_response_id):
+                previous = await self.store.get(tenant, parsed.previous_response_id)
             if previous is None:
                 raise GatewayError(404, _NOT_FOUND, param="previous_response_id", code="response_not_found")
             if previous.status in ACTIVE:
@@ -451,7 +465,10 @@ class ResponsesAPI:
     # ---- retrieve, cancel, delete, input items ----------------------------------------------
     async def _stored(self, request: Request) -> tuple[Principal, Any]:
         principal = await self._principal(request)
-        found = await self.store.get(principal.tenant.name, request.path_params["id"])
+        response_id = request.path_params["id"]
+        found = None
+        if _well_formed_id(response_id):
+            found = await self.store.get(principal.tenant.name, response_id)
         if found is None:
             raise GatewayError(404, _NOT_FOUND, code="response_not_found")
         return principal, found
@@ -518,7 +535,8 @@ class ResponsesAPI:
     async def delete(self, request: Request) -> Response:
         principal = await self._principal(request)
         response_id = request.path_params["id"]
-        if not await self.store.delete(principal.tenant.name, response_id):
+        tenant = principal.tenant.name
+        if not _well_formed_id(response_id) or not await self.store.delete(tenant, response_id):
             raise GatewayError(404, _NOT_FOUND, code="response_not_found")
         abort = self._running.get(response_id)
         if abort is not None:
@@ -644,7 +662,7 @@ class ResponsesAPI:
     async def resume_chat(self, request: Request) -> Response:
         principal = await self._principal(request)
         stream_id = request.path_params["id"]
-        info = await self.streams.log.info(stream_id)
+        info = await self.streams.log.info(stream_id) if _well_formed_id(stream_id) else None
         if info is None or info.tenant != principal.tenant.name:
             raise GatewayError(
                 404, "no chat stream with that id (it may have expired, or its store was lost)",
@@ -845,6 +863,9 @@ class _Job:
             logger.warning("response %s failed: %s", response_id, e)
             self.error = f"the gateway failed while generating: {type(e).__name__}"
         finally:
+            # Failed before the chat path ran: whoever waits for its start (create) goes on.
+            if not self.chat.started.done():
+                self.chat.started.set_result(None)
             if self._lease is not None:
                 self._lease.cancel()
             api._running.pop(response_id, None)
