@@ -66,12 +66,18 @@ def _safe_relpath(path: str, what: str) -> str:
     return path
 
 
+# 1 TiB: far past any model file (shards are tens of GB), and small enough that a download's
+# part list (one task per part, 64 MiB by default) stays bounded; a manifest naming more is
+# refused at validation, before anything allocates.
+MAX_FILE_SIZE = 1 << 40
+
+
 class FileEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str
     sha256: str = Field(pattern=_SHA256)
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=MAX_FILE_SIZE)
 
     @field_validator("path")
     @classmethod
@@ -98,7 +104,7 @@ class PluginWheel(BaseModel):
 
     uri: str = Field(min_length=1)
     sha256: str = Field(pattern=_SHA256)
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=MAX_FILE_SIZE)
 
     @field_validator("uri")
     @classmethod

@@ -100,11 +100,15 @@ def split_families(text: str) -> list[_Block]:
 
     Lines end at "\n" only, as for Prometheus and the validating parser: str.splitlines() would
     also break at \x0b, \x0c, \x1c-\x1e, \x85, U+2028 and U+2029, and so re-emit one validated
-    HELP line as several lines, one of them any sample the upstream chose to smuggle in."""
+    HELP line as several lines, one of them any sample the upstream chose to smuggle in. Each
+    line is stripped, as the validating parser strips it: an indented `# TYPE` (or a sample, or
+    a CRLF ending) must name the family the parser saw, or it would pass the name-clash check
+    under no name and be re-emitted as it came."""
     blocks: list[_Block] = []
     current: _Block | None = None
     for line in text.split("\n"):
-        if not line.strip():
+        line = line.strip()
+        if not line:
             continue
         if line.startswith("#"):
             parts = line.split(None, 3)

@@ -24,13 +24,21 @@ from paved.metrics.proxy import MetricsProxy, Upstream
 log = logging.getLogger("paved.metrics")
 
 
-def make_server(proxy: MetricsProxy, host: str, port: int) -> ThreadingHTTPServer:
+# Seconds a connection may sit between reads before it is closed (scrapes take milliseconds).
+CONNECTION_TIMEOUT_S = 10.0
+
+
+def make_server(
+    proxy: MetricsProxy, host: str, port: int, *, connection_timeout_s: float = CONNECTION_TIMEOUT_S
+) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "paved-metrics-proxy"
         # Headers and body leave in one write (flushed when the request is done), no Nagle delay.
         wbufsize = 1 << 20
         disable_nagle_algorithm = True
+        # A client that stops mid-request (or idles on keep-alive) gives its thread back.
+        timeout = connection_timeout_s
 
         def log_message(self, fmt: str, *args: object) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)

@@ -47,6 +47,8 @@ def test_minimal_package_validates_with_defaults():
         ({"weights": {"uri": "w", "files": [{"path": "/etc/passwd", "sha256": SHA, "size": 1}]}}, "relative"),
         ({"weights": {"uri": "w", "files": [{"path": "config.json", "sha256": "abc", "size": 1}]}}, "sha256"),
         ({"weights": {"uri": "w", "files": [{"path": "config.json", "sha256": SHA, "size": -1}]}}, "size"),
+        # 2**60 bytes: the download's part list was allocated from it before any check (OOM).
+        ({"weights": {"uri": "w", "files": [{"path": "config.json", "sha256": SHA, "size": 2**60}]}}, "size"),
         ({"weights": {"uri": "w", "files": [{"path": "x.bin", "sha256": SHA, "size": 1}]}}, "config.json"),
         (
             {"tokenizer": {"uri": "t", "files": [{"path": "config.json", "sha256": SHA, "size": 1}]}},

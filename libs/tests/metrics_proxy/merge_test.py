@@ -4,6 +4,7 @@ and real upstream HTTP servers: healthy, down, slow, garbage, HTTP 500, clashing
 import gzip
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -299,6 +300,33 @@ def test_http_server_serves_gzip_and_200_always(prom_dir, upstreams):
         assert _value(fams, "paved_metrics_proxy_up", source="garbage") == 0
         with urllib.request.urlopen(url, timeout=10) as r:
             assert "vllm:prompt_tokens" in _parse(r.read())
+    finally:
+        server.shutdown()
+        proxy.close()
+
+
+def test_lines_are_split_as_the_validating_parser_reads_them():
+    """An indented TYPE, an indented sample and CRLF endings: the validating parser strips each
+    line, so the splitter must too, or the family passes the clash check under no name."""
+    blocks = split_families("  # TYPE foo counter\r\n  foo_total 2\r\n# TYPE bar gauge\nbar 1\n")
+    assert [(b.name, b.lines) for b in blocks] == [
+        ("foo", ["# TYPE foo counter", "foo_total 2"]),
+        ("bar", ["# TYPE bar gauge", "bar 1"]),
+    ]
+
+
+def test_a_connection_that_stops_mid_request_is_closed(prom_dir):
+    """Each connection has a thread: one that sends half a request line (or idles) gives it back
+    after the connection timeout instead of holding it for good."""
+    proxy = MetricsProxy(str(prom_dir), [])
+    server = make_server(proxy, "127.0.0.1", 0, connection_timeout_s=0.5)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=30) as stalled:
+            stalled.sendall(b"GET /metr")
+            assert stalled.recv(1024) == b""  # closed by the server, well before our 30 s
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=10) as r:
+            assert r.status == 200
     finally:
         server.shutdown()
         proxy.close()
