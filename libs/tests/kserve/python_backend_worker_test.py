@@ -123,6 +123,78 @@ def test_a_worker_whose_forked_helper_holds_its_socket_is_seen_dead_and_restarte
     asyncio.run(run())
 
 
+GARBLING_CONFIG = """
+    name: "garbling"
+    backend: "python"
+    max_batch_size: 0
+    input [ { name: "OP", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] } ]
+"""
+# OP 1: a thread of the model writes bytes that are no frame to the worker's channel a moment
+# after the answer, while the worker is idle. Each initialize() appends a line to INITS.
+GARBLING_MODEL = """
+    import os
+    import sys
+    import threading
+    import time
+
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    def garble():
+        time.sleep(0.3)
+        os.write(int(sys.argv[1]), b"\\xff" * 64)
+
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            with open(os.environ["INITS"], "a") as f:
+                f.write(f"{os.getpid()}\\n")
+
+        def execute(self, requests):
+            if int(requests[0].inputs()[0].as_numpy()[0]) == 1:
+                threading.Thread(target=garble, daemon=True).start()
+            pid = np.array([os.getpid()], dtype=np.int64)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", pid)])]
+"""
+
+
+def test_a_bad_frame_restarts_the_worker_once_and_never_touches_its_replacement(tmp_path, monkeypatch):
+    """The death of a worker that sent a bad frame is handled once: a request arriving while it
+    is handled waits for it (it started a second restart, and the first handling then closed
+    the new worker's channel), the worker is killed at once (its requests waited 5 s for an
+    exit that would not come), and the replacement keeps serving."""
+    inits = tmp_path / "inits"
+    monkeypatch.setenv("INITS", str(inits))
+
+    async def run():
+        model = create(write_model(tmp_path, "garbling", GARBLING_CONFIG, GARBLING_MODEL))
+        await asyncio.wait_for(model.load(), STUCK_S)
+        try:
+            op = {"OP": np.array([0], dtype=np.int32)}
+            first = int((await infer_one(model, {"OP": np.array([1], dtype=np.int32)}))["PID"][0])
+            await asyncio.sleep(0.5)  # the bad frame is read now, its death being handled
+            replacement = None
+            for _ in range(20):
+                try:
+                    replacement = int((await asyncio.wait_for(infer_one(model, op), STUCK_S))["PID"][0])
+                    break
+                except KServeError as e:
+                    assert "restarting" in e.message or "not healthy" in e.message, e.message
+                    await asyncio.sleep(0.2)
+            assert replacement is not None and replacement != first
+            assert await ended(first)
+            await asyncio.sleep(6)  # past the old handling's exit grace: nothing kills it late
+            again = int((await asyncio.wait_for(infer_one(model, op), STUCK_S))["PID"][0])
+            assert again == replacement
+            assert inits.read_text().split() == [str(first), str(replacement)]
+        finally:
+            await asyncio.wait_for(model.close(), STUCK_S)
+
+    asyncio.run(run())
+
+
 WIDE_CONFIG = """
     name: "wide"
     backend: "python"

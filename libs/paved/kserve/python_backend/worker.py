@@ -89,6 +89,8 @@ class Worker:
         self._kill_reason = ""
         self._died = asyncio.Event()
         self._restart: asyncio.Task | None = None
+        # Set while a death is being handled (see _handle_death): no restart starts meanwhile.
+        self._dying: asyncio.Future | None = None
         self._broken = ""  # why the last restart failed ("" when running or restartable)
         self._stopping = False
         self.last_activity = time.monotonic()
@@ -239,6 +241,8 @@ class Worker:
             self._replies.pop(reply, None)
 
     async def _ensure_running(self) -> None:
+        if self._dying is not None and not self._dying.done():
+            await asyncio.shield(self._dying)
         if self._restart is not None and not self._restart.done():
             await asyncio.shield(self._restart)
         if self._alive:
@@ -350,15 +354,37 @@ class Worker:
             logger.log(level, "%s %s", self.tag, line.decode(errors="replace").rstrip())
 
     async def _handle_death(self, broken: str) -> None:
+        """Fail what the dead worker had in flight, once, then restart it. What it acts on is
+        taken before its first wait: an execute() arriving meanwhile waits for `_dying` instead
+        of restarting, so this never closes, kills or fails the worker that replaces it."""
         if not self._alive:
             return
         self._alive = False
+        dying = self._dying = asyncio.get_running_loop().create_future()
+        process, writer = self.process, self._writer
+        in_flight = [*self._executions.values(), *self._replies.values()]
+        try:
+            await self._end_process(broken, process, writer, in_flight)
+        finally:
+            dying.set_result(None)
+
+    async def _end_process(
+        self,
+        broken: str,
+        process: asyncio.subprocess.Process | None,
+        writer: asyncio.StreamWriter | None,
+        in_flight: list[asyncio.Future],
+    ) -> None:
         code = None
-        if self.process is not None:
-            if await _exited(self.process, 5) is None:
-                _kill_group(self.process)
-                await _exited(self.process)
-            code = self.process.returncode
+        if process is not None:
+            if broken:
+                # A bad frame from a live worker: nothing it sends can be trusted, and its
+                # requests must not wait out the exit grace below.
+                _kill_group(process)
+            if await _exited(process, 5) is None:
+                _kill_group(process)
+                await _exited(process)
+            code = process.returncode
         if self._kill_reason:
             reason = self._kill_reason
         elif broken:
@@ -367,8 +393,8 @@ class Worker:
             reason = f"was killed by signal {signal.Signals(-code).name}"
         else:
             reason = f"exited with code {code}"
-        if self._writer is not None:
-            self._writer.close()
+        if writer is not None:
+            writer.close()
         # Triton's words for a dead stub, then why and what happens next.
         error = KServeError(
             grpc.StatusCode.INTERNAL,
@@ -377,7 +403,7 @@ class Worker:
         )
         if not self._stopping:
             logger.error("%s", error.message)
-        for future in [*self._executions.values(), *self._replies.values()]:
+        for future in in_flight:
             if not future.done():
                 future.set_exception(error)
         for task in list(self._bls_tasks):
