@@ -39,7 +39,7 @@ from paved.launcher.package import (
     parse_model_json,
 )
 from paved.launcher.progress import Progress, human_bytes
-from paved.launcher.storage import Downloader, Fetch, TransferError, local_path
+from paved.launcher.storage import MODEL_JSON_LIMIT, Downloader, Fetch, TransferError, local_path
 
 log = logging.getLogger("paved.launcher")
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -131,14 +131,9 @@ class Materializer:
                 n.size for n in self._needs(uri, package, False) if not cache.has_blob(n.sha256, n.size)
             )
         if cache.max_bytes is not None:
-            if estimate > cache.max_bytes:
-                # Evicting could not make room, only empty the cache for nothing (a manifest's
-                # sizes are whatever its author wrote: 1 PiB would evict every package).
-                raise CacheBudgetError(
-                    f"{uri}: the package needs {human_bytes(estimate)} ({estimate} bytes) not in the "
-                    f"cache, more than its whole budget of {human_bytes(cache.max_bytes)} "
-                    f"({cache.max_bytes} bytes, --cache-max-bytes); nothing was evicted"
-                )
+            # Evicting could not make room, only empty the cache for nothing (a manifest's
+            # sizes are whatever its author wrote: 1 PiB would evict every package).
+            self._check_budget(uri, estimate, "nothing was evicted")
             # Make room first; evicting needs the gc lock exclusively, so not while we hold it.
             cache.evict(cache.max_bytes - estimate)  # clears tmp/ too
         else:
@@ -154,6 +149,15 @@ class Materializer:
                 if package is None:
                     tar = stack.enter_context(self._open_tarball(uri))
                     package = parse_model_json(_tar_model_json(tar, uri), join_uri(uri, MODEL_JSON))
+                    if cache.max_bytes is not None:
+                        # The tarball's size was only a guess: its manifest may name blobs
+                        # outside it (absolute URIs), or compress well. Checked before fetching.
+                        needed = sum(
+                            n.size
+                            for n in self._needs(uri, package, True)
+                            if not cache.has_blob(n.sha256, n.size)
+                        )
+                        self._check_budget(uri, needed, "nothing was fetched")
                 digest = package.digest()
                 hold = cache.hold(digest)
                 result = self._cold(uri, package, digest, tar, t0)
@@ -165,6 +169,15 @@ class Materializer:
         if cache.max_bytes is not None:
             cache.evict(cache.max_bytes, protect=frozenset({digest}))
         return result
+
+    def _check_budget(self, uri: str, needed: int, outcome: str) -> None:
+        budget = self.cache.max_bytes
+        if budget is not None and needed > budget:
+            raise CacheBudgetError(
+                f"{uri}: the package needs {human_bytes(needed)} ({needed} bytes) not in the "
+                f"cache, more than its whole budget of {human_bytes(budget)} "
+                f"({budget} bytes, --cache-max-bytes); {outcome}"
+            )
 
     # -- warm --------------------------------------------------------------------------------
     def _warm(self, uri: str, t0: float) -> Materialized | None:
@@ -421,7 +434,10 @@ def _tar_model_json(tar: tarfile.TarFile, uri: str) -> bytes:
         member = None
     if member is None:
         raise TransferError(f"{uri} has no {MODEL_JSON} at its root")
-    return member.read()
+    data = member.read(MODEL_JSON_LIMIT + 1)
+    if len(data) > MODEL_JSON_LIMIT:
+        raise TransferError(f"{uri}: its {MODEL_JSON} is larger than {MODEL_JSON_LIMIT} bytes")
+    return data
 
 
 def _extract_member(tar: tarfile.TarFile, need: _Need, dest: str, progress: Progress) -> str:

@@ -31,6 +31,8 @@ from paved.launcher.progress import Progress
 log = logging.getLogger("paved.launcher")
 
 MiB = 1 << 20
+# The most a package's model.json may hold (it lists files, it holds none).
+MODEL_JSON_LIMIT = 16 * MiB
 # Small reads: a read of urllib3's returns only once it has all its bytes (or the stream ends).
 _CHUNK = 64 << 10
 _NOT_RETRYABLE_CODES = {
@@ -300,14 +302,17 @@ class Downloader:
                 raise TransferError(f"cannot stat {uri}: {e}") from e
         return os.path.getsize(local_path(uri))
 
-    def read_small(self, uri: str, limit: int = 16 * MiB) -> bytes:
+    def read_small(self, uri: str, limit: int = MODEL_JSON_LIMIT) -> bytes:
         """Whole content of a small object (model.json), with the same retry policy."""
         if not uri.startswith("s3://"):
             with open(local_path(uri), "rb") as f:
                 data = f.read(limit + 1)
         else:
             bucket, key = parse_s3_uri(uri)
-            data = self._retry(uri, lambda: self.s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+            # At most limit + 1 bytes: the object's size is whatever its author uploaded.
+            data = self._retry(
+                uri, lambda: self.s3.get_object(Bucket=bucket, Key=key)["Body"].read(limit + 1)
+            )
         if len(data) > limit:
             raise TransferError(f"{uri} is larger than {limit} bytes")
         return data

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 
 import pytest
@@ -273,7 +274,7 @@ def test_damaged_cached_model_json_is_rebuilt(tmp_path, refresh):
 
 
 def test_package_larger_than_the_budget_is_refused_without_evicting(tmp_path):
-    """A manifest declaring more bytes than the whole budget (here a lying 1 PiB size) fails
+    """A manifest declaring more bytes than the whole budget (here a lying 1 TiB size) fails
     with an error naming both, and evicts nothing: the cache keeps every package."""
     good = _small_package(tmp_path, "good")
     m = _materializer(tmp_path / "cache", None, max_bytes=64 * MiB)
@@ -282,12 +283,36 @@ def test_package_larger_than_the_budget_is_refused_without_evicting(tmp_path):
     shutil.copytree(good, bad)
     manifest = json.loads((bad / "model.json").read_text())
     manifest["model_id"] = "bad"
-    manifest["weights"]["files"][0]["size"] = 1 << 50
+    manifest["weights"]["files"][0]["size"] = 1 << 40
     (bad / "model.json").write_text(json.dumps(manifest))
     with pytest.raises(
-        CacheBudgetError, match=rf"\({1 << 50} bytes\).*\({64 * MiB} bytes, --cache-max-bytes\)"
+        CacheBudgetError, match=rf"\({1 << 40} bytes\).*\({64 * MiB} bytes, --cache-max-bytes\)"
     ):
         m.materialize(str(bad))
+    assert m.materialize(good).warm
+
+
+def test_a_tarball_whose_manifest_needs_more_than_the_budget_is_refused_before_fetching(tmp_path):
+    """A tarball's size is only a first guess at what it needs: its model.json may name blobs
+    outside it (absolute URIs). One naming more than the whole budget fails before anything is
+    fetched, as the same manifest as a directory does, and the cached package stays."""
+    good = _small_package(tmp_path, "good")
+    m = _materializer(tmp_path / "cache", None, max_bytes=64 * MiB)
+    m.materialize(good).hold.release()
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+    manifest = json.loads((src / "model.json").read_text())
+    manifest["model_id"] = "big"
+    # The weights' other files come from elsewhere, and are large.
+    far = {"path": "far.bin", "sha256": "ab" * 32, "size": 1 << 30}
+    manifest["weights"]["files"].append(far)
+    manifest["weights"]["uri"] = "s3://elsewhere/weights"
+    (src / "model.json").write_text(json.dumps(manifest))
+    tarball = tmp_path / "big.tar"
+    with tarfile.open(tarball, "w") as tar:
+        tar.add(src / "model.json", arcname="model.json")
+    with pytest.raises(CacheBudgetError, match=r"nothing was fetched"):
+        m.materialize(str(tarball))
     assert m.materialize(good).warm
 
 
