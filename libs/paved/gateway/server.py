@@ -446,7 +446,16 @@ def _responses(
         proxy=proxy,
         authenticator=authenticator,
         store=responses,
-        streams=events.LiveStreams(log, grace_s=args.stream_grace),
+        streams=events.LiveStreams(
+            log,
+            grace_s=args.stream_grace,
+            # Longer than any wait a live writer may have between two events: its upstream's
+            # idle timeout, then a queue's or a wake's wait and a takeover's lease.
+            writer_silence_s=args.stream_idle_timeout
+            + max(args.queue_max_wait, args.wake_max_wait)
+            + args.responses_lease
+            + 60,
+        ),
         resumable_chat=args.resumable_streams,
         max_takeovers=args.responses_max_takeovers,
     )

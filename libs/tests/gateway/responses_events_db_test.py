@@ -126,6 +126,28 @@ def test_append_replay_follow_live_from_the_other_replica_and_resume_past_the_en
     asyncio.run(go())
 
 
+def test_a_reader_of_a_stream_whose_writer_went_silent_is_ended_not_left_waiting(db_url):
+    """The replica writing a stream was killed (nothing ends it in the log): a reader following
+    it elsewhere gets what was written, then a comment saying it ends unfinished, instead of
+    polling until the stream expires (an hour)."""
+
+    async def go():
+        a, b = await _replicas(db_url)
+        b.streams.writer_silence_s = 0.5
+        live = await a.streams.create("s-silent", "acme")
+        for seq in range(3):
+            a.streams.push(live, _event(seq))
+        await asyncio.sleep(0.1)  # flushed; then A "dies": nothing more, no final event
+        chunks = await asyncio.wait_for(_collect(b.streams.follow("s-silent", -1)), 30)
+        body = b"".join(chunks)
+        assert _ids([body.split(b": the stream")[0]]) == [0, 1, 2]
+        assert body.endswith(b"it ends here unfinished\n\n"), body
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
 def test_a_resume_past_the_end_of_a_running_stream_gets_its_final_event(db_url):
     """Past the end while the stream still runs: the reader waits, then gets the final event
     (as a resume past the end of a finished stream does), from memory on the generating

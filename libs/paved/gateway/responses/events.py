@@ -17,6 +17,11 @@ Invariants:
   has failed for that stream), so whatever a client was sent can be resumed from any replica.
 - The last event of a stream is marked final; a reader stops after it, and a reader resuming
   at or past it gets that final event again (so it learns how the stream ended).
+- A reader following the log of a stream that gets no new event for `writer_silence_s` and has
+  not ended (its writer's replica was killed, and nothing took the stream over) is ended with an
+  SSE comment saying so, instead of waiting for the stream to expire: the writer's own bounds
+  (the upstream's idle timeout, the queue's and a wake's waits, a takeover's lease) are all
+  shorter, so a live writer is never cut off.
 - Per tenant at most `max_streams_per_tenant` streams are kept (the oldest go first), each at
   most `max_events` events, for `retention_s` after its last event (the database: at least
   that, at most a tenth longer, so a flush need not rewrite every stream's row).
@@ -612,9 +617,16 @@ class LiveStreams:
     events of every stream at once, at most once per `flush_interval_s` (by default the log's),
     one flush at a time (so a stream's appends reach the log in order)."""
 
-    def __init__(self, log: EventLog, grace_s: float = 30.0, flush_interval_s: float | None = None):
+    def __init__(
+        self,
+        log: EventLog,
+        grace_s: float = 30.0,
+        flush_interval_s: float | None = None,
+        writer_silence_s: float = 600.0,
+    ):
         self.log = log
         self.grace_s = grace_s
+        self.writer_silence_s = writer_silence_s
         self.flush_interval_s = log.flush_interval_s if flush_interval_s is None else flush_interval_s
         self._live: dict[str, LiveStream] = {}
         # Streams with events not yet written, in the order they got them.
@@ -757,6 +769,7 @@ class LiveStreams:
             after = info.last - 1
         last_touch = 0.0
         sent = False
+        heard = time.monotonic()  # when the log last gave this reader an event (or it began)
         while True:
             now = time.monotonic()
             if now - last_touch > max(0.5, self.grace_s / 3):
@@ -771,9 +784,18 @@ class LiveStreams:
                     return
             if batch:
                 sent = True
+                heard = time.monotonic()
                 continue
             info = await self.log.info(stream_id)
             if info is None:
+                return
+            silent = time.monotonic() - heard
+            if not info.ended and silent >= self.writer_silence_s:
+                logger.warning("stream %s: silent %.0f s and not ended: its reader ends", stream_id, silent)
+                yield (
+                    b": the stream's writer has sent nothing for %d s (its gateway replica may have "
+                    b"stopped); it ends here unfinished\n\n" % int(silent)
+                )
                 return
             if info.ended and info.last <= after:
                 if sent or info.last < 0:
