@@ -34,7 +34,15 @@ from starlette.responses import JSONResponse
 from paved.gateway.access.state import GatewayStore
 from paved.gateway.batches.objects import LocalObjectStore
 from paved.gateway.batches.runner import BatchMetrics, BatchRunner, RunnerConfig
-from paved.gateway.batches.store import BatchStore, batches_table, chunks_table, files_table, lines_table
+from paved.gateway.batches.store import (
+    BatchStore,
+    TooManyBatches,
+    batches_table,
+    chunks_table,
+    files_table,
+    lines_table,
+)
+from paved.gateway.errors import GatewayError
 from paved.gateway.types import Limits, Principal, Tenant
 from paved.testing.postgres import create_database, postgres_server
 
@@ -315,6 +323,38 @@ def test_the_token_share_is_counted_over_every_replica(env):
         assert b.tokens_used("acme") < 100
         await a.stop()
         await b.stop()
+
+    asyncio.run(go())
+
+
+def test_a_tenant_has_at_most_max_active_unfinished_batches(env):
+    """Each batch holds its lines in the database until it ends, and one file may be batched
+    any number of times: past the bound a create is refused (the API's 429) and stores
+    nothing; a finished batch frees its place."""
+
+    async def go() -> None:
+        accounts, store, objects = await env()
+        clock = Clock()
+        row = {
+            "tenant": "acme", "key_id": "k1", "endpoint": "/v1/chat/completions", "model": "tiny",
+            "input_file_id": "file-in", "completion_window": "24h", "status": "in_progress",
+            "metadata": None, "total": 1, "created_at": clock.now, "in_progress_at": clock.now,
+            "expires_at": clock.now + 86400,
+        }  # fmt: skip
+
+        def one_line():
+            return iter([("c0", json.dumps({"n": 0}))])
+
+        await store.create_batch({**row, "id": "batch_a"}, one_line(), max_active=2)
+        await store.create_batch({**row, "id": "batch_b"}, one_line(), max_active=2)
+        with pytest.raises(TooManyBatches):
+            await store.create_batch({**row, "id": "batch_c"}, one_line(), max_active=2)
+        with pytest.raises(GatewayError):
+            await store.get_batch(None, "batch_c")  # nothing of it stored
+        await store.create_batch({**row, "id": "batch_o", "tenant": "other"}, one_line(), max_active=2)
+        await _drain(_runner(store, objects, clock), clock, "batch_a", store)
+        await store.create_batch({**row, "id": "batch_c"}, one_line(), max_active=2)
+        await accounts.close()
 
     asyncio.run(go())
 

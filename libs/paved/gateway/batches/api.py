@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from paved.gateway.batches import validate
 from paved.gateway.batches.objects import ObjectStore
-from paved.gateway.batches.store import BatchStore, new_id
+from paved.gateway.batches.store import BatchStore, TooManyBatches, new_id
 from paved.gateway.errors import GatewayError
 from paved.http.json_body import JSONBodyError, parse_json
 
@@ -276,7 +276,15 @@ class BatchesAPI:
                 yield obj["custom_id"], json.dumps(obj["body"], ensure_ascii=False, separators=(",", ":"))
 
         try:
-            await self.store.create_batch(row, lines())
+            await self.store.create_batch(row, lines(), max_active=self.limits.max_active_batches)
+        except TooManyBatches:
+            raise GatewayError(
+                429,
+                f"this tenant already has {self.limits.max_active_batches} batches that have not "
+                "finished (the most it may have at once); retry once one has ended",
+                code="batch_limit_reached",
+                headers={"Retry-After": "60"},
+            ) from None
         except FileNotFoundError:  # deleted since it was looked up (the local store)
             raise GatewayError(
                 404, f"No such file: '{file_id}'", param="input_file_id", code="not_found"

@@ -94,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-max-bytes", type=int, default=200 * 1024 * 1024, help="bytes per batch file (200 MB)"
     )
     g.add_argument("--batch-concurrency", type=int, default=32, help="batch lines this replica runs at once")
+    g.add_argument(
+        "--batch-max-active",
+        type=int,
+        default=100,
+        help="unfinished batches a tenant may have at once; more is a 429 (default 100)",
+    )
     g.add_argument("--batch-lease", type=float, default=30.0, help="seconds a line's lease lasts unrenewed")
     g.add_argument(
         "--batch-token-share",
@@ -129,6 +135,8 @@ def check_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> Non
         p.error("--batch-max-lines and --batch-max-bytes must be at least 1")
     if args.batch_concurrency < 1:
         p.error("--batch-concurrency must be at least 1")
+    if not 1 <= args.batch_max_active <= 1_000_000:
+        p.error("--batch-max-active must be in [1, 1000000]")
     if not (args.batch_lease > 0 and args.batch_window > 0):
         p.error("--batch-lease and --batch-window must be positive")
     if not 0 < args.batch_token_share <= 1:
@@ -161,7 +169,11 @@ def from_arguments(args: argparse.Namespace, accounts: GatewayStore, proxy: Open
         accounts,
         proxy,
         objects=objects,
-        limits=Limits(max_lines=args.batch_max_lines, max_bytes=args.batch_max_bytes),
+        limits=Limits(
+            max_lines=args.batch_max_lines,
+            max_bytes=args.batch_max_bytes,
+            max_active_batches=args.batch_max_active,
+        ),
         runner=RunnerConfig(
             concurrency=args.batch_concurrency,
             lease_s=args.batch_lease,

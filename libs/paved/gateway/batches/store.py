@@ -147,6 +147,12 @@ file_expiry_table = sa.Table(
 )
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class TooManyBatches(Exception):
+    """The tenant has as many unfinished batches as it may (the count is the argument)."""
+
+
 FINISHED = ("completed", "failed", "expired", "cancelled")
 SETTLED = ("done", "failed")
 _INSERT_CHUNK = 500
@@ -319,13 +325,26 @@ class BatchStore:
 
     # -- batches ---------------------------------------------------------------------------
 
-    async def create_batch(self, row: dict[str, Any], lines: Iterator[tuple[str, str]]) -> None:
+    async def create_batch(
+        self, row: dict[str, Any], lines: Iterator[tuple[str, str]], max_active: int | None = None
+    ) -> None:
         """Insert the batch and all its lines in one transaction: a batch is visible only with
-        every line queued (a crash mid-insert leaves nothing)."""
+        every line queued (a crash mid-insert leaves nothing). `max_active`: TooManyBatches
+        when the tenant already has that many batches not yet finished (counted in the same
+        transaction: exact on SQLite, which serializes writers; on PostgreSQL two creates at
+        the same instant may both pass)."""
         now = row["created_at"]
 
         def go() -> None:
             with self._engine.begin() as c:
+                if max_active is not None:
+                    active = c.execute(
+                        sa.select(sa.func.count())
+                        .select_from(batches_table)
+                        .where(batches_table.c.tenant == row["tenant"], batches_table.c.status.in_(ACTIVE))
+                    ).scalar_one()
+                    if active >= max_active:
+                        raise TooManyBatches(active)
                 c.execute(batches_table.insert().values(**row))
                 chunk: list[dict[str, Any]] = []
                 for n, (custom_id, body) in enumerate(lines):

@@ -36,6 +36,9 @@ class Limits:
     max_bytes: int = 200 * 1024 * 1024
     # A single line past this is refused before it is parsed (bounded memory per line).
     max_line_bytes: int = 8 * 1024 * 1024
+    # Unfinished batches per tenant: each holds its lines in the database until it ends, and
+    # one input file may be batched any number of times.
+    max_active_batches: int = 100
 
 
 @dataclass(frozen=True)
