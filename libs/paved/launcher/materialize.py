@@ -307,7 +307,12 @@ class Materializer:
                     lock = cache.lock(f"blob-{n.sha256}")
                     if lock.acquire(blocking=False):
                         locks.callback(lock.release)
-                        mine.append(n)
+                        if cache.has_blob(n.sha256, n.size):
+                            # Committed by another launcher between our check and our lock:
+                            # fetching it again would replace a blob packages already link.
+                            progress.add(n.size)
+                        else:
+                            mine.append(n)
                     else:
                         theirs.append((n, lock))
                 b, f = self._fetch_verified(mine, tar, progress)
