@@ -683,44 +683,6 @@ def test_a_resumed_response_stream_continues_the_same_sequence_and_message():
         oai.ResponseStream.resumed(parsed, "resp_x", [events[0], events[2]])
 
 
-def test_a_generation_that_cannot_renew_its_lease_stops_before_it_lapses():
-    """The store unreachable for longer than the lease: another replica's sweep may claim the
-    response once the lease lapses, and two writers would mix their events in one log. The
-    owner stops writing first (as when taken over); one that renews keeps going."""
-    from types import SimpleNamespace
-
-    from paved.gateway.errors import GatewayError
-    from paved.gateway.responses.api import _Job
-
-    def job(renew) -> _Job:
-        j = object.__new__(_Job)
-        store = SimpleNamespace(bounds=SimpleNamespace(lease_s=0.9), renew=renew)
-        j.api, j.abort, j.taken = SimpleNamespace(store=store), asyncio.Event(), False
-        return j
-
-    tries: list[str] = []
-
-    async def unreachable(response_id: str) -> str:
-        tries.append(response_id)
-        raise GatewayError(503, "the state store is unavailable")
-
-    async def renewed(response_id: str) -> str:
-        return "renewed"
-
-    async def go() -> None:
-        lost = job(unreachable)
-        await asyncio.wait_for(lost._keep_lease("resp_x"), 10)
-        assert lost.taken and lost.abort.is_set()
-        # Tries every 0.3 s; it gives up at the try after which the 0.9 s lease would lapse.
-        assert 1 <= len(tries) <= 2, tries
-        kept = job(renewed)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(kept._keep_lease("resp_y"), 2)
-        assert not kept.taken and not kept.abort.is_set()
-
-    asyncio.run(go())
-
-
 def test_usage_the_backend_never_reported_is_null_not_zero():
     """A response cancelled (or failed) before the chat stream's usage chunk: its usage is
     unknown, and zeros would claim the tokens it did generate were free."""

@@ -910,9 +910,7 @@ class _Job:
     async def _keep_lease(self, response_id: str) -> None:
         """Renew the lease; a response cancelled or deleted on another replica, or taken over
         by one after a lapse, stops here."""
-        lease_s = self.api.store.bounds.lease_s
-        period = max(0.2, min(1.0, lease_s / 3))
-        renewed_at = time.monotonic()
+        period = max(0.2, min(1.0, self.api.store.bounds.lease_s / 3))
         while True:
             await asyncio.sleep(period)
             try:
@@ -921,17 +919,8 @@ class _Job:
                     self.taken = renewed == "taken"
                     self.abort.set()
                     return
-                renewed_at = time.monotonic()
             except GatewayError as e:
                 logger.warning("could not renew the lease of %s: %s", response_id, e.message)
-                if time.monotonic() - renewed_at >= lease_s - period:
-                    # The lease lapses before the next try: another replica's sweep may claim
-                    # it, and two writers would mix their events in one log. This one stops
-                    # writing (as when taken over); whichever sweep claims it continues it.
-                    logger.warning("lost the lease of %s: it stops here, to be continued", response_id)
-                    self.taken = True
-                    self.abort.set()
-                    return
 
 
 async def _until_gone(events: AsyncIterator[bytes], abort: asyncio.Event) -> AsyncIterator[bytes]:
