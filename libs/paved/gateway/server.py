@@ -450,11 +450,13 @@ def _responses(
             log,
             grace_s=args.stream_grace,
             # Longer than any wait a live writer may have between two events: its upstream's
-            # idle timeout, then a queue's or a wake's wait and a takeover's lease.
+            # idle timeout, then a queue's or a wake's wait and a takeover's lease. A response's
+            # writer holding its lease is alive however long it is silent.
             writer_silence_s=args.stream_idle_timeout
             + max(args.queue_max_wait, args.wake_max_wait)
             + args.responses_lease
             + 60,
+            writer_alive=responses.writing,
         ),
         resumable_chat=args.resumable_streams,
         max_takeovers=args.responses_max_takeovers,

@@ -38,9 +38,13 @@ def parse_json(raw: bytes | str, max_depth: int = MAX_DEPTH, *, unicode_text: bo
     """The parsed body, or JSONBodyError (not valid UTF-8, not valid JSON, or JSONTooDeepError:
     nested too deep). Never RecursionError, however deep the text nests. `unicode_text`: also
     JSONSurrogateError when a string (a key included) holds a lone surrogate, for a body whose
-    text is stored or sent on as UTF-8."""
+    text is stored or sent on as UTF-8: bytes must then be strict UTF-8 (json.loads would take
+    a surrogate's own UTF-8 bytes, and UTF-16 or UTF-32 text, without a word)."""
     try:
-        value = json.loads(raw)
+        if unicode_text and isinstance(raw, bytes):
+            value = json.loads(raw.decode("utf-8"))
+        else:
+            value = json.loads(raw)
     except UnicodeDecodeError:
         raise JSONBodyError("not valid UTF-8") from None
     except RecursionError:

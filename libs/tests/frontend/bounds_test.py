@@ -73,6 +73,23 @@ def test_json_bodies_are_bounded_in_depth():
     assert issubclass(JSONBodyError, ValueError) and issubclass(JSONTooDeepError, JSONBodyError)
 
 
+def test_text_bodies_hold_no_lone_surrogate_however_spelled():
+    """`unicode_text`: a lone surrogate is refused as an escape, as its own UTF-8 bytes (which
+    json.loads decodes with surrogatepass) and inside UTF-16 text (which it auto-detects)."""
+    for raw in (
+        b'{"a": "\\ud800"}',
+        '{"k\\udfff": 1}',
+        b'{"a": "\xed\xa0\x80"}',
+        '{"a": "\\ud800"}'.encode("utf-16-le"),
+    ):
+        with pytest.raises(JSONBodyError):
+            parse_json(raw, unicode_text=True)
+        if isinstance(raw, bytes) and b"\x00" not in raw:
+            parse_json(raw)  # without it: as before
+    pair = '{"a": "\\ud83d\\ude00 \u00e9"}'.encode()  # a valid pair, and a non-ASCII letter
+    assert parse_json(pair, unicode_text=True) == {"a": "\U0001f600 \u00e9"}
+
+
 def test_chunked_bodies_share_one_buffer_budget():
     async def app(scope, receive, send):
         body = (await receive())["body"]

@@ -609,12 +609,15 @@ def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_numbe
         await first.create("acme", {"id": "resp_bg", "status": "queued"}, [], True, job)
         await first.create("acme", {"id": "resp_fg", "status": "in_progress"}, [], True)
         assert await first.sweep(2) == []  # leases held: nothing to claim
+        # Its stream's readers are told its writer lives (however long it is silent).
+        assert await second.writing("resp_bg") and not await second.writing("chatstream-x")
 
         def lapse() -> None:
             with db.engine.begin() as conn:
                 conn.exec_driver_sql("UPDATE gateway_responses SET lease_until = 0")
 
         lapse()
+        assert not await second.writing("resp_bg")  # lapsed: nobody writes it now
         found = await second.get("acme", "resp_bg")
         assert found is not None and found.lapsed and found.status == "queued"
         claims = [await second.sweep(2), await third.sweep(2)]
@@ -627,6 +630,7 @@ def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_numbe
         assert await first.renew("resp_bg") == "taken"
         assert await first.finish("resp_bg", "completed", {"id": "resp_bg"}, []) is False
         assert await second.renew("resp_bg") == "renewed"
+        assert await third.writing("resp_bg")  # taken over: alive again
         lapse()
         assert [c.takeovers for c in await third.sweep(2)] == [2]
         lapse()
@@ -634,6 +638,7 @@ def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_numbe
         spent = await second.get("acme", "resp_bg")
         assert spent is not None and spent.status == "failed"
         assert "stopped 3 times" in spent.body["error"]["message"]
+        assert not await first.writing("resp_bg")  # ended failed: its readers may stop
         assert await third.renew("resp_bg") == "ended"
 
     asyncio.run(scenario())

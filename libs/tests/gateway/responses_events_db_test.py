@@ -148,6 +148,39 @@ def test_a_reader_of_a_stream_whose_writer_went_silent_is_ended_not_left_waiting
     asyncio.run(go())
 
 
+def test_a_silent_writer_that_is_vouched_for_keeps_its_readers(db_url):
+    """A response's writer holding its lease is alive however long it says nothing (a reasoning
+    model thinking, a takeover waking its model): its reader waits; once nothing vouches for
+    it, the reader ends. A store that cannot be read counts as vouching."""
+
+    async def go():
+        a, b = await _replicas(db_url)
+        alive = {"s-think": True}
+
+        async def writer_alive(stream_id: str) -> bool:
+            if alive[stream_id] is None:
+                raise ConnectionError("the store is down")
+            return bool(alive[stream_id])
+
+        b.streams.writer_silence_s = 0.3
+        b.streams.writer_alive = writer_alive
+        live = await a.streams.create("s-think", "acme")
+        a.streams.push(live, _event(0))
+        follower = asyncio.create_task(_collect(b.streams.follow("s-think", -1)))
+        await asyncio.sleep(1.5)
+        alive["s-think"] = None
+        await asyncio.sleep(1.5)
+        assert not follower.done()  # vouched for, then unknown: still following
+        alive["s-think"] = False
+        body = b"".join(await asyncio.wait_for(follower, 30))
+        assert _ids([body.split(b": the stream")[0]]) == [0]
+        assert body.endswith(b"it ends here unfinished\n\n"), body
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
 def test_a_resume_past_the_end_of_a_running_stream_gets_its_final_event(db_url):
     """Past the end while the stream still runs: the reader waits, then gets the final event
     (as a resume past the end of a finished stream does), from memory on the generating

@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from paved.gateway.errors import GatewayError
 from paved.gateway.forwarding.proxy import check_openai_body
-from paved.http.json_body import JSONBodyError, parse_json
+from paved.http.json_body import MAX_DEPTH, JSONBodyError, parse_json
 
 if TYPE_CHECKING:
     from paved.gateway.routing.router import Router
@@ -109,8 +109,9 @@ def validate_stream(
         if len(raw) > limits.max_line_bytes:
             raise _bad(n, "", f"a line may be at most {limits.max_line_bytes} bytes")
         try:
-            # Nesting bounded, and no lone surrogate: every line is stored and sent as UTF-8.
-            obj = parse_json(raw, unicode_text=True)
+            # Nesting bounded (one level more than a request's: the line wraps its body), and no
+            # lone surrogate: every line is stored and sent as UTF-8.
+            obj = parse_json(raw, MAX_DEPTH + 1, unicode_text=True)
         except JSONBodyError as e:
             raise _bad(n, "", str(e)) from None
         if not isinstance(obj, dict):

@@ -17,11 +17,11 @@ Invariants:
   has failed for that stream), so whatever a client was sent can be resumed from any replica.
 - The last event of a stream is marked final; a reader stops after it, and a reader resuming
   at or past it gets that final event again (so it learns how the stream ended).
-- A reader following the log of a stream that gets no new event for `writer_silence_s` and has
-  not ended (its writer's replica was killed, and nothing took the stream over) is ended with an
-  SSE comment saying so, instead of waiting for the stream to expire: the writer's own bounds
-  (the upstream's idle timeout, the queue's and a wake's waits, a takeover's lease) are all
-  shorter, so a live writer is never cut off.
+- A reader following the log of a stream that gets no new event for `writer_silence_s`, has
+  not ended, and whose writer `writer_alive` does not vouch for (a response's lease; chat streams
+  have none) is ended with an SSE comment saying so, instead of waiting for the stream to expire
+  (its writer's replica was killed and nothing took the stream over). A chat stream's log opens
+  only once its upstream streams, after which the upstream's idle timeout bounds every silence.
 - Per tenant at most `max_streams_per_tenant` streams are kept (the oldest go first), each at
   most `max_events` events, for `retention_s` after its last event (the database: at least
   that, at most a tenth longer, so a flush need not rewrite every stream's row).
@@ -35,7 +35,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -623,10 +623,12 @@ class LiveStreams:
         grace_s: float = 30.0,
         flush_interval_s: float | None = None,
         writer_silence_s: float = 600.0,
+        writer_alive: Callable[[str], Awaitable[bool]] | None = None,
     ):
         self.log = log
         self.grace_s = grace_s
         self.writer_silence_s = writer_silence_s
+        self.writer_alive = writer_alive
         self.flush_interval_s = log.flush_interval_s if flush_interval_s is None else flush_interval_s
         self._live: dict[str, LiveStream] = {}
         # Streams with events not yet written, in the order they got them.
@@ -736,6 +738,16 @@ class LiveStreams:
         async for data in self._follow_log(stream_id, after):
             yield data
 
+    async def _vouched(self, stream_id: str) -> bool:
+        """`writer_alive` says the writer lives (an error reading it counts as alive: a reader
+        is not cut off for a store's hiccup)."""
+        if self.writer_alive is None:
+            return False
+        try:
+            return await self.writer_alive(stream_id)
+        except Exception:  # noqa: BLE001 - see above
+            return True
+
     async def _follow_local(self, live: LiveStream, after: int) -> AsyncIterator[bytes]:
         live.readers += 1
         live.idle.clear()
@@ -790,7 +802,7 @@ class LiveStreams:
             if info is None:
                 return
             silent = time.monotonic() - heard
-            if not info.ended and silent >= self.writer_silence_s:
+            if not info.ended and silent >= self.writer_silence_s and not await self._vouched(stream_id):
                 logger.warning("stream %s: silent %.0f s and not ended: its reader ends", stream_id, silent)
                 yield (
                     b": the stream's writer has sent nothing for %d s (its gateway replica may have "

@@ -170,6 +170,18 @@ class ResponseStore:
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         return await self._store.run(self._get_sync, tenant, response_id)
 
+    async def writing(self, stream_id: str) -> bool:
+        """Whether a replica holds a live lease on the response of this stream id (a response's
+        stream is named by its id): its writer is alive, however long it has been silent
+        (a reasoning model thinking, a takeover waking its model). False for any other id."""
+        return await self._store.run(self._writing_sync, stream_id)
+
+    def _writing_sync(self, stream_id: str) -> bool:
+        t = responses_table
+        with self._store.engine.connect() as conn:
+            row = conn.execute(sa.select(t.c.status, t.c.lease_until).where(t.c.id == stream_id)).first()
+        return row is not None and row.status in ACTIVE and row.lease_until >= time.time()
+
     def _get_sync(self, tenant: str, response_id: str) -> StoredResponse | None:
         t = responses_table
         now = time.time()

@@ -46,6 +46,8 @@ FINALIZE_TIMEOUT_S = 5.0
 # After the worker process exited (its process group killed), how long the frames it sent
 # before it died may take to be read before the channel is given up for closed.
 EXIT_DRAIN_S = 2.0
+# How long a worker killed with SIGKILL may take to be gone before its death is handled anyway.
+KILL_WAIT_S = 30.0
 # How often a worker's process is checked for having exited (see _exited): from the first
 # interval, doubling up to the last.
 EXIT_POLL_S = (0.01, 0.5)
@@ -383,9 +385,14 @@ class Worker:
                 _kill_group(process)
             if await _exited(process, 5) is None:
                 _kill_group(process)
-                await _exited(process)
+                # Bounded: a process in uninterruptible sleep (a driver call) outlives SIGKILL,
+                # and execute() calls wait for this handling to end.
+                await _exited(process, KILL_WAIT_S)
             code = process.returncode
-        if self._kill_reason:
+        if process is not None and code is None:
+            reason = f"did not exit {KILL_WAIT_S:g} s after SIGKILL (stuck in the kernel?)"
+            logger.error("model %s instance %s %s", self.model, self.name, reason)
+        elif self._kill_reason:
             reason = self._kill_reason
         elif broken:
             reason = broken
