@@ -10,6 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Ids the gateway hands out (files, batches, responses, streams) are short printable ASCII: any
+# other string names nothing, and a NUL in one would be a database error rather than a 404.
+MAX_ID_LEN = 128
+
+
+def well_formed_id(value: str) -> bool:
+    return len(value) <= MAX_ID_LEN and value.isascii() and value.isprintable()
+
 
 @dataclass(frozen=True)
 class Limits:

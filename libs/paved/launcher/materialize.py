@@ -127,9 +127,7 @@ class Materializer:
             package = parse_model_json(
                 self.downloader.read_small(join_uri(uri, MODEL_JSON)), join_uri(uri, MODEL_JSON)
             )
-            estimate = sum(
-                n.size for n in self._needs(uri, package, False) if not cache.has_blob(n.sha256, n.size)
-            )
+            estimate = self._missing_bytes(uri, package, False)
         if cache.max_bytes is not None:
             # Evicting could not make room, only empty the cache for nothing (a manifest's
             # sizes are whatever its author wrote: 1 PiB would evict every package).
@@ -152,11 +150,7 @@ class Materializer:
                     if cache.max_bytes is not None:
                         # The tarball's size was only a guess: its manifest may name blobs
                         # outside it (absolute URIs), or compress well. Checked before fetching.
-                        needed = sum(
-                            n.size
-                            for n in self._needs(uri, package, True)
-                            if not cache.has_blob(n.sha256, n.size)
-                        )
+                        needed = self._missing_bytes(uri, package, True)
                         self._check_budget(uri, needed, "nothing was fetched")
                 digest = package.digest()
                 hold = cache.hold(digest)
@@ -169,6 +163,12 @@ class Materializer:
         if cache.max_bytes is not None:
             cache.evict(cache.max_bytes, protect=frozenset({digest}))
         return result
+
+    def _missing_bytes(self, uri: str, package: ModelPackage, from_tar: bool) -> int:
+        """What the package's blobs not yet in the cache add up to."""
+        return sum(
+            n.size for n in self._needs(uri, package, from_tar) if not self.cache.has_blob(n.sha256, n.size)
+        )
 
     def _check_budget(self, uri: str, needed: int, outcome: str) -> None:
         budget = self.cache.max_bytes

@@ -36,6 +36,7 @@ from paved.gateway.batches import validate
 from paved.gateway.batches.objects import ObjectStore
 from paved.gateway.batches.store import BatchStore, TooManyBatches, new_id
 from paved.gateway.errors import GatewayError
+from paved.gateway.types import MAX_ID_LEN, well_formed_id
 from paved.http.json_body import JSONBodyError, parse_json
 
 if TYPE_CHECKING:
@@ -376,9 +377,6 @@ def _expires_after(anchor: object, seconds: object) -> float | None:
 
 # Ids this gateway issues are short printable ASCII; a NUL byte reached PostgreSQL, which
 # refuses it in text (a 500).
-MAX_ID_LEN = 128
-
-
 def _utf8(meta: dict[str, str]) -> bool:
     """Every key and value is text UTF-8 can hold (no lone surrogate, no NUL): metadata is
     stored and answered on every read of the batch."""
@@ -393,7 +391,7 @@ def _utf8(meta: dict[str, str]) -> bool:
 
 def _ident(value: str, kind: str) -> str:
     """`value` if it can name a `kind`; else the 404 of one that does not exist."""
-    if len(value) > MAX_ID_LEN or not value.isascii() or not value.isprintable():
+    if not well_formed_id(value):
         raise GatewayError(404, f"No such {kind}: {value[:MAX_ID_LEN]!r}", code="not_found")
     return value
 

@@ -971,17 +971,18 @@ class SemanticCache:
         while key in self._entries:
             key = secrets.randbits(63)
         index = self._indexes.get(owner)
+        new = index is None
         if index is None:
             index = self._index_factory(dim)
-            try:
-                index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
-            except BaseException:
+        try:
+            index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
+        except BaseException:
+            if new:
                 index.close()  # not registered yet: nothing counts it
-                raise
+            raise
+        if new:
             self._indexes[owner] = index
             self.bytes += _index_cost(dim)
-        else:
-            index.add(np.array([key], dtype=np.int64), query.reshape(1, -1))
         expires_at = now + ttl
         self._entries[key] = _Entry(owner=owner, answer=answer, expires_at=expires_at, size=size)
         self.bytes += size

@@ -208,6 +208,9 @@ class _Class:
     # forget_after_s are dropped when it next queues, debts with them.
     quiet_since: float = -math.inf
 
+    def others_wait(self, tenant: str) -> bool:
+        return any(t != tenant for t in self.lines)
+
 
 class _ModelQueue:
     def __init__(self, model: str):
@@ -570,7 +573,7 @@ class FlowController:
     def _grant(self, q: _ModelQueue, slot: Slot, now: float) -> None:
         slot._state = _State.GRANTED
         slot._granted_at = now
-        slot._contended = any(t != slot.tenant for t in q.classes[slot.priority].lines)
+        slot._contended = q.classes[slot.priority].others_wait(slot.tenant)
         q.active += 1
         q.last_progress = now
 
@@ -618,7 +621,7 @@ class FlowController:
         if not extra > 0:
             return
         cls = q.classes[slot.priority]
-        if not (slot._contended or any(t != slot.tenant for t in cls.lines)):
+        if not (slot._contended or cls.others_wait(slot.tenant)):
             return
         if not cls.lines:
             cls.quiet_since = now  # the debt is recent: kept for forget_after_s

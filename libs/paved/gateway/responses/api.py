@@ -43,6 +43,7 @@ from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.forwarding.proxy import decode_body
 from paved.gateway.responses.events import HOLE, MAX_SEQ, LiveStream, LiveStreams, StreamTrimmed
 from paved.gateway.responses.store import ACTIVE, Claimed, ResponseStore, failed_body
+from paved.gateway.types import well_formed_id
 from paved.http import openai_responses as oai
 from paved.http.errors import error_body
 from paved.http.json_body import JSONBodyError, parse_json
@@ -58,9 +59,6 @@ logger = logging.getLogger("paved.gateway.responses")
 STREAM_HEADER = "x-paved-stream-id"
 CHAT_PATH = "/v1/chat/completions"
 _NOT_FOUND = "no response with that id (it may have expired or been deleted)"
-# Ids this API hands out are short printable ASCII; anything else names nothing (and a NUL
-# would be a database error, not a 404).
-_MAX_ID_LEN = 128
 _CANNOT_CONTINUE = "the gateway replica generating this response stopped, and it could not be continued"
 _EVENTS_GONE = "the events of this response are no longer kept (they expired or the event store was lost)"
 # The client headers a chat request made in-process keeps (auth, priority, tracing).
@@ -168,10 +166,6 @@ async def run_chat(
 
 def _parse_text_json(raw: bytes) -> Any:
     return parse_json(raw, unicode_text=True)
-
-
-def _well_formed_id(value: str) -> bool:
-    return len(value) <= _MAX_ID_LEN and value.isascii() and value.isprintable()
 
 
 def _passed_headers(request: Request) -> list[tuple[bytes, bytes]]:
@@ -300,7 +294,7 @@ class ResponsesAPI:
         tenant = principal.tenant.name
         if parsed.previous_response_id is not None:
             previous = None
-            if _well_formed_id(parsed.previous_response_id):
+            if well_formed_id(parsed.previous_response_id):
                 previous = await self.store.get(tenant, parsed.previous_response_id)
             if previous is None:
                 raise GatewayError(404, _NOT_FOUND, param="previous_response_id", code="response_not_found")
@@ -467,7 +461,7 @@ class ResponsesAPI:
         principal = await self._principal(request)
         response_id = request.path_params["id"]
         found = None
-        if _well_formed_id(response_id):
+        if well_formed_id(response_id):
             found = await self.store.get(principal.tenant.name, response_id)
         if found is None:
             raise GatewayError(404, _NOT_FOUND, code="response_not_found")
@@ -536,7 +530,7 @@ class ResponsesAPI:
         principal = await self._principal(request)
         response_id = request.path_params["id"]
         tenant = principal.tenant.name
-        if not _well_formed_id(response_id) or not await self.store.delete(tenant, response_id):
+        if not well_formed_id(response_id) or not await self.store.delete(tenant, response_id):
             raise GatewayError(404, _NOT_FOUND, code="response_not_found")
         abort = self._running.get(response_id)
         if abort is not None:
@@ -662,7 +656,7 @@ class ResponsesAPI:
     async def resume_chat(self, request: Request) -> Response:
         principal = await self._principal(request)
         stream_id = request.path_params["id"]
-        info = await self.streams.log.info(stream_id) if _well_formed_id(stream_id) else None
+        info = await self.streams.log.info(stream_id) if well_formed_id(stream_id) else None
         if info is None or info.tenant != principal.tenant.name:
             raise GatewayError(
                 404, "no chat stream with that id (it may have expired, or its store was lost)",
