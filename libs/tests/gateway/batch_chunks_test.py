@@ -359,6 +359,36 @@ def test_a_tenant_has_at_most_max_active_unfinished_batches(env):
     asyncio.run(go())
 
 
+def test_concurrent_creates_never_pass_max_active_together(env):
+    """Creates of one tenant at the same instant (many replicas, one database) count the
+    batches one after another: exactly `max_active` of them are stored."""
+
+    async def go() -> None:
+        accounts, store, _objects = await env()
+        now = Clock().now
+        row = {
+            "tenant": "acme", "key_id": "k1", "endpoint": "/v1/chat/completions", "model": "tiny",
+            "input_file_id": "file-in", "completion_window": "24h", "status": "in_progress",
+            "metadata": None, "total": 1, "created_at": now, "in_progress_at": now,
+            "expires_at": now + 86400,
+        }  # fmt: skip
+
+        async def create(i: int) -> bool:
+            try:
+                await store.create_batch({**row, "id": f"batch_{i}"}, iter([("c0", "{}")]), max_active=3)
+            except TooManyBatches:
+                return False
+            return True
+
+        stored = await asyncio.gather(*(create(i) for i in range(12)))
+        assert sum(stored) == 3
+        listed, _ = await store.list_batches("acme", after=None, limit=100)
+        assert len(listed) == 3
+        await accounts.close()
+
+    asyncio.run(go())
+
+
 def test_two_replicas_sweeping_at_once_delete_each_batch_once(env, tmp_path):
     async def go() -> None:
         accounts, store, objects = await env()

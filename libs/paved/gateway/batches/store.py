@@ -331,13 +331,19 @@ class BatchStore:
         """Insert the batch and all its lines in one transaction: a batch is visible only with
         every line queued (a crash mid-insert leaves nothing). `max_active`: TooManyBatches
         when the tenant already has that many batches not yet finished (counted in the same
-        transaction: exact on SQLite, which serializes writers; on PostgreSQL two creates at
-        the same instant may both pass)."""
+        transaction, which on PostgreSQL first takes the tenant's advisory lock: creates of one
+        tenant take turns there, as SQLite's single writer makes them everywhere)."""
         now = row["created_at"]
 
         def go() -> None:
             with self._engine.begin() as c:
                 if max_active is not None:
+                    if c.dialect.name == "postgresql":
+                        # READ COMMITTED alone lets two creates count the same rows and both pass.
+                        c.execute(
+                            sa.text("SELECT pg_advisory_xact_lock(hashtext(:key))"),
+                            {"key": "paved.gateway.batches:" + row["tenant"]},
+                        )
                     active = c.execute(
                         sa.select(sa.func.count())
                         .select_from(batches_table)
