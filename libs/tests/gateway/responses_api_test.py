@@ -226,9 +226,14 @@ def test_background_polling_cancel_and_cross_tenant(fleet):
     assert _wait_status(client, long.id, {"cancelled"}).status == "cancelled"
 
 
-@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
+@pytest.mark.parametrize(
+    "stop", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP], ids=["killed", "stopped", "paused"]
+)
 def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
-    """Killed: its lease lapses and another replica claims it. Stopped: it hands it off."""
+    """Killed: its lease lapses and another replica claims it. Stopped: it hands it off.
+    Paused (a frozen VM, a long GC): its lease lapses, another replica claims it, and then it
+    wakes up with the rest of its answer buffered: the log's fence refuses every event it still
+    writes, so the stream and the stored response are the successor's alone after the claim."""
     a, b = fleet["gateways"]
     key = fleet["keys"]["acme"]
     victim = fleet["spawn"]()
@@ -252,10 +257,22 @@ def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
             assert time.monotonic() < deadline, "no output before the kill"
             time.sleep(0.05)
         victim.proc.send_signal(stop)
-        victim.proc.wait(timeout=20)
+        if stop == signal.SIGSTOP:
+            while not _continued_by(fleet, running.id):
+                assert time.monotonic() < deadline + 60, "nobody took the paused replica's response over"
+                time.sleep(0.1)
+            time.sleep(0.5)  # the successor writes on before the paused one wakes up
+            victim.proc.send_signal(signal.SIGCONT)
+            follower.join(timeout=120)  # the woken replica runs on meanwhile
+            time.sleep(1.0)
+        else:
+            victim.proc.wait(timeout=20)
         deltas_at_kill = sum(e.type == "response.output_text.delta" for e in list(followed))
         handed_off = "handed off for another replica" in victim.tail(200)
+        taken_over = "taken over by another" in victim.tail(400)
     finally:
+        if stop == signal.SIGSTOP:
+            victim.proc.send_signal(signal.SIGCONT)
         victim.stop()
     other = _client(b, key)
     assert other.responses.retrieve(finished.id).status in ("completed", "incomplete")
@@ -268,8 +285,10 @@ def test_background_response_is_continued_after_its_replica_dies(fleet, stop):
     deltas = [e.delta for e in followed if e.type == "response.output_text.delta"]
     if stop == signal.SIGKILL:
         assert len(deltas) > deltas_at_kill  # (a stopping replica writes on until it hands off)
-    else:
+    elif stop == signal.SIGTERM:
         assert handed_off
+    else:
+        assert taken_over
     assert len(_continued_by(fleet, running.id)) == 1
     done = _wait_status(other, running.id, {"completed", "incomplete"})
     assert done.status in ("completed", "incomplete") and done.error is None

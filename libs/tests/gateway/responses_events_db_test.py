@@ -319,6 +319,101 @@ def test_appends_retried_with_a_hole_or_to_a_stream_gone(db_url):
     asyncio.run(go())
 
 
+def _events_of(chunks: list[bytes]) -> list[tuple[int, str]]:
+    """(id, data) of each event in `chunks`."""
+    out = []
+    for e in b"".join(chunks).split(b"\n\n"):
+        if e:
+            head, data = e.split(b"\n", 1)
+            out.append((int(head.removeprefix(b"id: ")), data.removeprefix(b"data: ").decode()))
+    return out
+
+
+async def _until(check, what: str) -> None:
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within 10 s: {what}")
+
+
+async def _fencing_contract(a: ev.LiveStreams, b_log) -> None:
+    """Replica A generates stream f1; replica B takes it over while A still runs (A's lease
+    renewals failed, it never died): the log holds A's prefix, then only B's events, and A's
+    reader goes on from the log where it was."""
+    live = await a.create("f1", "acme")
+    reader = asyncio.create_task(_collect(a.follow("f1", -1)))
+    for seq in range(3):
+        a.push(live, _event(seq, "a"))
+    await _until(lambda: live.logged == 3, "A's first events logged")
+    assert await b_log.fence("f1", 1) == 2  # what B rebuilds from and continues after
+    assert await b_log.fence("f1", 0) == ev.FENCED  # an older writer cannot take it back
+    a.push(live, _event(3, "a"))  # A goes on until it learns: its flush is refused
+    await _until(lambda: live.fenced, "A fenced")
+    assert a.local("f1") is None
+    assert await b_log.append("f1", [(3, _event(3, "b"))], False, epoch=1) == 3
+    # An append of the old epoch is refused whole, even one that would continue the log.
+    assert await a.log.append("f1", [(4, _event(4, "a"))], True) == ev.FENCED
+    late = asyncio.create_task(_collect(a.follow("f1", 1)))  # a reader arriving at A now
+    # An append of a higher epoch fences too (a takeover's first write after its fence).
+    assert await b_log.append("f1", [], False, epoch=2) == 3
+    assert await b_log.append("f1", [(4, _event(4, "b"))], True, epoch=1) == ev.FENCED
+    assert await b_log.append("f1", [(4, _event(4, "b"))], True, epoch=2) == 4
+    mixed = [(0, "a"), (1, "a"), (2, "a"), (3, "b"), (4, "b")]
+    assert _events_of(await asyncio.wait_for(reader, 20)) == mixed
+    assert _events_of(await asyncio.wait_for(late, 20)) == mixed[2:]
+    await asyncio.wait_for(a.flushed(live), 5)  # it waits for nothing the log refused
+    assert _events_of([data for _, data, _ in await b_log.read("f1", -1, 0)]) == mixed
+
+
+def test_a_takeover_fences_out_a_predecessor_that_still_writes(db_url):
+    async def go():
+        a, b = await _replicas(db_url)
+        await _fencing_contract(a.streams, b.log)
+        assert await b.log.fence("gone", 1) == ev.GONE
+        await b.log.delete("f1")
+        assert await b.log.fence("f1", 3) == ev.GONE
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_the_redis_log_fences_under_the_same_contract():
+    async def go(url: str):
+        a_log = ev.RedisEventLog(url, ev.LogBounds())
+        b_log = ev.RedisEventLog(url, ev.LogBounds())
+        await _fencing_contract(ev.LiveStreams(a_log, flush_interval_s=0.002), b_log)
+        assert await b_log.fence("gone", 1) == ev.GONE
+        await a_log.close()
+        await b_log.close()
+
+    with redis_server() as url:
+        asyncio.run(go(url))
+
+
+def test_a_fenced_stream_whose_log_had_failed_ends_its_readers_with_a_comment(db_url):
+    """Delivered from memory after its log failed, a stream's local readers cannot go on from
+    the log when its generation is taken over: they end, saying so, instead of waiting."""
+
+    async def go():
+        a, b = await _replicas(db_url)
+        failing = _GatedLog(a.log, failures=1_000_000)
+        failing.gate.set()
+        streams = ev.LiveStreams(failing, flush_interval_s=0.002)  # type: ignore[arg-type]
+        live = await streams.create("u1", "acme")
+        reader = asyncio.create_task(_collect(streams.follow("u1", -1)))
+        streams.push(live, _event(0))
+        await _until(lambda: live.unlogged, "the log failed")
+        streams.hand_over(live)
+        chunks = await asyncio.wait_for(reader, 5)
+        assert _ids(chunks[:1]) == [0] and chunks[-1].startswith(b": this stream was taken over")
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
 def test_the_redis_log_appends_under_the_same_contract(monkeypatch):
     async def go(url: str):
         log = ev.RedisEventLog(url, ev.LogBounds(max_events=5, retention_s=60))

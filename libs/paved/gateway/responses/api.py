@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from paved.gateway.errors import GatewayError, ModelNotAllowedError
 from paved.gateway.forwarding.proxy import decode_body
-from paved.gateway.responses.events import HOLE, MAX_SEQ, LiveStream, LiveStreams, StreamTrimmed
+from paved.gateway.responses.events import FENCED, HOLE, MAX_SEQ, LiveStream, LiveStreams, StreamTrimmed
 from paved.gateway.responses.store import ACTIVE, Claimed, ResponseStore, failed_body
 from paved.gateway.types import well_formed_id
 from paved.http import openai_responses as oai
@@ -379,6 +379,11 @@ class ResponsesAPI:
         job, response_id = claimed.job, claimed.id
         abort = asyncio.Event()
         self._running[response_id] = abort
+        # Fenced before it is read: a predecessor still running (its renewals failed, it did
+        # not die) can append nothing more, so what is read here is all it ever logged.
+        if await self.streams.log.fence(response_id, claimed.takeovers) == FENCED:
+            logger.warning("response %s: a later takeover already writes it; this one stops", response_id)
+            return
         try:
             parsed = oai.parse_request(job["request"])
             run = oai.ResponseStream.resumed(parsed, response_id, await self._logged_events(response_id))
@@ -391,7 +396,7 @@ class ResponsesAPI:
         principal = await self.store.principal(job["key_id"])
         taking = _Job(
             self, parsed, run, None, abort, headers, claimed.tenant, log_id=response_id, principal=principal,
-            base=job["base"],
+            base=job["base"], epoch=claimed.takeovers,
         )  # fmt: skip
         bodies = None if run.done else self._continuation(job["chat"], run, taking)
         if principal is None:
@@ -688,9 +693,12 @@ class _Job:
         log_id: str | None = None,
         principal: Principal | None = None,
         base: list[dict[str, Any]] | None = None,
+        epoch: int = 0,
     ):
         self.api, self.parsed, self.run_, self.live, self.abort = api, parsed, run, live, abort
         self.headers, self.tenant, self.log_id, self.principal = headers, tenant, log_id, principal
+        # This writer's epoch in the log (a takeover's: its claim's count; see events.fence).
+        self.epoch = epoch
         # The conversation before this response's output (stored for previous_response_id).
         self.base = base if base is not None else [*parsed.history, *parsed.input_messages]
         self.chat = _Chat()
@@ -778,10 +786,17 @@ class _Job:
             return
         log = self.api.streams.log
         try:
-            held = await log.append(self.log_id, [(seq, data) for seq, data, _ in batch], batch[-1][2])
+            held = await log.append(
+                self.log_id, [(seq, data) for seq, data, _ in batch], batch[-1][2], epoch=self.epoch
+            )
         except Exception as e:  # noqa: BLE001 - a log outage costs resumability, not the response
             logger.warning("could not write stream %s to the event log: %s", self.log_id, e)
             held = HOLE
+        if held == FENCED:
+            # A later takeover writes it now (our lease lapsed): stop, leave the log to it.
+            self.taken = True
+            self.abort.set()
+            return
         if held < 0:
             # The log lost the stream (or would get a gap): no more of it there, and no stream
             # at all rather than one with a hole (readers get a clear 404, as LiveStreams does).
@@ -865,6 +880,8 @@ class _Job:
             api._running.pop(response_id, None)
             if self.taken:
                 logger.warning("response %s was taken over by another replica; this one stops", response_id)
+                if self.live is not None:
+                    api.streams.hand_over(self.live)
             elif api._stopping and self.logged and not self.answered:
                 await self._hand_off()
             else:
@@ -907,6 +924,11 @@ class _Job:
         period = max(0.2, min(1.0, self.api.store.bounds.lease_s / 3))
         while True:
             await asyncio.sleep(period)
+            if self.live is not None and self.live.fenced:
+                # The log refused our events for a successor's (renewals may still be failing).
+                self.taken = True
+                self.abort.set()
+                return
             try:
                 renewed = await self.api.store.renew(response_id)
                 if renewed != "renewed":

@@ -13,6 +13,13 @@ Invariants:
   writer (the replica generating it); a reader gets each once, in order, with no gap: a resume
   point older than what the log still keeps raises StreamTrimmed rather than skipping, and a
   log refuses an append that would leave a hole.
+- One writer at a time, fenced by epochs: a writer that takes a stream over (another replica
+  continuing a response whose lease lapsed) first `fence`s it with an epoch higher than its
+  predecessor's, then reads what the log holds and continues from there; from the fence on, the
+  log refuses (FENCED) every append of a lower epoch. So a predecessor that still runs (its
+  lease renewals failed, it never died) cannot mix its events into its successor's: the log is
+  the predecessor's prefix, then the successor's events. The predecessor's local readers go on
+  reading the log from where they were (`LiveStreams` ends its stream `fenced`).
 - A reader on the generating replica gets an event only once the log holds it (or once the log
   has failed for that stream), so whatever a client was sent can be resumed from any replica.
 - The last event of a stream is marked final; a reader stops after it, and a reader resuming
@@ -68,6 +75,7 @@ MAX_SEQ = 2**31 - 1
 # Per stream in an append: the sequence number the log now ends at, or one of these.
 GONE = -2  # the stream is no longer in the log (deleted, evicted by the tenant's cap, expired)
 HOLE = -3  # the append starts after the log's end: refused, so the log never has a gap
+FENCED = -4  # a writer of a higher epoch took the stream over: this one writes no more
 
 
 @dataclass(frozen=True)
@@ -91,13 +99,14 @@ class StreamInfo:
 
 @dataclass(frozen=True)
 class Append:
-    """New events of one stream (consecutive sequence numbers); `ended`: its last is final.
-    Appending events the log already holds again is harmless (they are skipped), so a failed
-    append can be retried as it was."""
+    """New events of one stream (consecutive sequence numbers); `ended`: its last is final;
+    `epoch`: its writer's (0: the stream's first writer). Appending events the log already
+    holds again is harmless (they are skipped), so a failed append can be retried as it was."""
 
     stream_id: str
     events: list[tuple[int, bytes]]
     ended: bool
+    epoch: int = 0
 
 
 class EventLog(Protocol):
@@ -107,11 +116,20 @@ class EventLog(Protocol):
     async def open(self, stream_id: str, tenant: str) -> None: ...
     async def append_many(self, appends: list[Append]) -> list[int]:
         """All `appends` in one round trip; per append, the last sequence number the log now
-        holds for that stream, or GONE / HOLE."""
+        holds for that stream, or GONE / HOLE / FENCED (the stream's epoch is above the
+        append's; an append of a higher epoch fences the stream at it)."""
         ...
 
-    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
+    async def append(
+        self, stream_id: str, events: list[tuple[int, bytes]], ended: bool, epoch: int = 0
+    ) -> int:
         """One stream's append_many."""
+        ...
+
+    async def fence(self, stream_id: str, epoch: int) -> int:
+        """Take the stream over at `epoch`: from now on appends of a lower epoch are refused.
+        Returns the last sequence number the log holds (what the taker continues after, -1:
+        none), GONE, or FENCED when a writer of a higher epoch already took it."""
         ...
 
     async def info(self, stream_id: str) -> StreamInfo | None: ...
@@ -167,8 +185,14 @@ class RedisEventLog:
             for old in await self._redis.zpopmin(by_age, extra):
                 await self.delete(old[0].decode())
 
-    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
-        return (await self.append_many([Append(stream_id, events, ended)]))[0]
+    async def append(
+        self, stream_id: str, events: list[tuple[int, bytes]], ended: bool, epoch: int = 0
+    ) -> int:
+        return (await self.append_many([Append(stream_id, events, ended, epoch)]))[0]
+
+    async def fence(self, stream_id: str, epoch: int) -> int:
+        async with _unavailable_as_503():
+            return int(await self._redis.eval(_FENCE_LUA, 1, f"pvd:em:{stream_id}", epoch))
 
     async def append_many(self, appends: list[Append]) -> list[int]:
         from redis.exceptions import NoScriptError
@@ -211,6 +235,7 @@ class RedisEventLog:
                     keys.append(f"pvd:em:{a.stream_id}")
                     args.append(len(a.events))
                     args.append(1 if a.ended else 0)
+                    args.append(a.epoch)
                     for seq, data in a.events:
                         args.append(seq)
                         args.append(data)
@@ -265,22 +290,27 @@ class RedisEventLog:
 
 
 # Appends for many streams in one call, each atomic in Redis: events the log has are skipped (a
-# retried append), an append that would leave a hole is refused whole (-3), and a stream gone
-# is not brought back (-2); else the stream's last sequence number now.
+# retried append), an append that would leave a hole is refused whole (-3), a stream gone is not
+# brought back (-2), an append below the stream's writer epoch (meta field `w`, absent: 0) is
+# refused (-4) and one above it fences the stream there; else the stream's last sequence number.
 # KEYS: per stream, its events then its meta. ARGV: max_events, ttl, then per stream: its
-# number of events, ended (0/1), then seq, data pairs (consecutive sequence numbers).
+# number of events, ended (0/1), epoch, then seq, data pairs (consecutive sequence numbers).
 _APPEND_LUA = """
 local maxlen, ttl = ARGV[1], ARGV[2]
 local out = {}
 local a = 3
 for k = 1, #KEYS, 2 do
-  local n, ended = tonumber(ARGV[a]), ARGV[a + 1] == '1'
-  local first = a + 2
+  local n, ended, epoch = tonumber(ARGV[a]), ARGV[a + 1] == '1', tonumber(ARGV[a + 2])
+  local first = a + 3
   a = first + 2 * n
   local last = redis.call('HGET', KEYS[k + 1], 'last')
+  local w = tonumber(redis.call('HGET', KEYS[k + 1], 'w') or '0')
   if not last then
     out[#out + 1] = -2
+  elseif epoch < w then
+    out[#out + 1] = -4
   else
+    if epoch > w then redis.call('HSET', KEYS[k + 1], 'w', epoch) end
     last = tonumber(last)
     local i = first
     while i < a and tonumber(ARGV[i]) <= last do i = i + 2 end
@@ -308,6 +338,18 @@ for k = 1, #KEYS, 2 do
   end
 end
 return out
+"""
+
+# A takeover's fence (KEYS: the stream's meta; ARGV: the epoch): -2 gone, -4 a higher epoch
+# holds it, else the stream's last sequence number, with the epoch raised to ARGV[1].
+_FENCE_LUA = """
+local last = redis.call('HGET', KEYS[1], 'last')
+if not last then return -2 end
+local epoch = tonumber(ARGV[1])
+local w = tonumber(redis.call('HGET', KEYS[1], 'w') or '0')
+if epoch < w then return -4 end
+redis.call('HSET', KEYS[1], 'w', epoch)
+return tonumber(last)
 """
 
 
@@ -350,6 +392,14 @@ _events_table = sa.Table(
     sa.Column("data", sa.LargeBinary, nullable=False),
     sa.Column("final", sa.Boolean, nullable=False),
 )
+# A stream's writer epoch once a takeover fenced it (no row: 0). A table of its own: a database
+# made before fencing existed gains it through create_tables, with no migration.
+_writers_table = sa.Table(
+    "gateway_stream_writers",
+    _metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("epoch", sa.Integer, nullable=False),
+)
 
 
 class SqlEventLog:
@@ -362,13 +412,19 @@ class SqlEventLog:
         # Streams by id with the last sequence number their events hold (None: no event yet;
         # trimming keeps the newest, so the highest is always there): the primary key's index
         # answers it, and no write per flush has to keep a copy up to date.
-        m, t = _meta_table, _events_table
+        m, t, w = _meta_table, _events_table, _writers_table
         last_seq = (
             sa.select(sa.func.max(t.c.seq)).where(t.c.stream_id == m.c.id).scalar_subquery().label("last_seq")
         )
-        self._lasts = sa.select(m.c.id, m.c.tenant, m.c.ended, m.c.expires_at, m.c.reader_at, last_seq).where(
-            m.c.id.in_(sa.bindparam("ids", expanding=True))
-        )
+        epoch = sa.select(w.c.epoch).where(w.c.id == m.c.id).scalar_subquery().label("epoch")
+        self._lasts = sa.select(
+            m.c.id, m.c.tenant, m.c.ended, m.c.expires_at, m.c.reader_at, last_seq, epoch
+        ).where(m.c.id.in_(sa.bindparam("ids", expanding=True)))
+        # An append holds its streams' rows shared (PostgreSQL; SQLite's writer is single) so
+        # that a fence, which holds its stream's row exclusively, sees every append before it
+        # committed and none after it that read the old epoch.
+        self._lasts_appending = self._lasts.with_for_update(of=m, key_share=True)
+        self._lasts_fencing = self._lasts.with_for_update(of=m)
         # Built once (building a statement costs more than running it on SQLite).
         now: sa.BindParameter[float] = sa.bindparam("now")
         self._expired = sa.select(m.c.id).where(m.c.expires_at < now)
@@ -380,6 +436,7 @@ class SqlEventLog:
         )
         gone: sa.BindParameter[list[str]] = sa.bindparam("gone", expanding=True)
         self._drop_events = t.delete().where(t.c.stream_id.in_(gone))
+        self._drop_writers = w.delete().where(w.c.id.in_(gone))
         self._drop_streams = m.delete().where(m.c.id.in_(gone))
         self._insert_stream = m.insert()
         # Expired streams are swept away when a stream opens, at most this often: a reader
@@ -433,6 +490,7 @@ class SqlEventLog:
                 gone += [r[0] for r in conn.execute(self._expired, {"now": now})]
             if gone:
                 conn.execute(self._drop_events, {"gone": gone})
+                conn.execute(self._drop_writers, {"gone": gone})
                 conn.execute(self._drop_streams, {"gone": gone})
             expires = now + self.bounds.retention_s * 1.1
             conn.execute(
@@ -444,13 +502,33 @@ class SqlEventLog:
                 ],
             )  # fmt: skip
 
-    async def append(self, stream_id: str, events: list[tuple[int, bytes]], ended: bool) -> int:
-        return (await self.append_many([Append(stream_id, events, ended)]))[0]
+    async def append(
+        self, stream_id: str, events: list[tuple[int, bytes]], ended: bool, epoch: int = 0
+    ) -> int:
+        return (await self.append_many([Append(stream_id, events, ended, epoch)]))[0]
 
     async def append_many(self, appends: list[Append]) -> list[int]:
         if not appends:
             return []
         return await self._store.run(self._append_many_sync, appends)
+
+    async def fence(self, stream_id: str, epoch: int) -> int:
+        return await self._store.run(self._fence_sync, stream_id, epoch)
+
+    def _fence_sync(self, stream_id: str, epoch: int) -> int:
+        w = _writers_table
+        with self._store.engine.begin() as conn:
+            row = conn.execute(self._lasts_fencing, {"ids": [stream_id]}).first()
+            if row is None or row.expires_at < time.time():
+                return GONE
+            held = row.epoch or 0
+            if epoch < held:
+                return FENCED
+            if row.epoch is None:
+                conn.execute(w.insert().values(id=stream_id, epoch=epoch))
+            else:
+                conn.execute(w.update().where(w.c.id == stream_id).values(epoch=epoch))
+            return -1 if row.last_seq is None else int(row.last_seq)
 
     def _append_many_sync(self, appends: list[Append]) -> list[int]:
         """One transaction for every stream's new events: all of them or none. Per flush the
@@ -460,10 +538,12 @@ class SqlEventLog:
         now = time.time()
         retention = self.bounds.retention_s
         with self._store.engine.begin() as conn:
-            found = {
-                r.id: (-1 if r.last_seq is None else int(r.last_seq), r.expires_at)
-                for r in conn.execute(self._lasts, {"ids": list({a.stream_id for a in appends})})
-            }
+            found: dict[str, tuple[int, float]] = {}
+            epochs: dict[str, int] = {}
+            for r in conn.execute(self._lasts_appending, {"ids": list({a.stream_id for a in appends})}):
+                found[r.id] = (-1 if r.last_seq is None else int(r.last_seq), r.expires_at)
+                epochs[r.id] = r.epoch or 0
+            raised: list[dict[str, Any]] = []
             rows: list[tuple[str, int, bytes, bool]] = []
             updates: list[dict[str, Any]] = []
             trims: list[dict[str, Any]] = []
@@ -472,6 +552,12 @@ class SqlEventLog:
                 if a.stream_id not in found:
                     out.append(GONE)
                     continue
+                if a.epoch < epochs[a.stream_id]:
+                    out.append(FENCED)
+                    continue
+                if a.epoch > epochs[a.stream_id]:
+                    raised.append({"b_id": a.stream_id, "b_epoch": a.epoch})
+                    epochs[a.stream_id] = a.epoch
                 last, expires_at = found[a.stream_id]
                 new = [(seq, data) for seq, data in a.events if seq > last]
                 if new and new[0][0] != last + 1:
@@ -503,6 +589,11 @@ class SqlEventLog:
                             expires_at=sa.bindparam("b_exp")),
                     updates,
                 )  # fmt: skip
+            if raised:
+                w = _writers_table
+                ids = [r["b_id"] for r in raised]
+                conn.execute(w.delete().where(w.c.id.in_(ids)))
+                conn.execute(w.insert(), [{"id": r["b_id"], "epoch": r["b_epoch"]} for r in raised])
             if trims:
                 conn.execute(
                     t.delete().where(
@@ -569,6 +660,7 @@ class SqlEventLog:
     def _delete_sync(self, stream_id: str) -> None:
         with self._store.engine.begin() as conn:
             conn.execute(_events_table.delete().where(_events_table.c.stream_id == stream_id))
+            conn.execute(_writers_table.delete().where(_writers_table.c.id == stream_id))
             conn.execute(_meta_table.delete().where(_meta_table.c.id == stream_id))
 
     async def close(self) -> None:
@@ -580,7 +672,9 @@ class LiveStream:
     """A stream this replica generates: its events in memory, for its own readers.
 
     `events[:durable]` may be read: the log holds them, or the log has failed for this stream
-    (`unlogged`) and they are delivered from memory only. `events[logged:]` are not yet written."""
+    (`unlogged`) and they are delivered from memory only. `events[logged:]` are not yet written.
+    `fenced`: another writer took the stream over; nothing more is written from here, and
+    readers here continue from the log."""
 
     id: str
     tenant: str
@@ -590,6 +684,7 @@ class LiveStream:
     durable: int = 0
     logged: int = 0
     unlogged: bool = False
+    fenced: bool = False
     # Set when the last local reader leaves (the generation's owner decides on a grace).
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     # Set (and replaced) when `durable` grows: each reader waits on the one current when it
@@ -602,6 +697,12 @@ class LiveStream:
     @property
     def next_seq(self) -> int:
         return len(self.events)
+
+    def _fence(self) -> None:
+        self.fenced = True
+        self._notify.set()
+        self._notify = asyncio.Event()
+        self._drained.set()
 
     def _advance(self, durable: int) -> None:
         if durable > self.durable:
@@ -654,7 +755,7 @@ class LiveStreams:
             live.ended = True
         if live.unlogged:
             live._advance(len(live.events))
-        else:
+        elif not live.fenced:
             self._dirty[live.id] = live
             self._wake.set()
         return seq
@@ -663,6 +764,14 @@ class LiveStreams:
         """Every event pushed so far (the stream has ended) is in the log, or will never be."""
         await live._drained.wait()
         self._live.pop(live.id, None)
+
+    def hand_over(self, live: LiveStream) -> None:
+        """Another writer took the stream over (its generation here stops): nothing more of it
+        is written from here; its readers here go on from the log where they were (or, when
+        the log had already failed for it, end, since the log lacks what they got)."""
+        if self._live.get(live.id) is live:
+            del self._live[live.id]
+        live._fence()
 
     async def _flush_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -688,7 +797,7 @@ class LiveStreams:
         streams: list[LiveStream] = []
         appends: list[Append] = []
         for live in dirty:
-            if live.unlogged:
+            if live.unlogged or live.fenced:
                 continue
             upto = len(live.events)
             events = [(seq, live.events[seq]) for seq in range(live.logged, upto)]
@@ -711,6 +820,14 @@ class LiveStreams:
             if result >= 0:
                 live.logged = result + 1
                 live._advance(live.logged)
+                continue
+            if result == FENCED:
+                # A successor continues the log from what it held (its prefix is ours, durable
+                # here); the generation here learns of it from its lease.
+                logger.warning(
+                    "stream %s was taken over by another writer; this replica stops writing it", live.id
+                )
+                self.hand_over(live)
                 continue
             # The log lost this stream (or refused a hole): its readers here get the rest from
             # memory; elsewhere the stream is gone (a clear 404), never resumed with a gap.
@@ -755,6 +872,8 @@ class LiveStreams:
             position = after + 1
             sent = False
             while True:
+                if live.fenced:
+                    break
                 if live.ended and position >= live.next_seq and not sent:
                     # Resumed at or past the end (also of a stream that was still running
                     # then): the final event again, so the reader learns how it ended.
@@ -774,6 +893,15 @@ class LiveStreams:
             live.readers -= 1
             if live.readers == 0:
                 live.idle.set()
+        if live.unlogged:
+            yield (
+                b": this stream was taken over by another gateway replica, and the events sent here "
+                b"were not all logged; it ends here unfinished\n\n"
+            )
+            return
+        # Everything sent so far is in the log, where the successor goes on.
+        async for data in self._follow_log(live.id, position - 1):
+            yield data
 
     async def _follow_log(self, stream_id: str, after: int) -> AsyncIterator[bytes]:
         info = await self.log.info(stream_id)
