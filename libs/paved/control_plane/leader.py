@@ -30,9 +30,11 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import socket
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -51,6 +53,52 @@ _SESSION_OPTIONS = (
 )
 _MEMORY_HELD: set[str] = set()
 _MEMORY_GUARD = threading.Lock()
+
+
+logger = logging.getLogger("paved.control_plane")
+
+
+async def lead(
+    lock: LeaderLock,
+    start: Callable[[], Awaitable[None]],
+    stop: Callable[[], Awaitable[None]],
+    report: Callable[[str | None], None],
+    *,
+    poll_s: float = 1.0,
+    retry_max_s: float = 30.0,
+) -> None:
+    """Wait for `lock`, then `start` what the leader runs, then hold the lock; returns once it
+    is lost, after `stop`.
+
+    A `start` that raises (the database blipped, a cluster unreachable while its replicas are
+    adopted) is retried, backing off from `poll_s` to `retry_max_s`, for as long as the lock is
+    held; `report` gets each failure (what /health/ready shows), then None once started. So a
+    leader never sits on the lock with nothing running. `stop` runs as soon as the loss is
+    seen (within `poll_s`), before the caller winds anything else down: the next leader may be
+    starting already, and two controllers must not act at once."""
+    # Polled: a lock held by another process signals nothing here.
+    while not await lock.try_acquire():  # noqa: ASYNC110
+        await asyncio.sleep(poll_s)
+    logger.info("this control plane is the leader")
+    delay = poll_s
+    try:
+        while True:
+            try:
+                await start()
+            except Exception as e:  # retried below, and reported
+                report(f"starting as the leader failed: {type(e).__name__}: {e}")
+                logger.exception("could not start as the leader; retrying in %.0f s", delay)
+                await asyncio.sleep(delay)
+                delay = min(retry_max_s, delay * 2)
+                if not await lock.check():
+                    return
+                continue
+            report(None)
+            break
+        while await lock.check():  # noqa: ASYNC110
+            await asyncio.sleep(poll_s)
+    finally:
+        await stop()
 
 
 def lock_key(name: str) -> int:

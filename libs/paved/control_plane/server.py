@@ -29,7 +29,7 @@ from paved.control_plane.driver import Driver
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.kube_driver import KubeDriver, api_client
 from paved.control_plane.kube_objects import KubeSettings
-from paved.control_plane.leader import LeaderLock
+from paved.control_plane.leader import LeaderLock, lead
 from paved.control_plane.local_driver import LocalDriver
 from paved.control_plane.metrics_source import check_prometheus_url, parse_metrics_source
 from paved.control_plane.prometheus import FileSdWriter, discover, metrics_endpoint, prometheus_router
@@ -300,17 +300,17 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         else None
     )
 
-    async def lead() -> None:
-        # Followers serve the API; the lock's holder runs the controller.
-        # Polled: a lock held by another process signals nothing here.
-        while not await leader.try_acquire():  # noqa: ASYNC110
-            await asyncio.sleep(1.0)
-        logger.info("this control plane is the leader")
+    async def start_leading() -> None:
         await store.audit("leader", f"control plane pid {os.getpid()} became the leader")
         await analyzer.start()
         await controller.start()
-        while await leader.check():  # noqa: ASYNC110
-            await asyncio.sleep(1.0)
+
+    def report(error: str | None) -> None:
+        controller.last_error = error
+
+    async def lead_then_exit() -> None:
+        # Followers serve the API; the lock's holder runs the controller.
+        await lead(leader, start_leading, controller.stop, report)
         logger.error("lost the leader lock; stopping")
         server.should_exit = True
 
@@ -326,7 +326,7 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    leading = asyncio.ensure_future(lead())
+    leading = asyncio.ensure_future(lead_then_exit())
     if file_sd is not None:
         # Every control plane replica writes it (followers too): the store is shared, and a
         # Prometheus next to a follower must not lose the fleet.

@@ -648,7 +648,7 @@ def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_numbe
         # The old owner finds it taken and writes nothing more; the new one renews it.
         assert await first.renew("resp_bg") == "taken"
         assert await first.finish("resp_bg", "completed", {"id": "resp_bg"}, []) is False
-        assert await second.renew("resp_bg") == "renewed"
+        assert await second.renew("resp_bg", 1) == "renewed"  # its claim's epoch
         assert await third.writing("resp_bg")  # taken over: alive again
         lapse()
         assert [c.takeovers for c in await third.sweep(2)] == [2]
@@ -659,6 +659,19 @@ def test_store_hands_a_lapsed_background_response_to_one_replica_a_bounded_numbe
         assert "stopped 3 times" in spent.body["error"]["message"]
         assert not await first.writing("resp_bg")  # ended failed: its readers may stop
         assert await third.renew("resp_bg") == "ended"
+
+        # One replica stalled past its lease claims its own response: the stalled writer
+        # (epoch 0) is not taken for the new one (epoch 1), though the replica is the same.
+        await first.create("acme", {"id": "resp_self", "status": "in_progress"}, [], True, job)
+        lapse()
+        assert [c.takeovers for c in await first.sweep(2)] == [1]
+        assert await first.renew("resp_self") == "taken"
+        assert await first.finish("resp_self", "completed", {"id": "resp_self"}, []) is False
+        assert await first.release("resp_self") is False
+        assert await first.renew("resp_self", 1) == "renewed"
+        assert await first.finish("resp_self", "completed", {"id": "resp_self"}, [], 1) is True
+        done = await first.get("acme", "resp_self")
+        assert done is not None and done.status == "completed"
 
     asyncio.run(scenario())
 

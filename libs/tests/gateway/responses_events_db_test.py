@@ -379,6 +379,36 @@ def test_a_takeover_fences_out_a_predecessor_that_still_writes(db_url):
     asyncio.run(go())
 
 
+def test_an_append_that_waited_out_a_fence_is_refused(db_url):
+    """A flush that arrives while a takeover's fence is still in its transaction waits for it,
+    then sees its epoch (not what was there when the flush began): refused, never slipped in
+    after the successor read the log."""
+
+    async def go():
+        a, b = await _replicas(db_url)
+        await a.log.open("w1", "acme")
+        assert await a.log.append("w1", [(0, _event(0))], False) == 0
+        conn = b.store.engine.connect()
+        tx = conn.begin()
+        conn.execute(b.log._lock_exclusive, {"ids": ["w1"]})
+        conn.execute(ev._writers_table.insert().values(id="w1", epoch=1))
+        appending = asyncio.create_task(a.log.append("w1", [(1, _event(1, "a"))], False))
+        await asyncio.sleep(0.5)
+        assert not appending.done()  # it waits on the fence
+        tx.commit()
+        conn.close()
+        assert await asyncio.wait_for(appending, 10) == ev.FENCED
+        assert await b.log.append("w1", [(1, _event(1, "b"))], False, epoch=1) == 1
+        assert _events_of([data for _, data, _ in await b.log.read("w1", -1, 0)]) == [(0, "t"), (1, "b")]
+        # Two fences in turn: the later epoch wins, the earlier is refused.
+        assert await b.log.fence("w1", 3) == 1
+        assert await a.log.fence("w1", 2) == ev.FENCED
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
 def test_the_redis_log_fences_under_the_same_contract():
     async def go(url: str):
         a_log = ev.RedisEventLog(url, ev.LogBounds())

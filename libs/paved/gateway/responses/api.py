@@ -368,17 +368,18 @@ class ResponsesAPI:
         the same tenant, the same stream, the next sequence numbers. A failure before the
         generation starts (the database unreachable) leaves the claim to lapse: a later sweep
         claims it again, within the takeover bound."""
+        abort = asyncio.Event()
+        self._running[claimed.id] = abort
         try:
-            await self._continue(claimed)
+            await self._continue(claimed, abort)
         except Exception as e:  # noqa: BLE001 - a spawned task: nobody else would see it
             logger.warning("could not continue response %s: %s", claimed.id, e)
         finally:
-            self._running.pop(claimed.id, None)
+            if self._running.get(claimed.id) is abort:  # (a later takeover here has its own)
+                del self._running[claimed.id]
 
-    async def _continue(self, claimed: Claimed) -> None:
+    async def _continue(self, claimed: Claimed, abort: asyncio.Event) -> None:
         job, response_id = claimed.job, claimed.id
-        abort = asyncio.Event()
-        self._running[response_id] = abort
         # Fenced before it is read: a predecessor still running (its renewals failed, it did
         # not die) can append nothing more, so what is read here is all it ever logged.
         if await self.streams.log.fence(response_id, claimed.takeovers) == FENCED:
@@ -390,7 +391,7 @@ class ResponsesAPI:
         except (oai.ResponsesError, ValueError, KeyError, TypeError, StreamTrimmed, GatewayError) as e:
             logger.warning("response %s cannot be continued: %s", response_id, e)
             body = failed_body(claimed.body, _CANNOT_CONTINUE + " (its events were lost or are incomplete)")
-            await self.store.finish(response_id, "failed", body, [])
+            await self.store.finish(response_id, "failed", body, [], epoch=claimed.takeovers)
             return
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in job["headers"]]
         principal = await self.store.principal(job["key_id"])
@@ -779,7 +780,7 @@ class _Job:
     async def _write(self) -> None:
         """A takeover's events into the log, in order, before the next chunk is read (the
         backpressure of a rare path; a LiveStream's flusher batches them on the usual one)."""
-        if self.log_id is None or not self._unwritten:
+        if self.log_id is None or not self._unwritten or self.taken:
             return
         batch, self._unwritten = self._unwritten, []
         if self._log_lost:
@@ -851,7 +852,9 @@ class _Job:
                     self._started = True
                     self._emit(self.run_.running())
                     if self.parsed.store:
-                        api._spawn(store.set_status(response_id, "in_progress", dict(self.run_.response)))
+                        api._spawn(
+                            store.set_status(response_id, "in_progress", dict(self.run_.response), self.epoch)
+                        )
                 self._on_event(event)
                 return self._write()
 
@@ -877,7 +880,8 @@ class _Job:
                 self.chat.started.set_result(None)
             if self._lease is not None:
                 self._lease.cancel()
-            api._running.pop(response_id, None)
+            if api._running.get(response_id) is self.abort:  # (a successor here has its own)
+                del api._running[response_id]
             if self.taken:
                 logger.warning("response %s was taken over by another replica; this one stops", response_id)
                 if self.live is not None:
@@ -897,11 +901,11 @@ class _Job:
             # The flusher writes what was pushed (readers only ever got what it wrote); wait,
             # briefly (stop is bounded), until it wrote it all, so the successor loses none.
             for _ in range(150):  # 3 s
-                if live.logged >= live.next_seq or live.unlogged:
+                if live.logged >= live.next_seq or live.unlogged or live.fenced:
                     break
                 await asyncio.sleep(0.02)
         with contextlib.suppress(Exception):
-            if await self.api.store.release(response_id):
+            if await self.api.store.release(response_id, self.epoch):
                 logger.info("response %s handed off for another replica to continue", response_id)
 
     async def _end(self) -> None:
@@ -911,12 +915,13 @@ class _Job:
         await self._write()
         if self.live is not None:
             await self.api.streams.flushed(self.live)
-        if self.parsed.store and self.accepted:
+        if self.parsed.store and self.accepted and not self.taken and not (self.live and self.live.fenced):
             messages = [*self.base, *self.run_.output_messages()]
             with contextlib.suppress(Exception):
                 await self.api.store.finish(
-                    self.run_.response["id"], self.run_.response["status"], self.run_.response, messages
-                )
+                    self.run_.response["id"], self.run_.response["status"], self.run_.response, messages,
+                    self.epoch,
+                )  # fmt: skip
 
     async def _keep_lease(self, response_id: str) -> None:
         """Renew the lease; a response cancelled or deleted on another replica, or taken over
@@ -930,7 +935,7 @@ class _Job:
                 self.abort.set()
                 return
             try:
-                renewed = await self.api.store.renew(response_id)
+                renewed = await self.api.store.renew(response_id, self.epoch)
                 if renewed != "renewed":
                     self.taken = renewed == "taken"
                     self.abort.set()

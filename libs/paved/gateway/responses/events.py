@@ -420,11 +420,15 @@ class SqlEventLog:
         self._lasts = sa.select(
             m.c.id, m.c.tenant, m.c.ended, m.c.expires_at, m.c.reader_at, last_seq, epoch
         ).where(m.c.id.in_(sa.bindparam("ids", expanding=True)))
-        # An append holds its streams' rows shared (PostgreSQL; SQLite's writer is single) so
-        # that a fence, which holds its stream's row exclusively, sees every append before it
-        # committed and none after it that read the old epoch.
-        self._lasts_appending = self._lasts.with_for_update(of=m, key_share=True)
-        self._lasts_fencing = self._lasts.with_for_update(of=m)
+        # PostgreSQL (SQLite's writer is single): an append holds its streams' rows shared and
+        # a fence or delete holds them exclusively, each taken by a statement of its own, in id
+        # order, BEFORE the statement that reads epochs and last events: under READ COMMITTED
+        # that read gets a snapshot from after the lock, so an append that waited out a fence
+        # sees the fence's epoch (one statement would lock, then return what it read before).
+        ids: sa.BindParameter[list[str]] = sa.bindparam("ids", expanding=True)
+        locking = sa.select(m.c.id).where(m.c.id.in_(ids)).order_by(m.c.id)
+        self._lock_shared = locking.with_for_update(read=True, key_share=True)
+        self._lock_exclusive = locking.with_for_update()
         # Built once (building a statement costs more than running it on SQLite).
         now: sa.BindParameter[float] = sa.bindparam("now")
         self._expired = sa.select(m.c.id).where(m.c.expires_at < now)
@@ -489,6 +493,7 @@ class SqlEventLog:
                 self._swept_at = time.monotonic()
                 gone += [r[0] for r in conn.execute(self._expired, {"now": now})]
             if gone:
+                conn.execute(self._lock_exclusive, {"ids": gone})
                 conn.execute(self._drop_events, {"gone": gone})
                 conn.execute(self._drop_writers, {"gone": gone})
                 conn.execute(self._drop_streams, {"gone": gone})
@@ -518,7 +523,8 @@ class SqlEventLog:
     def _fence_sync(self, stream_id: str, epoch: int) -> int:
         w = _writers_table
         with self._store.engine.begin() as conn:
-            row = conn.execute(self._lasts_fencing, {"ids": [stream_id]}).first()
+            conn.execute(self._lock_exclusive, {"ids": [stream_id]})
+            row = conn.execute(self._lasts, {"ids": [stream_id]}).first()
             if row is None or row.expires_at < time.time():
                 return GONE
             held = row.epoch or 0
@@ -540,7 +546,9 @@ class SqlEventLog:
         with self._store.engine.begin() as conn:
             found: dict[str, tuple[int, float]] = {}
             epochs: dict[str, int] = {}
-            for r in conn.execute(self._lasts_appending, {"ids": list({a.stream_id for a in appends})}):
+            ids = list({a.stream_id for a in appends})
+            conn.execute(self._lock_shared, {"ids": ids})
+            for r in conn.execute(self._lasts, {"ids": ids}):
                 found[r.id] = (-1 if r.last_seq is None else int(r.last_seq), r.expires_at)
                 epochs[r.id] = r.epoch or 0
             raised: list[dict[str, Any]] = []
@@ -659,6 +667,7 @@ class SqlEventLog:
 
     def _delete_sync(self, stream_id: str) -> None:
         with self._store.engine.begin() as conn:
+            conn.execute(self._lock_exclusive, {"ids": [stream_id]})
             conn.execute(_events_table.delete().where(_events_table.c.stream_id == stream_id))
             conn.execute(_writers_table.delete().where(_writers_table.c.id == stream_id))
             conn.execute(_meta_table.delete().where(_meta_table.c.id == stream_id))

@@ -4,8 +4,11 @@ answers for them, also after a restart.
 Invariants:
 - A response is read, cancelled or deleted only by its tenant; another tenant's id, an expired
   one and an unknown one are the same None (the caller answers one 404).
-- A response in `queued` / `in_progress` is held by one replica's lease (`owner`,
-  `lease_until`), renewed while it generates; only the owner renews, moves or finishes it. A
+- A response in `queued` / `in_progress` is held by one writer's lease (`owner`,
+  `lease_until`), renewed while it generates; only the owner renews, moves or finishes it. The
+  owner names the replica and the writer's epoch (its claim's number, 0 for the creator), so a
+  replica that claims a response it was itself still writing (stalled past the lease) does not
+  let the stalled writer pass for the new one. A
   background response keeps its job (`gateway_response_jobs`: the key id it runs for, the
   request, the chat body, the passed headers) while active: when its lease lapses (the replica
   died) `sweep` hands it to exactly one live replica (a conditional update claims it), which
@@ -114,6 +117,11 @@ class ResponseStore:
         self.bounds = bounds
         self.owner = owner
 
+    def _owner(self, epoch: int) -> str:
+        """The lease owner of this replica's writer at `epoch` (the creator's is the plain
+        replica name, as rows written before epochs existed hold)."""
+        return self.owner if epoch == 0 else f"{self.owner}#{epoch}"
+
     async def start(self) -> None:
         await self._store.create_tables(_metadata)
 
@@ -205,21 +213,31 @@ class ResponseStore:
                     )
             return found
 
-    async def set_status(self, response_id: str, status: str, body: dict[str, Any]) -> bool:
+    async def set_status(self, response_id: str, status: str, body: dict[str, Any], epoch: int = 0) -> bool:
         """Move an active response to `status` (only while it is still active and ours)."""
-        return await self._store.run(self._set_sync, response_id, status, body, None)
+        return await self._store.run(self._set_sync, response_id, status, body, None, epoch)
 
     async def finish(
-        self, response_id: str, status: str, body: dict[str, Any], messages: list[dict[str, Any]]
+        self,
+        response_id: str,
+        status: str,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        epoch: int = 0,
     ) -> bool:
         """Its final status, object and conversation. Cancelled meanwhile: the status stays
         `cancelled`, and the object's output and usage are the final ones all the same (what
         the terminal event says and the tenant was charged for, not the snapshot `cancel`
         took)."""
-        return await self._store.run(self._set_sync, response_id, status, body, messages)
+        return await self._store.run(self._set_sync, response_id, status, body, messages, epoch)
 
     def _set_sync(
-        self, response_id: str, status: str, body: dict[str, Any], messages: list[dict[str, Any]] | None
+        self,
+        response_id: str,
+        status: str,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]] | None,
+        epoch: int,
     ) -> bool:
         t = responses_table
         values: dict[str, Any] = {
@@ -230,7 +248,7 @@ class ResponseStore:
         if messages is not None:
             values["messages"] = messages
         with self._store.engine.begin() as conn:
-            ours = sa.and_(t.c.id == response_id, t.c.owner == self.owner)
+            ours = sa.and_(t.c.id == response_id, t.c.owner == self._owner(epoch))
             done = conn.execute(t.update().where(ours, t.c.status.in_(ACTIVE)).values(**values)).rowcount
             if messages is None:
                 return bool(done)
@@ -248,37 +266,37 @@ class ResponseStore:
                 conn.execute(jobs_table.delete().where(jobs_table.c.id == response_id))
             return bool(done)
 
-    async def renew(self, response_id: str) -> str:
+    async def renew(self, response_id: str, epoch: int = 0) -> str:
         """Extend our lease: "renewed"; "ended" when the response is no longer active
         (cancelled or deleted on some replica: the generation stops and ends it); "taken" when
         it lapsed and another replica took it over (the generation stops and writes nothing
         more: the new owner continues the same stream)."""
-        return await self._store.run(self._renew_sync, response_id)
+        return await self._store.run(self._renew_sync, response_id, epoch)
 
-    def _renew_sync(self, response_id: str) -> str:
+    def _renew_sync(self, response_id: str, epoch: int) -> str:
         t = responses_table
         with self._store.engine.begin() as conn:
             if conn.execute(
                 t.update()
-                .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.owner == self.owner)
+                .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.owner == self._owner(epoch))
                 .values(lease_until=time.time() + self.bounds.lease_s)
             ).rowcount:
                 return "renewed"
             row = conn.execute(sa.select(t.c.status, t.c.owner).where(t.c.id == response_id)).first()
         return "taken" if row is not None and row.status in ACTIVE else "ended"
 
-    async def release(self, response_id: str) -> bool:
+    async def release(self, response_id: str, epoch: int = 0) -> bool:
         """Give up our lease at once (this replica is stopping): the next sweep of any replica
         claims the response. False when it is no longer active or ours."""
-        return await self._store.run(self._release_sync, response_id)
+        return await self._store.run(self._release_sync, response_id, epoch)
 
-    def _release_sync(self, response_id: str) -> bool:
+    def _release_sync(self, response_id: str, epoch: int) -> bool:
         t = responses_table
         with self._store.engine.begin() as conn:
             return bool(
                 conn.execute(
                     t.update()
-                    .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.owner == self.owner)
+                    .where(t.c.id == response_id, t.c.status.in_(ACTIVE), t.c.owner == self._owner(epoch))
                     .values(lease_until=0.0)
                 ).rowcount
             )
@@ -336,14 +354,17 @@ class ResponseStore:
             for row in rows:
                 lapsed = sa.and_(t.c.id == row.id, t.c.status.in_(ACTIVE), t.c.lease_until < now)
                 if row.job is not None and row.takeovers < max_takeovers:
-                    # Conditional: of the replicas sweeping at once, exactly one claims it.
+                    # Conditional: of the replicas sweeping at once, exactly one claims it; the
+                    # count is bumped in SQL and read back under the claim (the epoch it gives
+                    # the new writer is never one an earlier writer had).
+                    taking = j.update().where(j.c.id == row.id).values(takeovers=j.c.takeovers + 1)
                     if conn.execute(
-                        t.update()
-                        .where(lapsed)
-                        .values(owner=self.owner, lease_until=now + self.bounds.lease_s)
+                        t.update().where(lapsed).values(lease_until=now + self.bounds.lease_s)
                     ).rowcount:
-                        conn.execute(j.update().where(j.c.id == row.id).values(takeovers=row.takeovers + 1))
-                        claimed.append(Claimed(row.id, row.tenant, row.body, row.job, row.takeovers + 1))
+                        conn.execute(taking)
+                        epoch = conn.execute(sa.select(j.c.takeovers).where(j.c.id == row.id)).scalar_one()
+                        conn.execute(t.update().where(t.c.id == row.id).values(owner=self._owner(epoch)))
+                        claimed.append(Claimed(row.id, row.tenant, row.body, row.job, epoch))
                     continue
                 spent = row.job is not None and max_takeovers > 0
                 message = TAKEOVERS_SPENT.format(n=row.takeovers + 1) if spent else LEASE_LOST
