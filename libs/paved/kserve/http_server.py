@@ -52,6 +52,8 @@ from paved.kserve.repository import (
 from paved.kserve.tensors import from_json, from_raw, to_json, to_raw
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# A repository index request is `{"ready": true}` at most.
+INDEX_BODY_BYTES = 64 * 1024
 _REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_KEYS = {"name", "shape", "datatype", "parameters", "data"}
 _OUTPUT_KEYS = {"name", "parameters"}
@@ -73,7 +75,12 @@ def _config_json(model: ServedModel) -> dict:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    if (
+        length is not None
+        and length.isascii()
+        and length.isdigit()
+        and (len(length) > 20 or int(length) > limit)
+    ):
         raise too_large(f"request body of {length} bytes exceeds the limit of {limit} bytes")
     chunks = []
     size = 0
@@ -98,6 +105,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise invalid_argument(f"cannot decompress the {encoding} request body: {e}") from e
         if len(body) > limit or inflater.unconsumed_tail:
             raise too_large(f"decompressed request body exceeds the limit of {limit} bytes")
+        if not inflater.eof:
+            # Cut short (a client that died mid-upload through a proxy): refused, not read as
+            # whatever prefix arrived.
+            raise invalid_argument(f"the {encoding} request body is truncated")
+        if inflater.unused_data:
+            raise invalid_argument(f"the {encoding} request body has data after its end (one member only)")
     elif encoding not in ("", "identity"):
         raise unsupported(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
     return body
@@ -107,8 +120,13 @@ def _decode_infer(
     model: ServedModel, body: bytes, header_length: str | None
 ) -> tuple[InferRequest, dict, bool]:
     if header_length is not None:
-        # ASCII digits: "²" is a digit to str.isdigit and not to int().
-        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+        # ASCII digits: "²" is a digit to str.isdigit and not to int(); at most 20 of them
+        # (int() refuses strings past 4300 digits, and no body is longer than 20).
+        if (
+            not (header_length.isascii() and header_length.isdigit())
+            or len(header_length) > 20
+            or int(header_length) > len(body)
+        ):
             raise invalid_argument(
                 f"{HEADER_LENGTH} {header_length!r} does not fit a body of {len(body)} bytes"
             )
@@ -497,8 +515,8 @@ def create_http_app(
         record = metrics.request(name, HTTP)
         with record.failures():
             model = repository.get_ready(name, version)
-            doc = _parse_json(await _read_body(request, max_body_bytes))
-            infer_request = _generate_inputs(model, doc)
+            body = await _read_body(request, max_body_bytes)
+            infer_request = await off_loop_if_large(len(body), _decode_generate, model, body)
             results = await _collect(request, repository.infer(model, infer_request))
             if len(results) != 1:
                 raise invalid_argument(
@@ -512,8 +530,8 @@ def create_http_app(
         record = metrics.request(name, HTTP)
         with record.failures():
             model = repository.get_ready(name, version)
-            doc = _parse_json(await _read_body(request, max_body_bytes))
-            infer_request = _generate_inputs(model, doc)
+            body = await _read_body(request, max_body_bytes)
+            infer_request = await off_loop_if_large(len(body), _decode_generate, model, body)
             infer_request.decoupled = True
             # Admission errors are answered with a status code; later ones travel as SSE events.
             responses = await repository.infer(model, infer_request)
@@ -569,7 +587,7 @@ def create_http_app(
 
     @app.post("/v2/repository/index")
     async def repository_index(request: Request):
-        body = await _read_body(request, max_body_bytes)
+        body = await _read_body(request, INDEX_BODY_BYTES)
         doc = _parse_json(body) if body.strip() else {}
         if not isinstance(doc, dict) or set(doc) - {"ready"}:
             raise invalid_argument("the repository index request takes only 'ready'")
@@ -586,6 +604,10 @@ def create_http_app(
 
     app.add_middleware(AccessLogMiddleware)
     return app
+
+
+def _decode_generate(model: ServedModel, body: bytes) -> InferRequest:
+    return _generate_inputs(model, _parse_json(body))
 
 
 def _parse_json(body: bytes) -> Any:

@@ -72,8 +72,15 @@ _OWN = {
 }
 
 
+# Sampling parameters are a few hundred bytes (a 300-entry logit_bias is ~6 KB); they are
+# parsed and checked on the event loop, so a larger object is refused rather than parsed.
+MAX_PARAMETERS_BYTES = 1024 * 1024
+
+
 def parse_parameters(text: bytes | str, source: str) -> dict[str, Any]:
     """The JSON object in a `sampling_parameters` tensor."""
+    if len(text) > MAX_PARAMETERS_BYTES:
+        raise invalid_argument(f"{source} is {len(text)} bytes; at most {MAX_PARAMETERS_BYTES} are accepted")
     try:
         value = parse_json(text)
     except JSONBodyError as e:

@@ -102,7 +102,15 @@ def element_count(shape: Sequence[int], tensor: str) -> int:
         raise invalid_argument(
             f"tensor '{tensor}': shape {list(shape)} has a dimension larger than {MAX_DIMENSION}"
         )
+    # numpy refuses a shape whose non-zero dimensions times the item size pass 2**63 - 1, even
+    # with no element at all ([0, 3, 2**31-1, 2**31-1]): refused here, a 400, not its 500.
+    if math.prod(d for d in shape if d) > _MAX_EXTENT:
+        raise invalid_argument(f"tensor '{tensor}': shape {list(shape)} is too large")
     return math.prod(shape)
+
+
+# The largest product of a shape's non-zero dimensions: numpy's limit over the widest item (16).
+_MAX_EXTENT = (2**63 - 1) // 16
 
 
 # ---------------------------------------------------------------------------------------------

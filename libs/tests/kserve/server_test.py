@@ -462,7 +462,7 @@ def test_contents_and_raw_contents_together_are_invalid_argument(server):
 
 def test_malformed_http_infer_fields_are_400(server):
     """Wrong-typed tensor / output `parameters`, a non-boolean binary_data and a header length
-    of digits int() refuses ('²') are 400s naming the field (each was a 500, or binary output
+    of digits int() refuses ('²', 5,000 zeros) are 400s naming the field (each was a 500, or binary output
     for binary_data "false"); an empty `outputs` list asks for every output, as over gRPC."""
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{XGB}/infer"
     good = {"name": "input__0", "datatype": "FP32", "shape": [1, 32], "data": [0.0] * 32}
@@ -473,6 +473,7 @@ def test_malformed_http_infer_fields_are_400(server):
         ({"inputs": [good], "outputs": [{**out, "parameters": 7}]}, {}, "'parameters' must be an object"),
         ({"inputs": [good], "outputs": [{**out, "parameters": {"binary_data": "false"}}]}, {}, "binary_data"),
         ({"inputs": [good]}, {"Inference-Header-Content-Length": "²".encode("latin-1")}, "Inference-Header"),
+        ({"inputs": [good]}, {"Inference-Header-Content-Length": "0" * 5000}, "Inference-Header"),
     ]
     for body, headers, needle in cases:
         r = httpx.post(url, content=json.dumps(body).encode(), headers=headers, timeout=30)
@@ -483,6 +484,25 @@ def test_malformed_http_infer_fields_are_400(server):
     r = httpx.post(index, json={"ready": "false"}, timeout=30)  # was read as true
     assert r.status_code == 400 and "'ready' must be a boolean" in r.json()["error"], r.text
     assert httpx.post(index, json={"ready": False}, timeout=30).status_code == 200
+
+
+def test_compressed_http_bodies_are_read_whole_or_refused(server):
+    """gzip and deflate bodies are inflated (bounded); one cut short or with data after its end
+    is a 400, never read as the prefix that arrived."""
+    import gzip
+    import zlib
+
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/{XGB}/infer"
+    body = json.dumps(
+        {"inputs": [{"name": "input__0", "datatype": "FP32", "shape": [1, 32], "data": [0.0] * 32}]}
+    ).encode()
+    packed = gzip.compress(body)
+    for encoding, content in (("gzip", packed), ("deflate", zlib.compress(body))):
+        r = httpx.post(url, content=content, headers={"content-encoding": encoding}, timeout=30)
+        assert r.status_code == 200, r.text
+    for content, needle in ((packed[:-12], "truncated"), (packed + packed, "after its end")):
+        r = httpx.post(url, content=content, headers={"content-encoding": "gzip"}, timeout=30)
+        assert r.status_code == 400 and needle in r.json()["error"], r.text
 
 
 def test_oversized_messages(gc, hc):

@@ -542,6 +542,29 @@ def test_http_access_line_status_of_an_error_escaping_the_app(caplog):
     assert [dict(m["headers"])[b"x-request-id"] for m in sent] == [b"late"]
 
 
+def test_sampling_parameters_past_a_megabyte_are_refused_before_parsing():
+    from paved.kserve.sampling import MAX_PARAMETERS_BYTES, parse_parameters
+
+    bias = {str(i): 0 for i in range(200_000)}
+    text = json.dumps({"logit_bias": bias}).encode()
+    assert len(text) > MAX_PARAMETERS_BYTES
+    with pytest.raises(KServeError) as info:
+        parse_parameters(text, "sampling_parameters")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "at most" in info.value.message
+    assert parse_parameters(b'{"temperature": 0}', "sampling_parameters") == {"temperature": 0}
+
+
+def test_a_request_naming_an_input_many_times_is_refused_in_linear_time():
+    """Half a million copies of one name (a 1 MB gRPC request): counted once, not once per
+    name (that was quadratic: minutes of CPU for one request)."""
+    model = XGBoostModel.from_directory(xgb_model_dir())
+    started = time.process_time()
+    with pytest.raises(KServeError) as info:
+        model.check_required(["input__0"] * 500_000)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "more than once" in info.value.message
+    assert time.process_time() - started < 30  # a bound on a hang, not a timing claim
+
+
 def test_huge_dimensions_and_impossible_bytes_counts_are_invalid_argument():
     """A 0 beside a huge dimension counts 0 elements, and numpy then refused the shape (an
     INTERNAL); a BYTES count its payload cannot hold is refused before the per-element loop."""
@@ -552,6 +575,13 @@ def test_huge_dimensions_and_impossible_bytes_counts_are_invalid_argument():
         with pytest.raises(KServeError) as info:
             tensors.from_raw("x", "FP32", shape, b"")
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    # Every dimension in range, their product (without the 0) past what numpy can shape.
+    for shape in ([0, 3, 2**31 - 1, 2**31 - 1], [0, 2**31 - 1, 2**30]):
+        for decode, payload in ((tensors.from_json, []), (tensors.from_raw, b"")):
+            with pytest.raises(KServeError) as info:
+                decode("x", "FP64", shape, payload)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "too large" in info.value.message
+    assert tensors.from_raw("x", "UINT8", [0, 2**31 - 1, 2**27], b"").shape == (0, 2**31 - 1, 2**27)
     with pytest.raises(KServeError) as info:
         tensors.deserialize_bytes(b"\0" * 40, 11, "s")
     assert "cannot hold 11 BYTES elements" in info.value.message
