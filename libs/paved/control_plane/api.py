@@ -52,6 +52,7 @@ from paved.engine.sim_config import SimConfig
 from paved.gateway.errors import GatewayError
 from paved.http.body_limit import BodyLimitMiddleware
 from paved.http.errors import error_body, validation_message
+from paved.launcher.storage import Downloader, TransferConfig, make_s3_client
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # A rollout id as the store makes them ("ro_" + hex). Checked before any query: PostgreSQL
@@ -193,6 +194,13 @@ def rollout_view(record: Any) -> dict[str, Any]:
     return _jsonable({k: getattr(record, k) for k in record.__dataclass_fields__})
 
 
+def _package_reader(s3_endpoint_url: str | None) -> Downloader:
+    if s3_endpoint_url is None:
+        return Downloader()
+    config = TransferConfig()
+    return Downloader(config, lambda: make_s3_client(s3_endpoint_url, config=config))
+
+
 def create_app(
     store: ControlStore,
     controller: Controller,
@@ -202,7 +210,11 @@ def create_app(
     leader: Any = None,
     extra_routers: list[APIRouter] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    s3_endpoint_url: str | None = None,
 ) -> FastAPI:
+    """`s3_endpoint_url`: where s3:// packages are read from when deployments are registered
+    (the control plane's --s3-endpoint-url, as its replicas read them; else boto3's
+    environment)."""
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError("max_body_bytes must be a positive integer")
     app = FastAPI(title="paved control plane", version="1")
@@ -258,7 +270,9 @@ def create_app(
             except ValueError as e:
                 raise BadRequest(f"engine: {e}", code="bad_engine") from None
         try:
-            fingerprint = await _to_thread(fingerprint_package, body.package_uri)
+            fingerprint = await _to_thread(
+                lambda: fingerprint_package(body.package_uri, downloader=_package_reader(s3_endpoint_url))
+            )
         except (OSError, ValueError) as e:
             raise BadRequest(
                 f"package {body.package_uri!r} cannot be read: {e}", code="bad_package"

@@ -288,8 +288,9 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         is_leader=lambda: leader.is_leader,
     )
     app = create_app(
-        store, controller, feed, admin.check, leader=leader, extra_routers=[dashboard, prometheus]
-    )
+        store, controller, feed, admin.check, leader=leader, extra_routers=[dashboard, prometheus],
+        s3_endpoint_url=args.s3_endpoint_url,
+    )  # fmt: skip
     file_sd = (
         FileSdWriter(
             args.prometheus_file_sd,

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import re
 import threading
@@ -56,6 +57,8 @@ from paved.control_plane.types import (
 )
 from paved.gateway.routing.routes import RoutesError, parse_routes
 from paved.sql import engine_for, utc, utc_now
+
+logger = logging.getLogger("paved.control_plane")
 
 # The model package's own name rule (paved.launcher.package), so every stored model id and
 # version is one a package can carry.
@@ -478,15 +481,24 @@ def spec_to_dict(spec: DeploymentSpec) -> dict[str, Any]:
     return d
 
 
-def spec_from_dict(raw: dict[str, Any]) -> DeploymentSpec:
-    """The spec stored (or sent) as JSON; unknown keys and bad values are BadRequest."""
+def spec_from_dict(raw: dict[str, Any], *, stored: bool = False) -> DeploymentSpec:
+    """The spec sent as JSON; unknown keys and bad values are BadRequest.
+
+    `stored`: a spec read back from the store, checked when it was written. Rules tightened
+    since, and fields a newer control plane added, do not make it unreadable (one such row
+    would fail every reconcile pass and every list, for every deployment): unknown fields are
+    dropped and a rule it breaks now is logged, not raised."""
     if not isinstance(raw, dict):
         raise BadRequest("spec must be a JSON object")
     known = {f.name for f in dataclasses.fields(DeploymentSpec)}
     unknown = sorted(set(raw) - known)
-    if unknown:
-        raise BadRequest(f"unknown deployment field(s) {unknown}; known: {sorted(known)}")
     values = dict(raw)
+    if unknown and stored:
+        logger.warning("stored deployment spec has field(s) %s this version does not know; ignored", unknown)
+        for key in unknown:
+            del values[key]
+    elif unknown:
+        raise BadRequest(f"unknown deployment field(s) {unknown}; known: {sorted(known)}")
     if "regions" in values:
         regions = values["regions"]
         if not isinstance(regions, list | tuple):
@@ -498,14 +510,22 @@ def spec_from_dict(raw: dict[str, Any]) -> DeploymentSpec:
             raise BadRequest("autoscale must be a JSON object")
         auto_known = {f.name for f in dataclasses.fields(AutoscalePolicy)}
         bad = sorted(set(auto) - auto_known)
-        if bad:
+        if bad and not stored:
             raise BadRequest(f"unknown autoscale field(s) {bad}; known: {sorted(auto_known)}")
-        values["autoscale"] = AutoscalePolicy(**auto)
+        values["autoscale"] = AutoscalePolicy(**{k: v for k, v in auto.items() if k in auto_known})
     try:
         spec = DeploymentSpec(**values)
     except TypeError as exc:
         raise BadRequest(f"invalid deployment spec: {exc}") from None
-    return validate_spec(spec)
+    if not stored:
+        return validate_spec(spec)
+    try:
+        validate_spec(spec)
+    except BadRequest as e:
+        logger.warning(
+            "stored deployment %s@%s breaks a rule of this version: %s", spec.model_id, spec.version, e
+        )
+    return spec
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -548,7 +568,7 @@ def _canonical(obj: Any) -> bytes:
 def _deployment_from_row(row: Any) -> Deployment:
     return Deployment(
         id=row.id,
-        spec=spec_from_dict(dict(row.spec)),
+        spec=spec_from_dict(dict(row.spec), stored=True),
         fingerprint=dict(row.fingerprint or {}),
         created_at=utc(row.created_at) or utc_now(),  # NOT NULL column: the fallback never runs
         state=row.state,

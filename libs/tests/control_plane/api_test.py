@@ -51,6 +51,42 @@ def _error(r, status: int) -> dict:
     return body
 
 
+def test_s3_packages_are_read_from_the_control_planes_endpoint(tmp_path: Path, monkeypatch):
+    """--s3-endpoint-url reaches the registration's package read (it only reached the
+    replicas', so a deployment from that store was a 400 unless $AWS_ENDPOINT_URL was set)."""
+    from paved.launcher.build import upload_package
+    from paved.launcher.testing import CREDENTIALS, MotoServer
+
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    with MotoServer(str(tmp_path / "moto.log")) as s3:
+        s3.client().create_bucket(Bucket="models")
+        upload_package(tiny_package(), "s3://models/tiny.tar", s3.client())
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        driver = LocalDriver("local", port_range=(31521, 31530), work_dir=tmp_path / "work")
+        feed = RoutesFeed(store)
+        controller = Controller(store, {"local": driver}, feed, GatewayAnalyzer([]))
+        app = create_app(store, controller, feed, AdminAuth(KEY).check, s3_endpoint_url=s3.endpoint)
+        asyncio.run(store.start())
+        body = {
+            "model_id": "tiny",
+            "version": "1",
+            "package_uri": "s3://models/tiny.tar",
+            "engine": "sim://tiny",
+        }
+        with TestClient(app) as c:
+            c.headers["Authorization"] = f"Bearer {KEY}"
+            r = c.post("/v1/deployments", json=body)
+            assert r.status_code == 201, r.text
+            assert r.json()["fingerprint"]["kind"] == "generate"
+            missing = c.post(
+                "/v1/deployments", json={**body, "version": "2", "package_uri": "s3://models/no.tar"}
+            )
+            assert _error(missing, 400)["code"] == "package_unreadable"
+
+
 def test_openapi_and_auth(client):
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/deployments", "/v1/rollouts", "/v1/audit", "/v1/gc"} <= set(paths)

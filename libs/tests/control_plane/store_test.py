@@ -12,6 +12,7 @@ holder's process, check() noticing a replaced lock file).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -160,6 +161,31 @@ def test_spec_round_trips_through_json():
     assert err.value.status == 400 and "surprise" in err.value.message
     with pytest.raises(ControlError):
         spec_from_dict(spec_to_dict(s) | {"autoscale": {"nope": 1}})
+
+
+def test_a_stored_spec_that_no_longer_validates_still_loads(store):
+    """A rule tightened since a deployment was stored, or fields a newer control plane wrote,
+    leave the row readable: one such row used to fail every list (and so every reconcile pass,
+    for every deployment)."""
+    import sqlalchemy as sa
+
+    dep = run(store.create_deployment(spec(), {}))
+    run(store.create_deployment(spec("2"), {}))
+    with store._engine.begin() as conn:
+        raw = conn.execute(
+            sa.text("SELECT spec FROM cp_deployments WHERE id = :id"), {"id": dep.id}
+        ).scalar_one()
+        stored = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        stored |= {"min_replicas": 3, "max_replicas": 2, "from_the_future": True}
+        stored["autoscale"] = {**stored["autoscale"], "also_new": 1}
+        conn.execute(
+            sa.text("UPDATE cp_deployments SET spec = :spec WHERE id = :id"),
+            {"spec": json.dumps(stored), "id": dep.id},
+        )
+    listed = {d.spec.version: d for d in run(store.list_deployments())}
+    assert set(listed) == {"1", "2"} and listed["1"].spec.min_replicas == 3
+    # A new spec breaking the same rule is still refused.
+    assert status_of(store.create_deployment(spec("3", min_replicas=3, max_replicas=2), {})) == 400
 
 
 def test_update_deployment_keeps_replicas_within_bounds(store):
