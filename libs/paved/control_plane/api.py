@@ -543,6 +543,14 @@ def create_app(
     @api.post("/gc")
     async def gc(body: GcBody, request: Request) -> dict[str, Any]:
         auth(request)
+        if body.retain_s_since_traffic is not None and not controller.analyzer.configured:
+            # Traffic is never recorded without the gateways' metrics: every deployment would
+            # read as idle since its creation, and versions serving pinned traffic would go.
+            raise BadRequest(
+                "retain_s_since_traffic needs the gateways' metrics (--gateway-metrics or "
+                "--metrics-source): without them no deployment's traffic is known",
+                code="traffic_unknown",
+            )
         policy = gc_mod.GcPolicy(
             retain_s_since_created=body.retain_s_since_created,
             retain_s_since_traffic=body.retain_s_since_traffic,

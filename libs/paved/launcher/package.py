@@ -118,6 +118,11 @@ class PluginWheel(BaseModel):
         return posixpath.basename(self.uri)
 
 
+RESERVED_ENGINE_ARGS = frozenset(
+    {"host", "port", "uds", "model", "served_model_name", "tokenizer", "api_key", "root_path"}
+)
+
+
 class ModelPackage(BaseModel):
     """The validated model.json."""
 
@@ -132,6 +137,17 @@ class ModelPackage(BaseModel):
     weights: Artifact
     tokenizer: Artifact | None = None  # required, except for mode "kserve"
     plugins: tuple[PluginWheel, ...] = ()
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_leave_paved_its_own(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # These the launcher sets itself (where the engine listens, what it serves, its
+        # tokenizer); a package's would come after and win: {"host": "0.0.0.0"} exposed the
+        # engine past the launcher's gate, {"port": ...} made a replica that is never ready.
+        taken = sorted(k for k in value if k.replace("-", "_") in RESERVED_ENGINE_ARGS)
+        if taken:
+            raise ValueError(f"engine_args {taken} are set by paved itself and may not be given")
+        return value
 
     @model_validator(mode="after")
     def _layout(self) -> ModelPackage:

@@ -87,6 +87,14 @@ def test_s3_packages_are_read_from_the_control_planes_endpoint(tmp_path: Path, m
             assert _error(missing, 400)["code"] == "package_unreadable"
 
 
+def test_gc_by_traffic_needs_the_gateways_metrics(client):
+    """Without a metrics source no traffic is ever recorded: a policy by traffic would read
+    every version as idle since its creation and remove versions still serving."""
+    r = client.post("/v1/gc", json={"retain_s_since_traffic": 60, "dry_run": True})
+    assert _error(r, 400)["code"] == "traffic_unknown"
+    assert client.post("/v1/gc", json={"retain_s_since_created": 60, "dry_run": True}).status_code == 200
+
+
 def test_openapi_and_auth(client):
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/deployments", "/v1/rollouts", "/v1/audit", "/v1/gc"} <= set(paths)

@@ -63,6 +63,10 @@ def test_minimal_package_validates_with_defaults():
             {"plugins": [{"uri": "plugins/vllm-0.10.0-py3-none-any.whl", "sha256": SHA, "size": 1}]},
             "cannot override",
         ),
+        # Where the engine listens and what it serves are the launcher's (a package's came last
+        # and won: 0.0.0.0 exposed the engine past the gate).
+        ({"engine_args": {"host": "0.0.0.0"}}, "set by paved itself"),  # noqa: S104 - refused
+        ({"engine_args": {"served-model-name": "x", "max_model_len": 512}}, "served-model-name"),
     ],
 )
 def test_invalid_packages_are_rejected_with_the_field_named(over, needle):
