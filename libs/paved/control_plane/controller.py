@@ -11,6 +11,9 @@ One reconcile pass (every `interval_s`, on the leader only):
    KServe ready where served, a structured smoke generation), `failed` when their process dies
    or the health timeout passes. `ready` replicas are probed for liveness; `live_failures`
    failures in a row mark one `unhealthy` (out of the routes first), and it is replaced.
+   Starts that keep failing (before ready, or refused by the driver) back off per deployment
+   and region: again at once, then after 5 s, 10 s, ... at most 5 min; a ready replica clears
+   it. Stopped and failed replicas are forgotten `replica_retention_s` after they ended.
 3. Routes: ready replicas of active deployments, weighted per version as the rollouts say;
    published only when the table changed.
 4. Rollouts: every running rollout whose wake time has come is advanced one step.
@@ -34,7 +37,7 @@ import logging
 import math
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from paved.control_plane import rollout as rollout_mod
@@ -57,6 +60,10 @@ _ADDRESSES = ("url", "admin_url", "kserve_grpc", "kserve_http", "metrics_url", "
 # The first wait after a failed reconcile pass (doubled per failure in a row, up to the
 # pass interval).
 FAILED_PASS_BACKOFF_S = 0.1
+# A deployment whose replicas keep failing to start (in one region) is started again at once
+# after its first failure, then after 5 s, 10 s, ... at most 5 min (Kubernetes' CrashLoopBackOff).
+BACKOFF_BASE_S = 5.0
+BACKOFF_MAX_S = 300.0
 
 
 class Controller:
@@ -72,6 +79,7 @@ class Controller:
         live_failures: int = 3,
         smoke: bool = True,
         drain_delay_s: float = 2.0,
+        replica_retention_s: float = 7 * 24 * 3600.0,
     ):
         self.store = store
         self.drivers = drivers
@@ -90,6 +98,13 @@ class Controller:
         self._weights: dict[tuple[str, str], dict[str, float]] = {}
         self._live_misses: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
+        # (deployment id, region) -> (starts failed in a row, monotonic time of the next try):
+        # a replica that keeps failing before it is ready is started again after a doubling
+        # delay (CrashLoopBackOff), not once a pass; its first ready replica clears it.
+        self._backoff: dict[tuple[str, str], tuple[int, float]] = {}
+        # Stopped and failed replicas are forgotten this long after they ended (0: never).
+        self.replica_retention_s = replica_retention_s
+        self._pruned_at = -math.inf
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._retired: set[str] = set()  # deleted deployments the drivers were told about
         self._wake: dict[str, float] = {}
@@ -228,6 +243,7 @@ class Controller:
         await self._rollouts()
         await self._autoscale(deployments)
         await self._traffic(deployments)
+        await self._prune()
 
     async def _health(self, replicas: list[Replica], by_id: dict[str, Deployment]) -> None:
         now = time.monotonic()
@@ -256,6 +272,7 @@ class Controller:
             ok, reason = await probe_ready(r, model_id=d.spec.model_id, kind=kind, smoke=self.smoke)
             if ok:
                 await self.store.update_replica(r.id, state="ready", reason=None)
+                self._backoff.pop((r.deployment_id, r.region), None)
                 await self.store.audit(
                     "replica.ready",
                     f"replica {r.id} of {d.spec.model_id}@{d.spec.version} passed its health gate",
@@ -305,10 +322,11 @@ class Controller:
 
     async def _fail(self, r: Replica, reason: str) -> None:
         await self.store.update_replica(r.id, state="failed", reason=reason)
+        self._forget(r.id)
         model, version, of = await self._about(r)
         await self.store.audit(
             "replica.failed",
-            f"replica {r.id}{of} failed: {reason}",
+            f"replica {r.id}{of} failed: {reason}{self._back_off(r.deployment_id, r.region)}",
             model_id=model,
             version=version,
             data={"replica": r.id},
@@ -318,9 +336,39 @@ class Controller:
             with contextlib.suppress(Exception):
                 await driver.delete(r)
 
+    def _forget(self, replica_id: str) -> None:
+        self._started_at.pop(replica_id, None)
+        self._live_misses.pop(replica_id, None)
+
+    def _back_off(self, deployment_id: str, region: str) -> str:
+        """Count a failed start of the deployment in the region; what the audit adds."""
+        failures = self._backoff.get((deployment_id, region), (0, 0.0))[0] + 1
+        delay = 0.0 if failures == 1 else min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(failures - 2, 16))
+        self._backoff[(deployment_id, region)] = (failures, time.monotonic() + delay)
+        return f" ({failures} failed starts in a row; the next in {delay:.0f} s)" if delay else ""
+
+    def _backing_off(self, deployment_id: str, region: str) -> bool:
+        entry = self._backoff.get((deployment_id, region))
+        return entry is not None and time.monotonic() < entry[1]
+
+    async def _prune(self) -> None:
+        """Forget replicas that ended more than `replica_retention_s` ago, at most every 10 min."""
+        if self.replica_retention_s <= 0 or time.monotonic() - self._pruned_at < 600:
+            return
+        self._pruned_at = time.monotonic()
+        gone = await self.store.prune_replicas(
+            datetime.now(UTC) - timedelta(seconds=self.replica_retention_s)
+        )
+        if gone:
+            logger.info("forgot %d replicas that ended over %.0f s ago", gone, self.replica_retention_s)
+        live = {r.id for r in await self.store.list_replicas(states=_LIVE)}
+        for stale in [rid for rid in self._started_at if rid not in live and rid not in self._draining]:
+            self._forget(stale)
+
     async def _retire(self, r: Replica) -> None:
         driver = self.drivers.get(r.region)
         await self.store.update_replica(r.id, state="stopped", reason="replaced")
+        self._forget(r.id)
         if driver is not None:
             with contextlib.suppress(Exception):
                 await driver.delete(r)
@@ -336,8 +384,13 @@ class Controller:
                     r for r in replicas if r.deployment_id == d.id and r.region == region and r.state in _LIVE
                 ]
                 if len(mine) < desired:
+                    if self._backing_off(d.id, region):
+                        continue
                     for _ in range(desired - len(mine)):
-                        await self._create(d, region)
+                        # A start the driver refused ends this region's starts for the pass
+                        # (an unreachable cluster would cost each one its timeout).
+                        if not await self._create(d, region):
+                            break
                 elif len(mine) > desired:
                     order = {"starting": 0, "unhealthy": 0, "ready": 1}
                     victims = sorted(mine, key=lambda r: (order[r.state], -self._started_at.get(r.id, 0.0)))
@@ -398,7 +451,7 @@ class Controller:
         live = [r for r in await self.store.list_replicas(deployment_id=d.id) if r.state in _LIVE]
         return desired, live
 
-    async def _create(self, d: Deployment, region: str) -> None:
+    async def _create(self, d: Deployment, region: str) -> bool:
         driver = self.drivers[region]
         replica_id = "rep_" + uuid.uuid4().hex[:12]
         request = ReplicaRequest(
@@ -428,11 +481,12 @@ class Controller:
                 reason = f"{type(e).__name__}: {e}"
             await self.store.audit(
                 "replica.failed",
-                f"could not start a replica of {d.spec.model_id}@{d.spec.version} in {region}: {reason}",
+                f"could not start a replica of {d.spec.model_id}@{d.spec.version} in {region}: {reason}"
+                + self._back_off(d.id, region),
                 model_id=d.spec.model_id,
                 version=d.spec.version,
             )
-            return
+            return False
         try:
             await self.store.add_replica(replica)
         except BaseException:
@@ -449,6 +503,7 @@ class Controller:
             version=d.spec.version,
             data={"replica": replica.id, "url": replica.url},
         )
+        return True
 
     def _drain(self, r: Replica) -> None:
         if r.id in self._draining:
@@ -465,6 +520,7 @@ class Controller:
             finally:
                 await self.store.update_replica(r.id, state="stopped")
                 self._draining.pop(r.id, None)
+                self._forget(r.id)
 
         self._draining[r.id] = asyncio.ensure_future(drain())
 

@@ -215,6 +215,13 @@ def _parser() -> argparse.ArgumentParser:
         "--health-timeout", type=float, default=900.0, help="seconds a replica may take to be ready"
     )
     p.add_argument(
+        "--replica-retention",
+        type=float,
+        default=7 * 24 * 3600.0,
+        help="seconds a stopped or failed replica's record is kept (its audit events stay; 0: "
+        "forever; default 7 days)",
+    )
+    p.add_argument(
         "--drain-delay",
         type=float,
         default=2.0,
@@ -264,6 +271,7 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         health_timeout_s=args.health_timeout,
         smoke=not args.no_smoke,
         drain_delay_s=args.drain_delay,
+        replica_retention_s=args.replica_retention,
     )
     leader = LeaderLock(state)
     dashboard = dashboard_router(
@@ -369,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--health-timeout", args.health_timeout, 1.0, 86400.0),
         ("--drain-delay", args.drain_delay, 0.0, 300.0),
         ("--drain-timeout", args.drain_timeout, 0.1, 3600.0),
+        ("--replica-retention", args.replica_retention, 0.0, 10 * 365 * 86400.0),
     ):
         # A nan or a zero interval would spin the reconcile loop; comparisons reject nan.
         if not low <= value <= high:

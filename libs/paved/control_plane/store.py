@@ -1002,6 +1002,19 @@ class ControlStore:
             result = conn.execute(replicas_table.delete().where(replicas_table.c.id == replica_id))
         return bool(result.rowcount)
 
+    async def prune_replicas(self, before: datetime) -> int:
+        """Forget stopped and failed replicas last updated before `before` (their audit events
+        stay); returns how many. A crash-looping deployment adds a row per attempt."""
+        return await self._run(self._prune_replicas_sync, before)
+
+    def _prune_replicas_sync(self, before: datetime) -> int:
+        t = replicas_table
+        with self._tx() as conn:
+            result = conn.execute(
+                t.delete().where(t.c.state.in_(("stopped", "failed")), t.c.updated_at < before)
+            )
+        return int(result.rowcount or 0)
+
     # -- rollouts --------------------------------------------------------------------------
 
     async def create_rollout(

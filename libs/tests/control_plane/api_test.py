@@ -466,6 +466,61 @@ def test_a_start_that_fails_in_the_os_fails_its_deployment_not_the_pass(tmp_path
     asyncio.run(main())
 
 
+def test_starts_that_keep_failing_back_off_and_ended_replicas_are_forgotten(tmp_path: Path):
+    """A deployment whose starts keep failing is tried once per pass (not once per missing
+    replica), then again at once, then after 5 s, 10 s, ...; stopped and failed replicas are
+    forgotten after the retention, live ones never."""
+
+    class Counting(_ForkFailingDriver):
+        attempts = 0
+
+        async def create(self, req: Any) -> Replica:
+            Counting.attempts += 1
+            return await super().create(req)
+
+    async def main() -> None:
+        from datetime import UTC, datetime, timedelta
+
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        controller = Controller(store, {"local": Counting()}, RoutesFeed(store), GatewayAnalyzer([]))
+        try:
+            spec = DeploymentSpec(
+                model_id="bad", version="v1", package_uri="/pkg/v1", strategy="red_black",
+                min_replicas=0, max_replicas=3, replicas=3, regions=("local",), engine="sim://tiny",
+            )  # fmt: skip
+            d = await store.create_deployment(spec, {})
+            await controller.reconcile()
+            assert Counting.attempts == 1  # three missing, one refused start ends the pass's tries
+            await controller.reconcile()
+            assert Counting.attempts == 2  # a first failure is retried at once
+            await controller.reconcile()
+            await controller.reconcile()
+            assert Counting.attempts == 2  # then it waits
+            failures, _ = controller._backoff[(d.id, "local")]
+            controller._backoff[(d.id, "local")] = (failures, 0.0)  # as if the 5 s had passed
+            await controller.reconcile()
+            assert Counting.attempts == 3
+            messages = [
+                e.message for e in await store.list_audit(model_id="bad") if e.kind == "replica.failed"
+            ]
+            assert "2 failed starts in a row; the next in 5 s" in messages[1]
+            assert "3 failed starts in a row; the next in 10 s" in messages[2]
+
+            for rid, state in (("rep_s", "stopped"), ("rep_f", "failed"), ("rep_r", "ready")):
+                await store.add_replica(
+                    Replica(id=rid, deployment_id=d.id, region="local", state=state,  # type: ignore[arg-type]
+                            url="http://127.0.0.1:1", admin_url="http://127.0.0.1:1")
+                )  # fmt: skip
+            assert await store.prune_replicas(datetime.now(UTC) - timedelta(hours=1)) == 0
+            assert await store.prune_replicas(datetime.now(UTC) + timedelta(seconds=1)) == 2
+            assert [r.id for r in await store.list_replicas()] == ["rep_r"]
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 class _AdoptingDriver(_RecordingDriver):
     """After a restart: the replicas in `running` are still there, the others are gone."""
 
