@@ -184,6 +184,41 @@ def test_cancelled_stream_is_seen_by_the_model(server, gc, caplog):
     assert wait_for(seen, timeout=30)
 
 
+def test_a_stream_its_client_does_not_read_is_cut_at_a_bound(server, gc, caplog, monkeypatch):
+    """A model's send() cannot wait for the client: what a stalled client leaves unread is held
+    up to a bound, then the request fails (RESOURCE_EXHAUSTED) and is cancelled in the model,
+    instead of growing in memory for as long as the model sends."""
+    import threading
+
+    from paved.kserve.python_backend import served
+
+    monkeypatch.setattr(served, "MAX_HELD_RESPONSES", 64)
+    caplog.set_level(logging.INFO, logger="paved.kserve.python_backend.worker")
+    reading = threading.Event()
+    got: list = []
+
+    def callback(result, error):
+        reading.wait(120)  # the client reads nothing until the model was cancelled
+        got.append((result, error))
+
+    values = np.arange(1_000_000, dtype=np.int32)
+    gc.start_stream(callback=callback)
+    try:
+        gc.async_stream_infer("repeat", [tensor(grpcclient, "IN", values, "INT32")], request_id="unread")
+
+        def cancelled():
+            return any("request 'unread' cancelled after" in r.getMessage() for r in caplog.records)
+
+        assert wait_for(cancelled, timeout=120)
+        reading.set()
+        assert wait_for(lambda: bool(got) and got[-1][1] is not None, timeout=60)
+    finally:
+        reading.set()
+        gc.stop_stream()
+    assert "its client has not read" in str(got[-1][1])
+    assert len(got) < len(values)
+
+
 def test_decoupled_over_http_generate_stream(server, hc):
     import json
     import urllib.request

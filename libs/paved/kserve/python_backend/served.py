@@ -66,6 +66,10 @@ DEFAULT_MODEL_FILE = "model.py"
 TIMEOUT_PARAMETER = "paved_execute_timeout_s"
 DEFAULT_EXECUTE_TIMEOUT_S = 300.0
 INITIALIZE_TIMEOUT_S = 600.0
+# Responses a decoupled model sent for one request that its client has not read yet. A model's
+# send() cannot wait for the client (Triton's does not either), so past this the request is
+# failed and cancelled in the model rather than held in memory without end.
+MAX_HELD_RESPONSES = 4096
 # Triton's TRITONSERVER_Error codes (pb_utils.TritonError.*) <-> gRPC status codes.
 _TRITON_TO_GRPC = {
     0: grpc.StatusCode.UNKNOWN,
@@ -333,6 +337,17 @@ class PythonModel(ServedModel):
         if request is None:
             return  # finished or abandoned: the model may still send, nobody listens
         final = bool(flags & _FINAL)
+        if not final and request.queue.qsize() >= MAX_HELD_RESPONSES:
+            request.end(
+                KServeError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"model '{self.name}' sent {MAX_HELD_RESPONSES} responses its client has not read; "
+                    "the request is cancelled",
+                )
+            )
+            worker.cancel(key)
+            self._abandon_bls_if_unwanted(worker)
+            return
         try:
             item: Any = self._response(request, outputs, error, final)
         except KServeError as e:
