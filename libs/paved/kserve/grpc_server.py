@@ -388,7 +388,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     raise invalid_argument(
                         f"model '{model.name}' sent {len(results)} responses; use ModelStreamInfer for it"
                     )
-                response = encode_response(model, request.id, results[0])
+                # A large answer is encoded off the loop, as a large request is decoded.
+                response = await off_loop_if_large(
+                    results[0].size, encode_response, model, request.id, results[0]
+                )
         except KServeError as e:  # every error becomes a gRPC status (a cancellation propagates)
             error = e
         if error is not None:
@@ -431,7 +434,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         async for response in responses:
                             if not response.outputs and response.final and not empty_final:
                                 continue  # an empty final response is opt-in, as in Triton
-                            message = encode_response(model, request.id, response)
+                            message = await off_loop_if_large(
+                                response.size, encode_response, model, request.id, response
+                            )
                             message.parameters["triton_final_response"].bool_param = response.final
                             sent_final = sent_final or response.final
                             await queue.put(service_pb2.ModelStreamInferResponse(infer_response=message))

@@ -507,7 +507,9 @@ def create_http_app(
                 raise invalid_argument(
                     f"model '{model.name}' sent {len(results)} responses; use generate_stream or gRPC"
                 )
-            response = _encode_infer(model, infer_request.id, results[0], binary, binary_default)
+            response = await off_loop_if_large(
+                results[0].size, _encode_infer, model, infer_request.id, results[0], binary, binary_default
+            )
         record.succeeded(batch_rows(model.max_batch_size, infer_request.inputs))
         return response
 
@@ -522,7 +524,10 @@ def create_http_app(
                 raise invalid_argument(
                     f"model '{model.name}' sent {len(results)} responses; use generate_stream"
                 )
-            response = JSONResponse(_generate_json(model, results[0]))
+            answer = results[0]
+            response = await off_loop_if_large(
+                answer.size, lambda: JSONResponse(_generate_json(model, answer))
+            )
         record.succeeded(batch_rows(model.max_batch_size, infer_request.inputs))
         return response
 

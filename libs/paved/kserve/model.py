@@ -66,6 +66,12 @@ class InferResponse:
     # Last response of the request (decoupled models send several).
     final: bool = True
 
+    @property
+    def size(self) -> int:
+        """About what encoding it costs, in bytes (an object element counts as its pointer: a
+        BYTES output is at least that long)."""
+        return sum(array.nbytes for array in self.outputs.values())
+
 
 def custom_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
     """Request parameters minus those a transport consumed; reserved ones paved does not

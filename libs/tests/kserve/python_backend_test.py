@@ -111,6 +111,33 @@ def test_add_sub_answers_over_both_transports(server, gc, hc, module):
     assert result.as_numpy("REQUESTS").shape == (2, 1)
 
 
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_large_answers_are_encoded_off_the_event_loop(server, gc, hc, module, monkeypatch):
+    """An answer over the decode threshold (here 0 bytes) is encoded on the body pool, as a
+    large request is decoded there: encoding 64 MiB on the loop would stall every call."""
+    import threading
+
+    from paved.http import off_loop
+    from paved.kserve import grpc_server, http_server
+
+    threads: list[str] = []
+    monkeypatch.setattr(off_loop, "OFF_LOOP_BYTES", 0)
+    transport = grpc_server if module is grpcclient else http_server
+    name = "encode_response" if module is grpcclient else "_encode_infer"
+    encode = getattr(transport, name)
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(transport, name, recording)
+    client = gc if module is grpcclient else hc
+    a = np.arange(4, dtype=np.float32).reshape(1, 4)
+    result = client.infer("add_sub", pair(module, a, a))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+    assert threads and all(t.startswith("paved-body") for t in threads), threads
+
+
 def test_add_sub_config_and_metadata_are_the_pbtxt(server, gc):
     config = gc.get_model_config("add_sub").config
     assert config.backend == "python"
