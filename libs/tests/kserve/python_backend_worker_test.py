@@ -392,3 +392,33 @@ def test_a_model_waiting_on_itself_through_bls_is_freed_when_its_client_leaves(t
             await asyncio.wait_for(repository.close(), STUCK_S)
 
     asyncio.run(run())
+
+
+def test_the_stub_forgets_cancels_of_requests_that_ended(monkeypatch):
+    """A cancelled request's key is held while it may still run (is_cancelled), dropped at its
+    final send or when execute() answered it, and the oldest go past a bound: a worker serving
+    for months no longer keeps every cancelled key."""
+    from paved.kserve.python_backend import stub as stub_mod
+    from paved.kserve.python_backend import triton_python_backend_utils as pb_utils
+
+    class Channel:
+        def __init__(self) -> None:
+            self.sent: list[tuple] = []
+
+        def send(self, message: tuple) -> None:
+            self.sent.append(message)
+
+    stub = stub_mod.Stub(Channel())  # type: ignore[arg-type]
+    stub.note_cancel(5)
+    assert stub.is_cancelled(5)
+    stub.send(5, None, 0)
+    assert stub.is_cancelled(5)  # not its last response: still cancelled
+    stub.send(5, None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    assert not stub.is_cancelled(5) and not stub.cancelled
+    stub.note_cancel(6)
+    stub.forget_cancel(6, 7)
+    assert not stub.cancelled
+    monkeypatch.setattr(stub_mod, "MAX_CANCELLED", 3)
+    for key in range(10, 15):
+        stub.note_cancel(key)
+    assert list(stub.cancelled) == [12, 13, 14]

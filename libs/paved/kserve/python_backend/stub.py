@@ -114,11 +114,18 @@ def _wake(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
+MAX_CANCELLED = 65536
+
+
 class Stub:
     def __init__(self, channel: BlockingChannel):
         self.channel = channel
         self.work: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancelled: set[int] = set()
+        # Keys of cancelled requests still running here: dropped when the request ends (its
+        # final send, or execute() answering it), and the oldest past MAX_CANCELLED (a cancel
+        # that crossed the request's end is never ended again).
+        self.cancelled: dict[int, None] = {}
+        self.cancelled_lock = threading.Lock()
         self.calls: dict[int, _BlsCall] = {}
         self.call_ids = itertools.count(1)
         self.calls_lock = threading.Lock()
@@ -130,6 +137,19 @@ class Stub:
     def send(self, key: int, response: pb_utils.InferenceResponse | None, flags: int) -> None:
         outputs, error = (None, None) if response is None else response_to_wire(response)
         self.channel.send(("send", key, outputs, error, flags))
+        if flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self.forget_cancel(key)
+
+    def note_cancel(self, key: int) -> None:
+        with self.cancelled_lock:
+            self.cancelled[key] = None
+            if len(self.cancelled) > MAX_CANCELLED:
+                del self.cancelled[next(iter(self.cancelled))]
+
+    def forget_cancel(self, *keys: int) -> None:
+        with self.cancelled_lock:
+            for key in keys:
+                self.cancelled.pop(key, None)
 
     def is_cancelled(self, key: int) -> bool:
         return key in self.cancelled
@@ -162,7 +182,7 @@ class Stub:
                 message = self.channel.receive()
                 op = message[0]
                 if op == "cancel":
-                    self.cancelled.add(message[1])
+                    self.note_cancel(message[1])
                 elif op == "bls_response":
                     _, call_id, outputs, error, final = message
                     with self.calls_lock:
@@ -188,7 +208,10 @@ class Stub:
             elif op == "initialize":
                 self.channel.send(("initialized", self._initialize(message[1])))
             elif op == "execute":
-                self.channel.send(("executed", message[1], *self._execute(message[2])))
+                answers = self._execute(message[2])
+                self.channel.send(("executed", message[1], *answers))
+                if answers[0] is not None:  # answered here: those requests ended
+                    self.forget_cancel(*(r["key"] for r in message[2]))
             elif op == "finalize":
                 self._finalize()
                 self.channel.send(("finalized",))
