@@ -104,7 +104,7 @@ class AutoscaleBody(_Model):
     stable_window_s: float = Field(60.0, gt=0, le=3600)
     panic_window_s: float = Field(6.0, gt=0, le=600)
     panic_threshold: float = Field(2.0, ge=1)
-    scale_down_delay_s: float = Field(30.0, ge=0, le=3600)
+    scale_down_delay_s: float = Field(30.0, gt=0, le=3600)
     interval_s: float = Field(2.0, gt=0, le=60)
     # Scale to zero after this long without demand (needs enabled and min_replicas 0).
     scale_to_zero_after_s: float | None = Field(None, gt=0, le=7 * 86400)
@@ -405,7 +405,10 @@ def create_app(
         await store.audit(
             "current", f"{model} now follows version {body.version}", model_id=model, version=body.version
         )
-        await controller.publish_routes()
+        if leader is None or leader.is_leader:
+            await controller.publish_routes()
+        # A follower's controller holds no rollout weights (the leader's loads them): it would
+        # publish a table without them; the leader's next pass publishes the new current.
         return deployment_view(await _deployment(model, body.version))
 
     @api.post("/models/{model}/wake")
