@@ -405,10 +405,10 @@ def create_app(
         await store.audit(
             "current", f"{model} now follows version {body.version}", model_id=model, version=body.version
         )
-        if leader is None or leader.is_leader:
+        if leader is None or (leader.is_leader and controller.running):
             await controller.publish_routes()
-        # A follower's controller holds no rollout weights (the leader's loads them): it would
-        # publish a table without them; the leader's next pass publishes the new current.
+        # A follower's controller (or a leader's not started yet) holds no rollout weights: it
+        # would publish a table without them; the leader's next pass publishes the new current.
         return deployment_view(await _deployment(model, body.version))
 
     @api.post("/models/{model}/wake")

@@ -38,7 +38,7 @@ import math
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from paved.control_plane import rollout as rollout_mod
 from paved.control_plane.analysis import GatewayAnalyzer
@@ -98,10 +98,12 @@ class Controller:
         self._weights: dict[tuple[str, str], dict[str, float]] = {}
         self._live_misses: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
-        # (deployment id, region) -> (starts failed in a row, monotonic time of the next try):
+        self._pass = 0  # reconcile passes begun: a pass counts one failure per backoff key
+        # (deployment id, region) -> (starts failed in a row, monotonic time of the next try,
+        # the pass that counted the last one):
         # a replica that keeps failing before it is ready is started again after a doubling
         # delay (CrashLoopBackOff), not once a pass; its first ready replica clears it.
-        self._backoff: dict[tuple[str, str], tuple[int, float]] = {}
+        self._backoff: dict[tuple[str, str], tuple[int, float, int]] = {}
         # Stopped and failed replicas are forgotten this long after they ended (0: never).
         self.replica_retention_s = replica_retention_s
         self._pruned_at = -math.inf
@@ -129,6 +131,11 @@ class Controller:
                 self._weights[(model, region)] = {str(k): float(v) for k, v in value.items()}
         await self._adopt()
         self._task = asyncio.ensure_future(self._loop())
+
+    @property
+    def running(self) -> bool:
+        """Its reconcile loop runs (this control plane leads, and started)."""
+        return self._task is not None and not self._task.done()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -231,6 +238,7 @@ class Controller:
 
     # ---- one pass ---------------------------------------------------------------------------
     async def reconcile(self) -> None:
+        self._pass += 1
         deployments = [d for d in await self.store.list_deployments() if d.state != "deleted"]
         by_id = {d.id: d for d in deployments}
         replicas = await self.store.list_replicas()
@@ -341,11 +349,16 @@ class Controller:
         self._live_misses.pop(replica_id, None)
 
     def _back_off(self, deployment_id: str, region: str) -> str:
-        """Count a failed start of the deployment in the region; what the audit adds."""
-        failures = self._backoff.get((deployment_id, region), (0, 0.0))[0] + 1
-        delay = 0.0 if failures == 1 else min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(failures - 2, 16))
-        self._backoff[(deployment_id, region)] = (failures, time.monotonic() + delay)
-        return f" ({failures} failed starts in a row; the next in {delay:.0f} s)" if delay else ""
+        """Count a failed start of the deployment in the region (once per pass: ten replicas
+        failing together are one failed try); what the audit adds."""
+        failures, until, counted = self._backoff.get((deployment_id, region), (0, 0.0, -1))
+        if counted != self._pass:
+            failures += 1
+            delay = 0.0 if failures == 1 else min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(failures - 2, 16))
+            until = time.monotonic() + delay
+            self._backoff[(deployment_id, region)] = (failures, until, self._pass)
+        wait = max(0.0, until - time.monotonic())
+        return f" ({failures} failed starts in a row; the next in {wait:.0f} s)" if wait else ""
 
     def _backing_off(self, deployment_id: str, region: str) -> bool:
         entry = self._backoff.get((deployment_id, region))
@@ -374,6 +387,10 @@ class Controller:
                 await driver.delete(r)
 
     async def _converge(self, deployments: list[Deployment], replicas: list[Replica]) -> None:
+        ids = {d.id for d in deployments}
+        for key in [k for k in self._backoff if k[0] not in ids]:
+            del self._backoff[key]  # deleted meanwhile
+        unavailable: set[str] = set()  # regions whose driver was unavailable in this pass
         for d in deployments:
             desired_by_region = await self.store.get_desired(d.id)
             for region in d.spec.regions:
@@ -384,12 +401,15 @@ class Controller:
                     r for r in replicas if r.deployment_id == d.id and r.region == region and r.state in _LIVE
                 ]
                 if len(mine) < desired:
-                    if self._backing_off(d.id, region):
+                    if region in unavailable or self._backing_off(d.id, region):
                         continue
                     for _ in range(desired - len(mine)):
-                        # A start the driver refused ends this region's starts for the pass
-                        # (an unreachable cluster would cost each one its timeout).
-                        if not await self._create(d, region):
+                        started = await self._create(d, region)
+                        if started == "unavailable":
+                            # The driver itself (an unreachable cluster) ends every start in the
+                            # region for this pass: each would cost its timeout.
+                            unavailable.add(region)
+                        if started != "started":
                             break
                 elif len(mine) > desired:
                     order = {"starting": 0, "unhealthy": 0, "ready": 1}
@@ -451,7 +471,7 @@ class Controller:
         live = [r for r in await self.store.list_replicas(deployment_id=d.id) if r.state in _LIVE]
         return desired, live
 
-    async def _create(self, d: Deployment, region: str) -> bool:
+    async def _create(self, d: Deployment, region: str) -> Literal["started", "failed", "unavailable"]:
         driver = self.drivers[region]
         replica_id = "rep_" + uuid.uuid4().hex[:12]
         request = ReplicaRequest(
@@ -486,7 +506,7 @@ class Controller:
                 model_id=d.spec.model_id,
                 version=d.spec.version,
             )
-            return False
+            return "unavailable" if isinstance(e, ControlError) and e.status == 503 else "failed"
         try:
             await self.store.add_replica(replica)
         except BaseException:
@@ -503,7 +523,7 @@ class Controller:
             version=d.spec.version,
             data={"replica": replica.id, "url": replica.url},
         )
-        return True
+        return "started"
 
     def _drain(self, r: Replica) -> None:
         if r.id in self._draining:
@@ -696,7 +716,10 @@ class Controller:
         for d in deployments:
             urls = {r.url for r in replicas if r.deployment_id == d.id}
             if urls and self.analyzer.analyze(urls, since).requests > 0:
-                await self.store.update_deployment(d.id, last_traffic_at=datetime.now(UTC))
+                try:
+                    await self.store.update_deployment(d.id, last_traffic_at=datetime.now(UTC))
+                except ControlError as e:  # (deleted meanwhile): the others' traffic still counts
+                    logger.warning("could not record traffic of %s: %s", d.id, e.message)
 
     # ---- rollouts and autoscaling -----------------------------------------------------------
     async def _rollouts(self) -> None:

@@ -309,8 +309,13 @@ async def _serve(args: argparse.Namespace, state: str, drivers: dict[str, Driver
         else None
     )
 
+    announced = False
+
     async def start_leading() -> None:
-        await store.audit("leader", f"control plane pid {os.getpid()} became the leader")
+        nonlocal announced
+        if not announced:  # (a start that failed is retried: one event)
+            await store.audit("leader", f"control plane pid {os.getpid()} became the leader")
+            announced = True
         await analyzer.start()
         await controller.start()
 

@@ -831,13 +831,21 @@ class ControlStore:
             current = _deployment_from_row(row)
             if current.state == "deleted":
                 raise Conflict(f"deployment '{deployment_id}' is deleted", code="deployment_deleted")
-            spec = validate_spec(dataclasses.replace(current.spec, **spec_changes))
-            values: dict[str, Any] = {"spec": spec_to_dict(spec)}
+            values: dict[str, Any] = {}
+            if spec_changes:
+                spec = validate_spec(dataclasses.replace(current.spec, **spec_changes))
+                # Fields a newer control plane stored (this one does not know them) are kept.
+                known = {f.name for f in dataclasses.fields(DeploymentSpec)}
+                kept = {k: v for k, v in dict(row.spec).items() if k not in known}
+                values["spec"] = {**kept, **spec_to_dict(spec)}
+            # A state or traffic change leaves the stored spec as it is: one stored before a
+            # rule was tightened is not checked (and refused) again on every write.
             if state is not None:
                 values["state"] = state
             if last_traffic_at is not None:
                 values["last_traffic_at"] = last_traffic_at
-            conn.execute(t.update().where(t.c.id == deployment_id).values(**values))
+            if values:
+                conn.execute(t.update().where(t.c.id == deployment_id).values(**values))
             updated = self._get_deployment_by_id_sync(deployment_id, conn)
         assert updated is not None  # noqa: S101 - the row is locked by this transaction
         return updated

@@ -330,11 +330,13 @@ def child_spec(
             argv += ["--listen-fd", str(public_fds["http"])]
             return ChildSpec(argv, args.ready_path or "/health/ready", ports, frozenset({"http"}))
         return ChildSpec(argv, args.ready_path or "/health/ready", ports)
+    # The package's flags first: argparse keeps the last of a flag, so the launcher's own win
+    # over any spelling a package might find for them (an abbreviation such as --hos).
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        *_vllm_flags(m.package.engine_args),
         "--model", m.model_dir, "--served-model-name", m.package.model_id,
         "--host", "127.0.0.1", "--port", str(ports["http"]),
-        *_vllm_flags(m.package.engine_args),
     ]  # fmt: skip
     return ChildSpec(argv, args.ready_path or "/health", ports)
 

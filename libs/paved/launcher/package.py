@@ -119,7 +119,7 @@ class PluginWheel(BaseModel):
 
 
 RESERVED_ENGINE_ARGS = frozenset(
-    {"host", "port", "uds", "model", "served_model_name", "tokenizer", "api_key", "root_path"}
+    {"host", "port", "uds", "model", "served_model_name", "api_key", "root_path"}
 )
 
 

@@ -497,8 +497,8 @@ def test_starts_that_keep_failing_back_off_and_ended_replicas_are_forgotten(tmp_
             await controller.reconcile()
             await controller.reconcile()
             assert Counting.attempts == 2  # then it waits
-            failures, _ = controller._backoff[(d.id, "local")]
-            controller._backoff[(d.id, "local")] = (failures, 0.0)  # as if the 5 s had passed
+            failures, _, counted = controller._backoff[(d.id, "local")]
+            controller._backoff[(d.id, "local")] = (failures, 0.0, counted)  # as if the 5 s had passed
             await controller.reconcile()
             assert Counting.attempts == 3
             messages = [

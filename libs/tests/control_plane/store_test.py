@@ -184,6 +184,16 @@ def test_a_stored_spec_that_no_longer_validates_still_loads(store):
         )
     listed = {d.spec.version: d for d in run(store.list_deployments())}
     assert set(listed) == {"1", "2"} and listed["1"].spec.min_replicas == 3
+    # State and traffic writes do not check it again; a spec change keeps the unknown fields.
+    run(store.update_deployment(dep.id, state="inactive"))
+    run(store.update_deployment(dep.id, state="active"))
+    run(store.update_deployment(dep.id, no_gc=True, min_replicas=1, max_replicas=2))
+    with store._engine.begin() as conn:
+        raw = conn.execute(
+            sa.text("SELECT spec FROM cp_deployments WHERE id = :id"), {"id": dep.id}
+        ).scalar_one()
+    stored = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    assert stored["from_the_future"] is True and stored["no_gc"] is True
     # A new spec breaking the same rule is still refused.
     assert status_of(store.create_deployment(spec("3", min_replicas=3, max_replicas=2), {})) == 400
 

@@ -881,6 +881,8 @@ class LiveStreams:
             position = after + 1
             sent = False
             while True:
+                if live.ended and sent and position >= live.next_seq:
+                    return  # it has the final event (a hand-over now must not send it again)
                 if live.fenced:
                     break
                 if live.ended and position >= live.next_seq and not sent:

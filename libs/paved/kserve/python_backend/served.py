@@ -334,7 +334,7 @@ class PythonModel(ServedModel):
             return
         _, key, outputs, error, flags = message
         request = self._requests.get(key)
-        if request is None:
+        if request is None or request.finished:
             return  # finished or abandoned: the model may still send, nobody listens
         final = bool(flags & _FINAL)
         if not final and request.queue.qsize() >= MAX_HELD_RESPONSES:
