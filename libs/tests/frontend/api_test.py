@@ -714,6 +714,23 @@ def test_invalid_completion_requests(server, extra, fragment):
     assert_error(post(server, "/v1/completions", {"model": "fake", "prompt": "x", **extra}), 400, fragment)
 
 
+def test_every_body_is_held_to_one_nesting_bound(server):
+    """A small body nested deeper than 128 levels is the 400 a large one gets (FastAPI's own
+    parse, used below 1 MiB, took about 980 levels)."""
+    schema = '{"a":' * 200 + "1" + "}" * 200
+    body = (
+        '{"model":"fake","messages":[{"role":"user","content":"x"}],'
+        '"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":' + schema + "}}}"
+    )
+    r = httpx.post(
+        server + "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert_error(r, 400, "nested more than 128 levels")
+
+
 def test_many_bad_items_are_one_error_at_the_first():
     """Validated in-process (the server's body bound is small): 300,000 bad prompt items, or
     messages, are one error naming the first bad index (pydantic alone built one error per item
