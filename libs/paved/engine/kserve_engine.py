@@ -65,7 +65,7 @@ from paved.engine.protocol import (
     TopLogprob,
 )
 from paved.engine.streams import Closing, gather_or_cancel
-from paved.engine.text import render_chat_template
+from paved.engine.text import render_chat_template_off_loop
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -534,7 +534,7 @@ class KServeEngine:
             raise EngineUnavailableError(f"model {model!r}: remote KServe server {self.target} is not ready")
         return self._card
 
-    def _prompt_text(self, prompt, param: str) -> str:
+    async def _prompt_text(self, prompt, param: str) -> str:
         if isinstance(prompt, TextPrompt):
             return prompt.text
         if isinstance(prompt, ChatPrompt):
@@ -544,7 +544,7 @@ class KServeEngine:
                     "start the KServe engine with ?tokenizer=DIR",
                     param=param,
                 )
-            return render_chat_template(self._tokenizer, prompt, param)
+            return await render_chat_template_off_loop(self._tokenizer, prompt, param)
         raise InvalidRequestError(
             "token-id prompts are not supported by the KServe v2 vLLM interface (text_input is text)",
             param=param,
@@ -557,7 +557,7 @@ class KServeEngine:
                 f"model {request.model!r} is an embedding model; it cannot generate", param="model"
             )
         param = "messages" if isinstance(request.prompt, ChatPrompt) else "prompt"
-        text = self._prompt_text(request.prompt, param)
+        text = await self._prompt_text(request.prompt, param)
         s = request.sampling
         if s.max_tokens == 0:
             raise InvalidRequestError("max_tokens=0 (prompt scoring) is not supported by the KServe engine")

@@ -138,6 +138,9 @@ class ChatPrompt:
     tools: Sequence[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # About how large the messages and tools are, in bytes (the request body's length), when
+    # the caller knows; 0: the engine estimates it from the message text.
+    size_hint: int = 0
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt

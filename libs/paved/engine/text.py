@@ -8,6 +8,7 @@ field. NUL and other control characters are valid scalar values and pass through
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, cast
 
@@ -61,6 +62,19 @@ def message(path: str) -> str:
         f"{path} contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
         "which is not Unicode text"
     )
+
+
+# A chat prompt larger than this (bytes of messages and tools) is rendered on a worker thread:
+# a template over megabytes of messages takes from tens of milliseconds to seconds.
+OFF_LOOP_RENDER_BYTES = 256 * 1024
+
+
+async def render_chat_template_off_loop(tokenizer: Any, prompt: ChatPrompt, param: str) -> str:
+    """render_chat_template, on a worker thread when the prompt is large."""
+    size = prompt.size_hint or sum(len(m.get("content") or "") for m in prompt.messages)
+    if size <= OFF_LOOP_RENDER_BYTES:
+        return render_chat_template(tokenizer, prompt, param)
+    return await asyncio.to_thread(render_chat_template, tokenizer, prompt, param)
 
 
 def render_chat_template(tokenizer: Any, prompt: ChatPrompt, param: str) -> str:

@@ -56,7 +56,7 @@ from paved.engine.protocol import (  # noqa: E402
     TokenPrompt,
     TopLogprob,
 )
-from paved.engine.text import render_chat_template  # noqa: E402
+from paved.engine.text import render_chat_template_off_loop  # noqa: E402
 from paved.engine.vllm_config import VllmModelConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ class VllmEngine:
                 )
             return ids, None
         if isinstance(prompt, ChatPrompt):
-            text = render_chat_template(self._tokenizer, prompt, param)
+            text = await render_chat_template_off_loop(self._tokenizer, prompt, param)
             # The template already placed BOS and other special tokens.
             return await self._encode(text, add_special_tokens=False), text
         return await self._encode(prompt.text, add_special_tokens=True), prompt.text

@@ -36,6 +36,7 @@ from paved.frontend.registry import ServedModel, Ticket
 from paved.frontend.state import AppState
 from paved.frontend.tracing import counted, engine_request_id, request_log
 from paved.http.json_body import JSONBodyError, JSONTooDeepError, parse_json
+from paved.http.off_loop import off_loop_if_large
 
 router = APIRouter(route_class=OffLoopBodyRoute)
 
@@ -224,6 +225,16 @@ def _message_dict(message: schemas.ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
+def _chat_prompt(body: schemas.ChatCompletionRequest, size: int) -> ChatPrompt:
+    return ChatPrompt(
+        messages=[_message_dict(m, i) for i, m in enumerate(body.messages)],
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        size_hint=size,
+    )
+
+
 @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=_ERRORS)
 async def chat_completions(body: schemas.ChatCompletionRequest, request: Request):
     state = _state(request)
@@ -241,13 +252,10 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
         )
     resolved = await _resolve(state, body, card)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    prompt = ChatPrompt(
-        messages=[_message_dict(m, i) for i, m in enumerate(body.messages)],
-        tools=tools,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-    )
+    size = len(await request.body())  # (read already: the body is cached)
+    # Messages and tools of a large body are converted off the loop (parsing tool call
+    # arguments, dumping tool schemas: O(body) in Python).
+    prompt = await off_loop_if_large(size, _chat_prompt, body, size)
     request_id = engine_request_id("chatcmpl", request)
     generate = GenerateRequest(
         request_id=request_id,

@@ -268,3 +268,34 @@ def test_one_failure_cancels_the_sibling_generations():
         await engine.stop()
 
     run(main())
+
+
+def test_a_large_chat_prompt_is_rendered_off_the_event_loop():
+    """A template over megabytes of messages takes long: past OFF_LOOP_RENDER_BYTES (the
+    request's size, or the messages' text) it renders on a worker thread."""
+    import asyncio
+    import threading
+
+    from paved.engine.protocol import ChatPrompt
+    from paved.engine.text import OFF_LOOP_RENDER_BYTES, render_chat_template_off_loop
+
+    threads: list[str] = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **kwargs):
+            threads.append(threading.current_thread().name)
+            return "".join(m["content"] for m in messages)
+
+    async def go():
+        small = ChatPrompt(messages=[{"role": "user", "content": "hi"}])
+        big = ChatPrompt(messages=[{"role": "user", "content": "x" * (OFF_LOOP_RENDER_BYTES + 1)}])
+        hinted = ChatPrompt(messages=[{"role": "user", "content": "hi"}], size_hint=OFF_LOOP_RENDER_BYTES + 1)
+        for prompt in (small, big, hinted):
+            assert (
+                await render_chat_template_off_loop(Tokenizer(), prompt, "messages")
+                == prompt.messages[0]["content"]
+            )
+
+    asyncio.run(go())
+    main = threading.main_thread().name
+    assert threads[0] == main and threads[1] != main and threads[2] != main
