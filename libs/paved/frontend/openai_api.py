@@ -114,11 +114,11 @@ class _Admitted:
 
 
 async def _admit(
-    state: AppState, served: ServedModel, requests: Sequence[GenerateRequest], weight: int
+    state: AppState, served: ServedModel, requests: Sequence[GenerateRequest], weight: int, param: str = "n"
 ) -> _Admitted:
     """Admit and start every engine request, or none of them."""
     try:
-        ticket = state.models.admit(served, weight)
+        ticket = state.models.admit(served, weight, param)
     except EngineOverloadedError as e:
         e.model = e.model or served.card.id
         raise
@@ -333,7 +333,9 @@ async def completions(body: schemas.CompletionRequest, request: Request):
         )
         for i, p in enumerate(prompts)
     ]
-    admitted = await _admit(state, served, generates, body.n * len(prompts))
+    admitted = await _admit(
+        state, served, generates, body.n * len(prompts), "n" if len(prompts) == 1 else "prompt"
+    )
     headers = _headers(resolved)
     if body.stream:
         events = responses.completion_events(
@@ -396,7 +398,7 @@ async def embeddings(body: schemas.EmbeddingRequest, request: Request):
     if served.card.kind != "embed":
         raise APIError(400, f"model {body.model!r} is not an embedding model", param="model")
     inputs = _prompts(body.input, served.card.max_model_len, "input")
-    admitted = await _admit(state, served, [], len(inputs))
+    admitted = await _admit(state, served, [], len(inputs), "input")
     try:
         embed = EmbedRequest(
             engine_request_id("embd", request), body.model, inputs, dimensions=body.dimensions
@@ -454,8 +456,11 @@ async def rank(body: schemas.RankRequest, request: Request):
         raise PromptTooLongError(
             prompt_tokens=len(context) + 1, max_tokens=0, max_model_len=max_model_len, param="context"
         )
-    candidates = [await engine.tokenize(body.model, c, add_special_tokens=False) for c in body.candidates]
-    for i, ids in enumerate(candidates):
+    # Each checked as soon as it is tokenized: a candidate too long refuses the request before
+    # the rest are tokenized (256 of them can be tens of megabytes).
+    candidates: list[list[int]] = []
+    for i, text in enumerate(body.candidates):
+        ids = await engine.tokenize(body.model, text, add_special_tokens=False)
         if not ids:
             raise InvalidRequestError(f"candidates[{i}] tokenizes to nothing", param="candidates")
         if len(context) + len(ids) > max_model_len:
@@ -465,13 +470,14 @@ async def rank(body: schemas.RankRequest, request: Request):
                 max_model_len=max_model_len,
                 param="candidates",
             )
+        candidates.append(ids)
     request_id = engine_request_id("rank", request)
     sampling = SamplingOptions(max_tokens=0, prompt_logprobs=0)
     generates = [
         GenerateRequest(f"{request_id}-{i}", body.model, TokenPrompt([*context, *ids]), sampling)
         for i, ids in enumerate(candidates)
     ]
-    admitted = await _admit(state, served, generates, len(generates))
+    admitted = await _admit(state, served, generates, len(generates), "candidates")
     try:
         results = await unless_disconnected(
             request,

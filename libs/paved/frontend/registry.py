@@ -24,6 +24,13 @@ from paved.engine.protocol import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED_SEQUENCES = 1024
+# What a request's sequences are, by the field that sets their number.
+_WEIGHTS = {
+    "n": "n x prompts",
+    "prompt": "n x prompts",
+    "input": "one per input",
+    "candidates": "one per candidate",
+}
 
 
 @dataclass
@@ -96,12 +103,14 @@ class ModelRegistry:
             f"the model {model!r} does not exist; GET /v1/models lists the served models"
         )
 
-    def admit(self, served: ServedModel, weight: int) -> Ticket:
+    def admit(self, served: ServedModel, weight: int, param: str = "n") -> Ticket:
+        """`weight` sequences of one request (`param` names what the client would lower)."""
         if weight > served.max_queued_sequences:
             raise InvalidRequestError(
-                f"this request needs {weight} sequences (n x prompts), more than model "
-                f"{served.card.id!r} admits at once ({served.max_queued_sequences})",
-                param="n",
+                f"this request needs {weight} sequences ({_WEIGHTS.get(param, param)}), more than model "
+                f"{served.card.id!r} admits at once ({served.max_queued_sequences}); send fewer "
+                "in one request",
+                param=param,
             )
         if served.queued_sequences + weight > served.max_queued_sequences:
             raise EngineOverloadedError(

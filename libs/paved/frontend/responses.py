@@ -289,6 +289,8 @@ async def chat_events(
             if buffered is not None:
                 b = buffered[d.index]
                 b.text_parts.append(d.text)
+                if with_logprobs and d.logprobs:
+                    b.logprobs.extend(d.logprobs)
                 b.finish_reason = d.finish_reason
                 if d.finish_reason is None:
                     continue
@@ -300,8 +302,10 @@ async def chat_events(
                     ]
                 else:
                     delta["content"] = message["content"]
+                # The whole choice's logprobs with its one delta, as the answer without stream has.
+                lp = chat_logprobs(b.logprobs) if with_logprobs and b.logprobs else None
                 choices.append(
-                    event_json({"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish})
+                    event_json({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish})
                 )
                 continue
             logprobs = event_json(chat_logprobs(d.logprobs)) if with_logprobs and d.logprobs else "null"

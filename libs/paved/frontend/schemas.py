@@ -452,7 +452,9 @@ class RankRequest(Body):
     context: Annotated[str, StringConstraints(min_length=1, max_length=MAX_RANK_CONTEXT_CHARS)]
     _BOUNDED = (("candidates", 256),)
 
-    candidates: list[NonEmptyStr] = Field(min_length=1, max_length=256)
+    candidates: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_RANK_CONTEXT_CHARS)]] = (
+        Field(min_length=1, max_length=256)
+    )
     user: str | None = Field(default=None, max_length=512)
 
 

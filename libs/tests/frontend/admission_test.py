@@ -441,3 +441,19 @@ def test_distinct_specs_past_the_bound_are_refused_with_retry_after(burst_url, m
         assert error["code"] == "overloaded"
         assert f"{bound} distinct output constraints are already being checked" in error["message"]
     assert sorted(r.status_code for r in responses) == [200] * bound + [503] * extra
+
+
+def test_a_request_larger_than_admission_names_the_field_that_sizes_it(url):
+    """More sequences in one request than the model admits at once (64 here): a 400 naming
+    what the client would lower (`n`, or the prompt list), not always `n`."""
+    prompts = httpx.post(
+        url + "/v1/completions", json={"model": "fake", "prompt": ["x"] * 65, "max_tokens": 1}, timeout=30
+    )
+    assert prompts.status_code == 400 and prompts.json()["error"]["param"] == "prompt", prompts.text
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "n": 65},
+        timeout=30,
+    )
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "n", chat.text
+    assert "admits at once (64)" in chat.json()["error"]["message"]

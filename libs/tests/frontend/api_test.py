@@ -566,6 +566,19 @@ def test_required_tool_choice():
         )
         deltas = [d for chunk in stream if chunk.choices for d in chunk.choices[0].delta.tool_calls or []]
         assert [d.function.name for d in deltas] == ["get_time", "get_weather"]
+        # Logprobs asked for with a stream of required calls come with the one delta (they
+        # were dropped: null), as without a stream.
+        streamed = client.chat.completions.create(
+            **CHAT, tools=[WEATHER, TIME], tool_choice="required", stream=True, max_tokens=150, logprobs=True
+        )
+        chunks = [c for c in streamed if c.choices and c.choices[0].finish_reason]
+        whole = client.chat.completions.create(
+            **CHAT, tools=[WEATHER, TIME], tool_choice="required", max_tokens=150, logprobs=True
+        )
+        assert chunks[0].choices[0].logprobs is not None
+        assert [t.token for t in chunks[0].choices[0].logprobs.content] == [
+            t.token for t in whole.choices[0].logprobs.content
+        ]
 
 
 def test_required_tool_choice_resolves_each_tools_local_refs():
