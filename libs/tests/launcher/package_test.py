@@ -163,3 +163,20 @@ def test_cli_rejects_a_missing_plugin_wheel_and_an_unwritable_output(tmp_path, c
     (tmp_path / "file").write_text("")
     assert main([*base, "--out", str(tmp_path / "file" / "pkg")]) == 2
     assert "build_package:" in capsys.readouterr().err
+
+
+def test_the_launchers_own_vllm_flags_come_after_the_packages(tmp_path):
+    """argparse keeps the last of a flag: the launcher's --host, --port, --model and
+    --served-model-name come after a package's engine args, so no spelling a package finds
+    for them (an abbreviation such as --hos) can move where the engine listens."""
+    from paved.launcher.main import child_spec, parser
+    from paved.launcher.materialize import Materialized
+
+    package = parse_model_json(_raw(mode="standalone", engine_args={"max_model_len": 512, "hos": "0.0.0.0"}))  # noqa: S104
+    m = Materialized(
+        uri="x", digest="d", package=package, package_dir=str(tmp_path), model_dir=str(tmp_path / "model"),
+        plugin_dir=None, warm=True, seconds=0.0,
+    )  # fmt: skip
+    argv = child_spec(parser().parse_args(["x"]), m, str(tmp_path)).argv
+    assert argv.index("--max-model-len") < argv.index("--host") and argv.index("--hos") < argv.index("--host")
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv.index("--host") > argv.index("--model")
