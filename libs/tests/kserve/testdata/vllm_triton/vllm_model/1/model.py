@@ -55,6 +55,13 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # thread's check after each send lags when sends fall behind generation (a loaded machine), and
 # a short request could then run to its end unaborted.
 _CANCEL_POLL_S = 0.1
+# A test hook, not Triton's: a prompt holding this marker is streamed to its client at most 100
+# tokens a second (the cancellation polled meanwhile), and an abort counts the tokens that pace
+# allowed, so a disconnect test's request cannot end before its cancellation arrives. On a
+# machine loaded enough, the tiny model wrote all its 1984 tokens before the client had read
+# two, and nothing was left to abort.
+_SLOW_MARKER = "[paved-test:slow]"
+_SLOW_TOKEN_S = 0.01
 _ADDITIONAL = (
     "return_finish_reason",
     "return_cumulative_logprob",
@@ -289,12 +296,21 @@ class TritonPythonModel:
             # which); the latest of each is kept here.
             choices = [None] * params.n
             seen = {i: (0, 0) for i in range(params.n)}
+            slow = stream and _SLOW_MARKER in prompt
+            started = time.monotonic()
             async for output in self._engine.generate(prompt, params, vllm_id):
                 got_any = True
                 seen["prompt_tokens"] = len(output.prompt_token_ids or [])
                 for c in output.outputs:
                     choices[c.index] = c
                 generated = sum(len(c.token_ids) for c in choices if c is not None)
+                while (
+                    slow and not state["cancelled"] and time.monotonic() < started + generated * _SLOW_TOKEN_S
+                ):
+                    await asyncio.sleep(0.05)
+                    state["cancelled"] = await asyncio.to_thread(sender.is_cancelled)
+                if slow and state["cancelled"]:
+                    generated = min(generated, int((time.monotonic() - started) / _SLOW_TOKEN_S))
                 if stream and not state["cancelled"] and time.monotonic() - polled >= _CANCEL_POLL_S:
                     polled = time.monotonic()
                     state["cancelled"] = await asyncio.to_thread(sender.is_cancelled)
