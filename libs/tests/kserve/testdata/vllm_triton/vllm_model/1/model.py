@@ -56,10 +56,10 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # a short request could then run to its end unaborted.
 _CANCEL_POLL_S = 0.1
 # A test hook, not Triton's: a prompt holding this marker is streamed to its client at most 100
-# tokens a second (the cancellation polled meanwhile), and an abort counts the tokens that pace
-# allowed, so a disconnect test's request cannot end before its cancellation arrives. On a
-# machine loaded enough, the tiny model wrote all its 1984 tokens before the client had read
-# two, and nothing was left to abort.
+# tokens a second (the cancellation polled meanwhile), so a disconnect test's request cannot end
+# before its cancellation arrives (under load, the tiny model may finish its 1984 tokens before
+# a cancellation reaches it). vLLM itself is not slowed: the abort line counts what vLLM had
+# generated, which may be all of it.
 _SLOW_MARKER = "[paved-test:slow]"
 _SLOW_TOKEN_S = 0.01
 _ADDITIONAL = (
@@ -309,8 +309,6 @@ class TritonPythonModel:
                 ):
                     await asyncio.sleep(0.05)
                     state["cancelled"] = await asyncio.to_thread(sender.is_cancelled)
-                if slow and state["cancelled"]:
-                    generated = min(generated, int((time.monotonic() - started) / _SLOW_TOKEN_S))
                 if stream and not state["cancelled"] and time.monotonic() - polled >= _CANCEL_POLL_S:
                     polled = time.monotonic()
                     state["cancelled"] = await asyncio.to_thread(sender.is_cancelled)
