@@ -374,9 +374,6 @@ class Controller:
         )
         if gone:
             logger.info("forgot %d replicas that ended over %.0f s ago", gone, self.replica_retention_s)
-        live = {r.id for r in await self.store.list_replicas(states=_LIVE)}
-        for stale in [rid for rid in self._started_at if rid not in live and rid not in self._draining]:
-            self._forget(stale)
 
     async def _retire(self, r: Replica) -> None:
         driver = self.drivers.get(r.region)

@@ -474,6 +474,8 @@ def new_replica_id() -> str:
 
 # -- (de)serialisation ---------------------------------------------------------------------
 
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(DeploymentSpec))
+
 
 def spec_to_dict(spec: DeploymentSpec) -> dict[str, Any]:
     d = dataclasses.asdict(spec)
@@ -490,15 +492,14 @@ def spec_from_dict(raw: dict[str, Any], *, stored: bool = False) -> DeploymentSp
     dropped and a rule it breaks now is logged, not raised."""
     if not isinstance(raw, dict):
         raise BadRequest("spec must be a JSON object")
-    known = {f.name for f in dataclasses.fields(DeploymentSpec)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - _SPEC_FIELDS)
     values = dict(raw)
     if unknown and stored:
         logger.warning("stored deployment spec has field(s) %s this version does not know; ignored", unknown)
         for key in unknown:
             del values[key]
     elif unknown:
-        raise BadRequest(f"unknown deployment field(s) {unknown}; known: {sorted(known)}")
+        raise BadRequest(f"unknown deployment field(s) {unknown}; known: {sorted(_SPEC_FIELDS)}")
     if "regions" in values:
         regions = values["regions"]
         if not isinstance(regions, list | tuple):
@@ -835,8 +836,7 @@ class ControlStore:
             if spec_changes:
                 spec = validate_spec(dataclasses.replace(current.spec, **spec_changes))
                 # Fields a newer control plane stored (this one does not know them) are kept.
-                known = {f.name for f in dataclasses.fields(DeploymentSpec)}
-                kept = {k: v for k, v in dict(row.spec).items() if k not in known}
+                kept = {k: v for k, v in dict(row.spec).items() if k not in _SPEC_FIELDS}
                 values["spec"] = {**kept, **spec_to_dict(spec)}
             # A state or traffic change leaves the stored spec as it is: one stored before a
             # rule was tightened is not checked (and refused) again on every write.

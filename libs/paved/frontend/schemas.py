@@ -41,7 +41,8 @@ MAX_MESSAGES = 128 * 1024
 MAX_RANK_CONTEXT_CHARS = 2 * 1024 * 1024
 
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
@@ -99,7 +100,7 @@ def _token_id(value: Any) -> bool:
     # An integral float (1.0, 1e3) is a token id, as pydantic's lax int takes it; a bool is not.
     if type(value) is float and value.is_integer():
         value = int(value)
-    return type(value) is int and 0 <= value <= 2**31 - 1
+    return type(value) is int and 0 <= value <= MAX_TOKEN_ID
 
 
 def _check_logit_bias(bias: Any) -> None:
@@ -264,7 +265,7 @@ class SamplingFields(Body):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit() or int(key) > 2**31 - 1:
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
         return value
 

@@ -75,12 +75,7 @@ def _config_json(model: ServedModel) -> dict:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
-    if (
-        length is not None
-        and length.isascii()
-        and length.isdigit()
-        and (len(length) > 20 or int(length) > limit)
-    ):
+    if length is not None and _digits(length) and (len(length) > 20 or int(length) > limit):
         raise too_large(f"request body of {length} bytes exceeds the limit of {limit} bytes")
     chunks = []
     size = 0
@@ -116,17 +111,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return body
 
 
+def _digits(value: str) -> bool:
+    """ASCII digits only: "²" is a digit to str.isdigit and not to int()."""
+    return value.isascii() and value.isdigit()
+
+
 def _decode_infer(
     model: ServedModel, body: bytes, header_length: str | None
 ) -> tuple[InferRequest, dict, bool]:
     if header_length is not None:
-        # ASCII digits: "²" is a digit to str.isdigit and not to int(); at most 20 of them
-        # (int() refuses strings past 4300 digits, and no body is longer than 20).
-        if (
-            not (header_length.isascii() and header_length.isdigit())
-            or len(header_length) > 20
-            or int(header_length) > len(body)
-        ):
+        # At most 20 digits: int() refuses strings past 4300, and no body is longer than 20.
+        if not _digits(header_length) or len(header_length) > 20 or int(header_length) > len(body):
             raise invalid_argument(
                 f"{HEADER_LENGTH} {header_length!r} does not fit a body of {len(body)} bytes"
             )

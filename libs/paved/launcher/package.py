@@ -141,9 +141,10 @@ class ModelPackage(BaseModel):
     @field_validator("engine_args")
     @classmethod
     def _engine_args_leave_paved_its_own(cls, value: dict[str, Any]) -> dict[str, Any]:
-        # These the launcher sets itself (where the engine listens, what it serves, its
-        # tokenizer); a package's would come after and win: {"host": "0.0.0.0"} exposed the
-        # engine past the launcher's gate, {"port": ...} made a replica that is never ready.
+        # These the launcher sets itself (where the engine listens, what it serves, who may
+        # call it): {"host": "0.0.0.0"} once exposed the engine past the launcher's gate, and
+        # {"port": ...} made a replica that is never ready. Refused here, with a reason, though
+        # the launcher's own flags also come last (argparse keeps the last).
         taken = sorted(k for k in value if k.replace("-", "_") in RESERVED_ENGINE_ARGS)
         if taken:
             raise ValueError(f"engine_args {taken} are set by paved itself and may not be given")

@@ -258,12 +258,17 @@ def test_a_local_reader_gets_an_event_only_once_the_log_holds_it(db_url):
     asyncio.run(go())
 
 
+def _over_a_failing_log(replica: _Replica) -> ev.LiveStreams:
+    """Streams whose every append to `replica`'s log fails."""
+    failing = _GatedLog(replica.log, failures=1_000_000)
+    failing.gate.set()
+    return ev.LiveStreams(failing, flush_interval_s=0.002)  # type: ignore[arg-type]
+
+
 def test_a_failing_log_costs_resumability_not_the_stream(db_url):
     async def go():
         a, b = await _replicas(db_url)
-        failing = _GatedLog(a.log, failures=1_000_000)
-        failing.gate.set()
-        streams = ev.LiveStreams(failing, flush_interval_s=0.002)  # type: ignore[arg-type]
+        streams = _over_a_failing_log(a)
         live = await streams.create("s3", "acme")
         reader = asyncio.create_task(_collect(streams.follow("s3", -1)))
         for seq in range(4):
@@ -428,9 +433,7 @@ def test_a_fenced_stream_whose_log_had_failed_ends_its_readers_with_a_comment(db
 
     async def go():
         a, b = await _replicas(db_url)
-        failing = _GatedLog(a.log, failures=1_000_000)
-        failing.gate.set()
-        streams = ev.LiveStreams(failing, flush_interval_s=0.002)  # type: ignore[arg-type]
+        streams = _over_a_failing_log(a)
         live = await streams.create("u1", "acme")
         reader = asyncio.create_task(_collect(streams.follow("u1", -1)))
         streams.push(live, _event(0))

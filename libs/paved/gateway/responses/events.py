@@ -402,6 +402,15 @@ _writers_table = sa.Table(
 )
 
 
+def _raise_epoch(conn: sa.Connection, stream_id: str, epoch: int, has_row: bool) -> None:
+    """The stream's writer epoch is now `epoch` (under its row's lock)."""
+    w = _writers_table
+    if has_row:
+        conn.execute(w.update().where(w.c.id == stream_id).values(epoch=epoch))
+    else:
+        conn.execute(w.insert().values(id=stream_id, epoch=epoch))
+
+
 class SqlEventLog:
     """Streams in the gateway's database (SQLite for one host, PostgreSQL for many replicas)."""
 
@@ -521,19 +530,14 @@ class SqlEventLog:
         return await self._store.run(self._fence_sync, stream_id, epoch)
 
     def _fence_sync(self, stream_id: str, epoch: int) -> int:
-        w = _writers_table
         with self._store.engine.begin() as conn:
             conn.execute(self._lock_exclusive, {"ids": [stream_id]})
             row = conn.execute(self._lasts, {"ids": [stream_id]}).first()
             if row is None or row.expires_at < time.time():
                 return GONE
-            held = row.epoch or 0
-            if epoch < held:
+            if epoch < (row.epoch or 0):
                 return FENCED
-            if row.epoch is None:
-                conn.execute(w.insert().values(id=stream_id, epoch=epoch))
-            else:
-                conn.execute(w.update().where(w.c.id == stream_id).values(epoch=epoch))
+            _raise_epoch(conn, stream_id, epoch, row.epoch is not None)
             return -1 if row.last_seq is None else int(row.last_seq)
 
     def _append_many_sync(self, appends: list[Append]) -> list[int]:
@@ -545,13 +549,12 @@ class SqlEventLog:
         retention = self.bounds.retention_s
         with self._store.engine.begin() as conn:
             found: dict[str, tuple[int, float]] = {}
-            epochs: dict[str, int] = {}
+            epochs: dict[str, int | None] = {}  # None: no writer row yet (epoch 0)
             ids = list({a.stream_id for a in appends})
             conn.execute(self._lock_shared, {"ids": ids})
             for r in conn.execute(self._lasts, {"ids": ids}):
                 found[r.id] = (-1 if r.last_seq is None else int(r.last_seq), r.expires_at)
-                epochs[r.id] = r.epoch or 0
-            raised: list[dict[str, Any]] = []
+                epochs[r.id] = r.epoch
             rows: list[tuple[str, int, bytes, bool]] = []
             updates: list[dict[str, Any]] = []
             trims: list[dict[str, Any]] = []
@@ -560,11 +563,12 @@ class SqlEventLog:
                 if a.stream_id not in found:
                     out.append(GONE)
                     continue
-                if a.epoch < epochs[a.stream_id]:
+                held = epochs[a.stream_id]
+                if a.epoch < (held or 0):
                     out.append(FENCED)
                     continue
-                if a.epoch > epochs[a.stream_id]:
-                    raised.append({"b_id": a.stream_id, "b_epoch": a.epoch})
+                if a.epoch > (held or 0):  # an append of a higher epoch fences the stream too
+                    _raise_epoch(conn, a.stream_id, a.epoch, held is not None)
                     epochs[a.stream_id] = a.epoch
                 last, expires_at = found[a.stream_id]
                 new = [(seq, data) for seq, data in a.events if seq > last]
@@ -597,11 +601,6 @@ class SqlEventLog:
                             expires_at=sa.bindparam("b_exp")),
                     updates,
                 )  # fmt: skip
-            if raised:
-                w = _writers_table
-                ids = [r["b_id"] for r in raised]
-                conn.execute(w.delete().where(w.c.id.in_(ids)))
-                conn.execute(w.insert(), [{"id": r["b_id"], "epoch": r["b_epoch"]} for r in raised])
             if trims:
                 conn.execute(
                     t.delete().where(
@@ -897,8 +896,6 @@ class LiveStreams:
                     sent = True
                     yield chunk
                     continue
-                if live.ended and position >= live.next_seq:
-                    return
                 await live._notify.wait()
         finally:
             live.readers -= 1
