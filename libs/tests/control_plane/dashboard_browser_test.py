@@ -73,7 +73,7 @@ def _confirm(page: Page, expected_text: str) -> None:
 
 def test_rollout_and_rollback_from_the_dashboard(tmp_path, page, outputs):
     with make_fleet(tmp_path) as make:
-        cp, gw, key = make(("local=31600-31649",))  # its own range: tests run in parallel
+        cp, gw, key = make()
         first_deploy(cp, gw, key)
         deploy(cp, "v2")
         traffic = TrafficDriver(gw.url, key, "tiny", rate=4).start()
@@ -93,7 +93,7 @@ def _sign_in(page: Page, cp) -> None:
 
 def test_pin_a_versioned_deployment_from_the_dashboard(tmp_path, page, outputs):
     with make_fleet(tmp_path) as make:
-        cp, gw, key = make(("local=31650-31699",))
+        cp, gw, key = make()
         first_deploy(cp, gw, key, strategy="versioned")  # v1 becomes current
         deploy(cp, "v2", strategy="versioned")
         r = cp.wait_rollout(rollout(cp, "v2")["id"])
@@ -119,7 +119,7 @@ LINES, TOO_LONG = 320, 2
 
 def test_batches_with_progress_bars_on_the_dashboard(tmp_path, page, outputs):
     with make_fleet(tmp_path) as make:
-        cp, gw, key = make(("local=31800-31849",))
+        cp, gw, key = make()
         first_deploy(cp, gw, key, engine=SLOW_SIM)
         lines = [
             {

@@ -326,8 +326,7 @@ def fleet(tmp_path):
 
 
 def test_summary_over_a_fleet_on_the_simulated_engine(fleet):
-    # A port range of its own: tests run in parallel, and replicas bind only once ready.
-    cp, gw, key = fleet(("local=31500-31549",))
+    cp, gw, key = fleet()
     first_deploy(cp, gw, key)
     for _ in range(4):
         r = httpx.post(
@@ -403,7 +402,7 @@ def start_batch(gw, key: str, n: int, *, too_long: int = 0) -> str:
 
 
 def test_batch_progress_in_the_gateway_admin_listing_and_the_summary(fleet):
-    cp, gw, key = fleet(("local=31760-31799",))
+    cp, gw, key = fleet()
     first_deploy(cp, gw, key, engine=SLOW_SIM)
     batch_id = start_batch(gw, key, BATCH_LINES, too_long=2)
     admin = {"Authorization": f"Bearer {cp.admin_key}"}  # the fleet's gateway shares the key

@@ -29,6 +29,7 @@ from gateway_proc import GatewayProcess
 
 from paved.procs import marked_processes
 from paved.runfiles import runfile
+from paved.testing.ports import port_block
 
 
 class ControlPlaneProcess:
@@ -345,13 +346,21 @@ def audit_messages(cp, rollout_id: str) -> list[str]:
     return [e["message"] for e in cp.api("GET", f"/v1/audit?rollout_id={rollout_id}&limit=1000")["data"]]
 
 
+def region(name: str = "local", n: int = 100) -> str:
+    """A `--region` spec over `n` ports this test process alone holds (paved.testing.ports)."""
+    lo, hi = port_block(n)
+    return f"{name}={lo}-{hi}"
+
+
 @contextlib.contextmanager
 def make_fleet(tmp_path: Path) -> Iterator[Callable[..., tuple[ControlPlaneProcess, GatewayProcess, str]]]:
     """`make(regions=...)` -> (control plane, gateway following it, a tenant's key); all stopped
     and every replica reaped on exit."""
     made: list[Any] = []
 
-    def make(regions: tuple[str, ...] | list[str] = ("local=31000-31099",), *cp_args: str):
+    def make(regions: tuple[str, ...] | list[str] | None = None, *cp_args: str):
+        if regions is None:
+            regions = (region(),)
         key = "adm-" + secrets.token_hex(16)
         gateway_port = free_port()
         cp = ControlPlaneProcess(

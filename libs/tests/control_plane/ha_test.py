@@ -17,6 +17,7 @@ from fleet import (
     free_port,
     gateway_for,
     reap_replicas,
+    region,
     rollout,
 )
 
@@ -26,6 +27,7 @@ from paved.testing.postgres import create_database, postgres_server
 def test_follower_takes_over_mid_rollout_and_finishes_it(tmp_path):
     key = "adm-" + secrets.token_hex(16)
     gateway_port = free_port()
+    local = region(n=50)  # one range: the follower drives the leader's replicas
     made = []
     with postgres_server() as pg:
         state = create_database(pg, "cp")
@@ -38,7 +40,7 @@ def test_follower_takes_over_mid_rollout_and_finishes_it(tmp_path):
                     admin_key=key,
                     state=state,
                     work_dir=tmp_path / "work",
-                    regions=["local=31400-31449"],
+                    regions=[local],
                 )
                 made.append(cp)
                 return cp

@@ -27,6 +27,7 @@ from paved.control_plane.types import Replica
 from paved.metrics.gauges import scrape
 from paved.procs import marked_processes, proc_start_time
 from paved.runfiles import runfile
+from paved.testing.ports import port_block
 
 
 def marked(marker: str) -> dict[int, str]:
@@ -38,24 +39,6 @@ SIM = "sim://tiny?tokens_per_s=0"
 
 def tiny_package() -> str:
     return runfile("services/launcher/tiny_package.tar")
-
-
-def free_range(n: int) -> tuple[int, int]:
-    """n consecutive loopback ports free right now (the driver re-checks each one anyway)."""
-    for base in range(21000, 60000, 97):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base, base + n - 1
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def request(rid: str, **kw) -> ReplicaRequest:
@@ -106,7 +89,7 @@ def cleanup():
 
 
 def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> None:
-    lo, hi = free_range(6)
+    lo, hi = port_block(6)
 
     async def go() -> None:
         driver = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
@@ -151,7 +134,7 @@ def test_create_ready_metrics_drain(tmp_path: Path, cleanup: list[Replica]) -> N
 
 
 def test_adopt_after_restart(tmp_path: Path, cleanup: list[Replica]) -> None:
-    lo, hi = free_range(6)
+    lo, hi = port_block(6)
 
     async def go() -> None:
         first = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
@@ -216,7 +199,7 @@ def test_adopt_after_restart(tmp_path: Path, cleanup: list[Replica]) -> None:
 
 
 def test_port_exhaustion_and_ports_in_use(tmp_path: Path, cleanup: list[Replica]) -> None:
-    lo, hi = free_range(4)
+    lo, hi = port_block(4)
 
     async def go() -> None:
         with socket.socket() as busy:
@@ -241,7 +224,7 @@ def test_port_exhaustion_and_ports_in_use(tmp_path: Path, cleanup: list[Replica]
 
 
 def test_start_failure_reason_and_bad_requests(tmp_path: Path, cleanup: list[Replica]) -> None:
-    lo, hi = free_range(4)
+    lo, hi = port_block(4)
 
     async def go() -> None:
         driver = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")
@@ -283,7 +266,7 @@ def test_adopt_stops_a_replica_started_but_never_recorded(tmp_path: Path, cleanu
     """The control plane killed between a replica's spawn and its record: nothing would ever
     stop the process (adoption reads the records). The next adopt finds it by the marker file
     its work dir holds and stops it; a recorded replica beside it is adopted and kept."""
-    lo, hi = free_range(6)
+    lo, hi = port_block(6)
 
     async def go() -> None:
         first = LocalDriver("local", port_range=(lo, hi), work_dir=tmp_path / "work")

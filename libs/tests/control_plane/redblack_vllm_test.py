@@ -19,7 +19,7 @@ def fleet(tmp_path):
 
 
 def test_red_black_on_vllm_with_structured_outputs_and_no_failed_request(fleet):
-    cp, gw, key = fleet(("local=31300-31349",), "--health-timeout", "600")
+    cp, gw, key = fleet(None, "--health-timeout", "600")
     first_deploy(cp, gw, key, engine="package")
     v1 = {r["url"] for r in cp.replicas("tiny") if r["state"] == "ready"}
     deploy(cp, "v2", engine="package")

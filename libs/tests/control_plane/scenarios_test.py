@@ -29,6 +29,7 @@ from fleet import (
     first_deploy,
     fleet_processes,
     make_fleet,
+    region,
     rollout,
     tiny_package,
 )
@@ -224,7 +225,7 @@ def test_versioned_side_by_side_with_pins_then_gc(fleet):
 
 
 def test_three_region_wave_halts_in_region_two(fleet):
-    regions = ["r1=31100-31149", "r2=31150-31199", "r3=31200-31249"]
+    regions = [region("r1", 50), region("r2", 50), region("r3", 50)]
     cp, gw, key = fleet(regions=regions)
     first_deploy(cp, gw, key, regions=["r1", "r2", "r3"])
     deploy(cp, "v2", regions=["r1", "r2", "r3"])

@@ -42,6 +42,7 @@ import openai
 import pytest
 
 from paved.platform.up import Config, Platform, marked_processes
+from paved.testing.ports import port_block
 
 MODEL = "tiny"
 SCHEMA = {
@@ -65,7 +66,12 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     work = tmp_path_factory.mktemp("e2e") / "work"
     lines: list[str] = []
     cfg = Config(
-        work_dir=work, port=0, replica_port_base=26000, engine="vllm", replicas=1, boot_timeout_s=900
+        work_dir=work,
+        port=0,
+        replica_port_base=port_block(200)[0],
+        engine="vllm",
+        replicas=1,
+        boot_timeout_s=900,
     )
     p = Platform(cfg, say=lines.append)
     try:
