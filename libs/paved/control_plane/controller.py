@@ -269,7 +269,7 @@ class Controller:
         started = self._started_at.setdefault(r.id, now)
         if r.state == "starting":
             if not await driver.alive(r):
-                await self._fail(r, "its process exited before it was ready")
+                await self._fail(r, "its process exited before it was ready" + await self._why(r, driver))
                 return
             r = await self._locate(r, driver)
             if not r.admin_url:  # not placed yet (a pod without an IP): nothing to probe
@@ -294,7 +294,8 @@ class Controller:
                         self._wake[rollout_id] = 0.0
                 self._wakeup.set()
             elif now - started > self.health_timeout_s:
-                await self._fail(r, f"not ready after {self.health_timeout_s:.0f} s: {reason}")
+                why = await self._why(r, driver)
+                await self._fail(r, f"not ready after {self.health_timeout_s:.0f} s: {reason}{why}")
             return
         ok, reason = await probe_live(r, driver)
         if ok:
@@ -308,6 +309,7 @@ class Controller:
         self._live_misses[r.id] = misses
         if misses < self.live_failures and await driver.alive(r):
             return
+        reason += await self._why(r, driver)
         # Out of the routes before anything else happens to it.
         await self.store.update_replica(r.id, state="unhealthy", reason=reason)
         await self.publish_routes()
@@ -327,6 +329,17 @@ class Controller:
         if not changed:
             return r
         return await self.store.update_replica(r.id, **changed)
+
+    @staticmethod
+    async def _why(r: Replica, driver: Driver) -> str:
+        """ ": <why the replica stopped>" when its driver can tell, else ""; a driver that fails
+        to say does not keep the failure from being recorded."""
+        try:
+            why = await driver.exit_reason(r)
+        except Exception as e:  # noqa: BLE001 - only the explanation is lost
+            logger.warning("replica %s: asking its driver why it stopped failed: %s", r.id, e)
+            return ""
+        return f": {why}" if why else ""
 
     async def _fail(self, r: Replica, reason: str) -> None:
         await self.store.update_replica(r.id, state="failed", reason=reason)

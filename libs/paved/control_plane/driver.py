@@ -114,6 +114,14 @@ class Driver(Protocol):
         """The replica's process exists and is the same process (pid + start time)."""
         ...
 
+    async def exit_reason(self, replica: Replica) -> str | None:
+        """Why the replica's process last ended, in one line an operator can act on: its
+        launcher's failure, or its container's last termination (which a pod restarting its
+        container in a crash loop has while it still counts as alive). None when nothing of it
+        has ended or the driver cannot tell. Reads what the driver already holds (no remote
+        call) and never raises for a replica of another driver."""
+        ...
+
     async def adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:
         """(still running: adopted, gone) after a control-plane restart."""
         ...
@@ -126,6 +134,15 @@ class Driver(Protocol):
     async def close(self) -> None:
         """Forget the driver's resources; running replicas keep running (adopt finds them)."""
         ...
+
+
+def launcher_failure(log_tail: str) -> str | None:
+    """The launcher's own account of why it stopped: the last "launcher: ... failed: ..." line
+    of `log_tail`, without its prefix; None when it wrote none."""
+    for line in reversed(log_tail.splitlines()):
+        if line.startswith("launcher: ") and "failed: " in line:
+            return line[len("launcher: ") :]
+    return None
 
 
 def port_names(req: ReplicaRequest) -> tuple[str, ...]:

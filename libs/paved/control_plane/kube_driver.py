@@ -39,7 +39,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from paved.control_plane.driver import ReplicaRequest
+from paved.control_plane.driver import ReplicaRequest, launcher_failure
 from paved.control_plane.errors import BadRequest, ControlError
 from paved.control_plane.kube_objects import (
     ANNOTATION_REPLICA,
@@ -61,6 +61,7 @@ _PLURALS = {"Deployment": "deployments", "Service": "services", "PodDisruptionBu
 _WATCH_S = 50  # a watch is renewed this often (the server closes idle ones anyway)
 _SCALE_RETRIES = 8  # optimistic-concurrency retries of one scale update
 _REAP_S = 5.0  # how often a stop an API failure interrupted is tried again
+_REASON_CHARS = 500  # of a termination message in an audit reason (the kubelet keeps 4 KiB)
 
 
 class KubeError(ControlError):
@@ -461,6 +462,27 @@ class KubeDriver:
             pod = self._pods.get(ref["pod"])
             return pod is not None and pod["metadata"].get("uid") == ref.get("uid") and self._serving(pod)
 
+    async def exit_reason(self, replica: Replica) -> str | None:
+        try:
+            ref = self._ref(replica)
+        except BadRequest as e:
+            return str(e)
+        return await asyncio.to_thread(self._exit_reason, replica.id, ref)
+
+    def _exit_reason(self, replica_id: str, ref: dict[str, Any]) -> str | None:
+        if not ref.get("pod"):
+            return None  # no pod claimed yet: nothing of it has run
+        self._start()
+        with self._lock:
+            pod = self._pods.get(ref["pod"])
+        if pod is None or pod["metadata"].get("uid") != ref.get("uid"):
+            return f"its pod {ref['pod']} is gone"
+        # A crash-looping container's last termination, even while its pod lives on.
+        ended = termination(pod)
+        if ended is None and pod["metadata"].get("deletionTimestamp"):
+            return f"its pod {ref['pod']} is being deleted"
+        return ended
+
     # -- stop ----------------------------------------------------------------------------------
     async def drain(self, replica: Replica, timeout_s: float = 30.0) -> None:
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s >= 0):
@@ -641,3 +663,26 @@ class KubeDriver:
             await asyncio.to_thread(reaper.join, 4 * self.timeout_s + 1)
         with contextlib.suppress(Exception):
             self._api.close()
+
+
+def termination(pod: dict[str, Any]) -> str | None:
+    """Why a pod's container last ended, from its status: "container launcher Error (exit 1):
+    <the launcher's failure line, or the message's last line>"; the pod's own reason (evicted,
+    say) when no container ended; None when the status says neither."""
+    status = pod.get("status") or {}
+    for c in status.get("containerStatuses") or []:
+        for key in ("state", "lastState"):
+            ended = (c.get(key) or {}).get("terminated")
+            if not ended:
+                continue
+            how = ended.get("reason") or "terminated"
+            why = f"container {c.get('name')} {how} (exit {ended.get('exitCode')})"
+            message = str(ended.get("message") or "")
+            last = launcher_failure(message) or next(
+                (line.strip() for line in reversed(message.splitlines()) if line.strip()), ""
+            )
+            return f"{why}: {last[:_REASON_CHARS]}" if last else why
+    if status.get("reason") or status.get("message"):
+        message = str(status.get("message") or "")[:_REASON_CHARS]
+        return f"pod {status.get('reason') or status.get('phase')}: {message}"
+    return None

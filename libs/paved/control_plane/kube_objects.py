@@ -250,6 +250,9 @@ def replica_objects(
             {"name": "metrics", "mountPath": METRICS_MOUNT},
         ],
         "securityContext": {"allowPrivilegeEscalation": False},
+        # A launcher that fails writes why as its last line; the kubelet keeps the log's tail
+        # as the termination message, which the driver's exit_reason reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     kind_, _, where = settings.model_cache.partition(":")
     if kind_ == "pvc":

@@ -29,7 +29,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,9 +37,16 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from paved.control_plane.driver import PortsExhausted, ReplicaRequest, launcher_args, port_names
+from paved.control_plane.driver import (
+    PortsExhausted,
+    ReplicaRequest,
+    launcher_args,
+    launcher_failure,
+    port_names,
+)
 from paved.control_plane.errors import BadRequest
 from paved.control_plane.types import Replica
+from paved.net import port_free
 from paved.procs import marked_processes, proc_start_time
 
 log = logging.getLogger(__name__)
@@ -51,15 +57,6 @@ _HOST = "127.0.0.1"
 # Bounds on the kill loop: a replica that keeps forking is still gone after this many rounds.
 _KILL_ROUNDS = 50
 _LOG_TAIL_BYTES = 64 * 1024
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((_HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 class _Ref:
@@ -157,7 +154,7 @@ class LocalDriver:
             taken = {p for ports in self._reserved.values() for p in ports}
             chosen: list[int] = []
             for port in range(lo, hi + 1):
-                if port not in taken and _port_free(port):
+                if port not in taken and port_free(port, _HOST):
                     chosen.append(port)
                     if len(chosen) == n:
                         self._reserved[replica_id] = tuple(chosen)
@@ -286,13 +283,9 @@ class LocalDriver:
         try:
             with open(ref.log, "rb") as f:
                 f.seek(max(os.fstat(f.fileno()).st_size - _LOG_TAIL_BYTES, 0))
-                lines = f.read().decode(errors="replace").splitlines()
+                return launcher_failure(f.read().decode(errors="replace"))
         except OSError:
             return None
-        for line in reversed(lines):
-            if line.startswith("launcher: ") and "failed: " in line:
-                return line[len("launcher: ") :]
-        return None
 
     # -- stop --------------------------------------------------------------------------------
     def _wait_gone(self, ref: _Ref, timeout_s: float) -> bool:

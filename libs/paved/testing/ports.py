@@ -18,11 +18,12 @@ import math
 import socket
 import threading
 
+from paved.net import port_free
+
 __all__ = ["SPAN", "UNIT", "port_block"]
 
 UNIT = 100
 SPAN = (20000, 32700)  # [lo, hi): whole units only
-_HOST = "127.0.0.1"
 
 # Held until this process exits: a test's replicas may outlive the fixture that made them
 # (they are reaped at teardown), and a process claims a handful of units at most.
@@ -38,16 +39,6 @@ def _claim(unit: int) -> socket.socket | None:
         s.close()
         return None
     return s
-
-
-def _bindable(lo: int, hi: int) -> bool:
-    for port in range(lo, hi + 1):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((_HOST, port))
-            except OSError:
-                return False
-    return True
 
 
 def port_block(n: int = UNIT) -> tuple[int, int]:
@@ -66,7 +57,7 @@ def port_block(n: int = UNIT) -> tuple[int, int]:
                     break
                 got.append(s)
             lo = start * UNIT
-            if len(got) == units and _bindable(lo, lo + n - 1):
+            if len(got) == units and all(port_free(p) for p in range(lo, lo + n)):
                 _held.extend(got)
                 return lo, lo + n - 1
             for s in got:

@@ -380,6 +380,9 @@ class _RecordingDriver:
     async def alive(self, replica: Replica) -> bool:
         return True
 
+    async def exit_reason(self, replica: Replica) -> str | None:
+        return None
+
     async def locate(self, replica: Replica) -> Replica:
         return replica
 
@@ -460,6 +463,53 @@ def test_a_start_that_fails_in_the_os_fails_its_deployment_not_the_pass(tmp_path
             assert driver.created == ["good"] and len(await store.list_replicas()) == 1
             (failed,) = [e for e in await store.list_audit(model_id="bad") if e.kind == "replica.failed"]
             assert "Cannot allocate memory" in failed.message and failed.version == "v1"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+class _DyingDriver(_ForkFailingDriver):
+    """Its replicas die before they are ready; why, it can tell for model `told` only (for
+    `broken` asking raises, for the rest it knows nothing)."""
+
+    async def alive(self, replica: Replica) -> bool:
+        return False
+
+    async def exit_reason(self, replica: Replica) -> str | None:
+        model = self.models[replica.deployment_id]
+        if model == "broken":
+            raise RuntimeError("the driver's own bug")
+        return "start failed: engine exited 1: no tokenizer" if model == "told" else None
+
+
+def test_a_replica_that_dies_starting_is_audited_with_its_drivers_reason(tmp_path: Path):
+    async def main() -> None:
+        store = ControlStore(f"sqlite:///{tmp_path / 'cp.sqlite'}")
+        await store.start()
+        driver = _DyingDriver()
+        controller = Controller(store, {"local": driver}, RoutesFeed(store), GatewayAnalyzer([]))
+        try:
+            driver.models = {}
+            for model in ("told", "broken", "silent"):
+                spec = DeploymentSpec(
+                    model_id=model, version="v1", package_uri="/pkg/v1", min_replicas=0, max_replicas=1,
+                    replicas=1, regions=("local",), engine="sim://tiny",
+                )  # fmt: skip
+                driver.models[(await store.create_deployment(spec, {})).id] = model
+            await controller.reconcile()  # starts them
+            await controller.reconcile()  # finds them dead
+            messages = {}
+            for model in ("told", "broken", "silent"):
+                (e,) = [e for e in await store.list_audit(model_id=model) if e.kind == "replica.failed"]
+                messages[model] = e.message.split(" failed: ", 1)[1]
+            assert messages["told"].startswith(
+                "its process exited before it was ready: start failed: engine exited 1: no tokenizer"
+            ), messages
+            for model in ("broken", "silent"):  # recorded all the same, without a reason
+                assert messages[model].startswith("its process exited before it was ready"), messages
+                assert "bug" not in messages[model] and "tokenizer" not in messages[model], messages
+            assert len([r for r in await store.list_replicas() if r.state == "failed"]) == 3
         finally:
             await store.close()
 

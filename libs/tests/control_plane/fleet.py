@@ -346,6 +346,12 @@ def audit_messages(cp, rollout_id: str) -> list[str]:
     return [e["message"] for e in cp.api("GET", f"/v1/audit?rollout_id={rollout_id}&limit=1000")["data"]]
 
 
+def model_messages(cp, model_id: str = "tiny") -> list[str]:
+    """Every audit message about `model_id` (its replicas' too) and the fleet-wide ones: what a
+    failed scenario prints, since a rollout's own events say only that a replica failed."""
+    return [e["message"] for e in cp.api("GET", f"/v1/audit?model_id={model_id}&limit=1000")["data"]]
+
+
 def region(name: str = "local", n: int = 100) -> str:
     """A `--region` spec over `n` ports this test process alone holds (paved.testing.ports)."""
     lo, hi = port_block(n)

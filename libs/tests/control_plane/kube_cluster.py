@@ -38,7 +38,8 @@ fit one node, with local processes on loopback:
   the value part of an `--opt=value` arg, exec-hook/probe argv and workingDir that equals a
   mountPath or starts with mountPath + "/" is rewritten to the local directory (+ subPath);
 - a pod's status as a kubelet reports it: phase, hostIP, podIP(s), startTime, containerStatuses
-  (state, lastState, ready, started, restartCount, containerID `played://<pid>`), conditions
+  (state, lastState, ready, started, restartCount, containerID `played://<pid>`; a failed
+  container's log tail as its message under terminationMessagePolicy FallbackToLogsOnError), conditions
   PodScheduled/Initialized/ContainersReady/Ready (readinessGates respected). Probes (httpGet
   on the pod IP with a numeric or named port, tcpSocket, exec) with initialDelaySeconds,
   failureThreshold and successThreshold as given and periodSeconds capped at
@@ -1090,6 +1091,8 @@ class _PodWorker:
             "finishedAt": finished,
             "containerID": f"played://{c.proc.pid}" if c.proc else "played://none",
         }
+        if not message and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = self._log_tail(c)
         if message:
             terminated["message"] = message
         c.proc = None
@@ -1114,6 +1117,15 @@ class _PodWorker:
         self.node._log(
             f"pod {self.ns}/{self.name}: container {c.name} exited {code} ({reason}); restart={restart}"
         )
+
+    def _log_tail(self, c: _Container) -> str:
+        """The kubelet's fallback termination message: the log's last 80 lines, at most 2048
+        bytes (no message file is played)."""
+        try:
+            data = self.node.log_path(self.ns, self.name, c.name).read_bytes()[-2048:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-80:])
 
     def _step_init(self) -> None:
         for c in self.init:

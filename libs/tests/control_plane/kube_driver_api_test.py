@@ -118,3 +118,61 @@ def test_a_stop_an_api_outage_interrupted_is_finished_afterwards(cluster: Cluste
             await d.close()
 
     asyncio.run(go())
+
+
+def test_exit_reason_is_the_containers_last_termination_as_the_kubelet_reports_it(cluster: Cluster) -> None:
+    """No node here: the test writes the pod status a kubelet would (a launcher in a crash loop,
+    its log tail the termination message under FallbackToLogsOnError) through the status
+    subresource, and the driver reads it from its watch."""
+    namespace = "exit-reason"
+    http = cluster.http()
+
+    async def go() -> None:
+        d = driver(cluster, namespace)
+        try:
+            await d.adopt([])
+            r = await claimed(d, await d.create(request("rep_x")))
+            assert await d.exit_reason(r) is None  # Pending: nothing of it has run
+            path = f"/api/v1/namespaces/{cluster.namespace(namespace)}/pods/{r.driver_ref['pod']}/status"
+            failure = "start failed: engine exited 1: no tokenizer"
+            status = {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": "launcher",
+                        "image": IMAGE,
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 3,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                        "lastState": {
+                            "terminated": {
+                                "exitCode": 1,
+                                "reason": "Error",
+                                "message": f"fetching\nlauncher: {failure}\n",
+                            }
+                        },
+                    }
+                ],
+            }
+            http.patch(path, {"status": status}, kind="merge")
+            want = f"container launcher Error (exit 1): {failure}"
+            for _ in range(int(WAIT_S / 0.1)):
+                if await d.exit_reason(r) == want:
+                    break
+                await asyncio.sleep(0.1)
+            assert await d.exit_reason(r) == want
+            assert await d.alive(r)  # a crash loop keeps the pod: the reason comes while it lives
+            http.request("DELETE", path.removesuffix("/status"), query={"gracePeriodSeconds": "0"})
+            for _ in range(int(WAIT_S / 0.1)):
+                if not await d.alive(r):
+                    break
+                await asyncio.sleep(0.1)
+            gone = await d.exit_reason(r)
+            assert gone in (want, f"its pod {r.driver_ref['pod']} is gone"), gone
+            foreign = Replica("rep_y", "d", "r1", "starting", "", "", driver_ref={"pid": 1})
+            assert "is not a pod of namespace" in (await d.exit_reason(foreign) or "")
+        finally:
+            await d.close()
+
+    asyncio.run(go())

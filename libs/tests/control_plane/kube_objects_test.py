@@ -10,7 +10,7 @@ from kubernetes_validate import latest_version, validate
 
 from paved.control_plane.driver import ReplicaRequest
 from paved.control_plane.errors import BadRequest
-from paved.control_plane.kube_driver import KubeDriver
+from paved.control_plane.kube_driver import KubeDriver, termination
 from paved.control_plane.kube_objects import (
     CACHE_MOUNT,
     LABEL_MEMBER,
@@ -72,6 +72,8 @@ def test_the_pod_runs_the_launcher_on_its_own_ip_with_probes_and_a_drain():
     assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "4"]
+    # A failed launcher's last lines (its failure) become the status the driver reports.
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert pod["terminationGracePeriodSeconds"] >= 4 + 45
     assert pod["automountServiceAccountToken"] is False
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -199,3 +201,46 @@ def test_the_driver_refuses_foreign_replicas_and_requests():
     asyncio.run(main())
     with pytest.raises(BadRequest, match="pinned by digest"):
         KubeDriver("r", client=object(), settings=KubeSettings(image="launcher:latest"))
+
+
+def _pod(status: dict) -> dict:
+    return {"metadata": {"name": "p", "uid": "u"}, "status": status}
+
+
+def _container(**states) -> dict:
+    return {"name": "launcher", "ready": False, "restartCount": 1, **states}
+
+
+LOG_TAIL = (
+    "engine: loading\nlauncher: engine failed: tokenizer /x not found\n"
+    "Traceback (most recent call last):\n  boom\n"
+)
+
+
+def test_termination_names_the_launchers_failure_line_else_the_last_line():
+    # A crash loop: waiting now, the last termination in lastState.
+    crash = _container(
+        state={"waiting": {"reason": "CrashLoopBackOff"}},
+        lastState={"terminated": {"exitCode": 1, "reason": "Error", "message": LOG_TAIL}},
+    )
+    assert termination(_pod({"phase": "Running", "containerStatuses": [crash]})) == (
+        "container launcher Error (exit 1): engine failed: tokenizer /x not found"
+    )
+    # Ended for good (restartPolicy Never), a message without the launcher's line: its last line.
+    oom = _container(
+        state={"terminated": {"exitCode": 137, "reason": "OOMKilled", "message": "a\nkilled\n\n"}}
+    )
+    assert termination(_pod({"phase": "Failed", "containerStatuses": [oom]})) == (
+        "container launcher OOMKilled (exit 137): killed"
+    )
+    long = _container(state={"terminated": {"exitCode": 2, "message": "x" * 5000}})
+    why = termination(_pod({"containerStatuses": [long]}))
+    assert why is not None and why.startswith("container launcher terminated (exit 2): x") and len(why) < 600
+    bare = _container(lastState={"terminated": {"exitCode": 1, "reason": "Error"}})
+    assert termination(_pod({"containerStatuses": [bare]})) == "container launcher Error (exit 1)"
+    # No container ended: the pod's own reason (an eviction), else nothing.
+    evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."}
+    assert termination(_pod(evicted)) == "pod Evicted: The node was low on memory."
+    running = _container(state={"running": {"startedAt": "t"}})
+    assert termination(_pod({"phase": "Running", "containerStatuses": [running]})) is None
+    assert termination({"metadata": {}}) is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fleet import TrafficDriver, audit_messages, deploy, first_deploy, make_fleet, rollout
+from fleet import TrafficDriver, audit_messages, deploy, first_deploy, make_fleet, model_messages, rollout
 
 SATURATED = "sim://tiny?tokens_per_s=40&max_num_seqs=1&max_waiting=1"
 
@@ -41,7 +41,8 @@ def test_a_saturated_version_is_promoted_not_rolled_back(fleet):
     traffic.stop()
     messages = audit_messages(cp, r["id"])
     # The analysis saw a busy version, not a failing one ...
-    assert r["status"] == "succeeded", (r, messages)
+    # (a string, which pytest prints whole: the events say why a replica failed)
+    assert r["status"] == "succeeded", "\n".join([str(r), *model_messages(cp)])
     assert not any("rolling back" in m for m in messages), messages
     # ... and it did push back (the scenario is not vacuous).
     assert _pushback(gw) > 0, messages

@@ -193,6 +193,9 @@ class _Records:
     async def alive(self, replica: Replica) -> bool:
         return True
 
+    async def exit_reason(self, replica: Replica) -> str | None:
+        return None
+
     async def locate(self, replica: Replica) -> Replica:
         return replica
 

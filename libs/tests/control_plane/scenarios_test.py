@@ -29,6 +29,7 @@ from fleet import (
     first_deploy,
     fleet_processes,
     make_fleet,
+    model_messages,
     region,
     rollout,
     tiny_package,
@@ -83,6 +84,9 @@ def test_a_version_failing_its_health_gate_is_rolled_back(fleet):
     assert r["status"] == "rolled_back", r
     assert traffic.failures() == [], traffic.failures()[:5]
     assert any("health" in m.lower() or "failed" in m.lower() for m in audit_messages(cp, r["id"]))
+    # The replica's failure says why, in the launcher's words.
+    failures = [m for m in model_messages(cp) if "tiny@v2 failed: " in m]
+    assert failures and all("tokenizer" in m for m in failures), failures
 
 
 def test_a_version_that_starts_failing_at_50_percent_is_rolled_back_by_analysis(fleet):

@@ -29,6 +29,7 @@ from paved.control_plane.prometheus import RULE_FILES
 from paved.platform import guardian
 from paved.platform.up import (
     MAX_PROMETHEUS_INTERVAL_S,
+    PORTS_PER_REGION,
     PROMETHEUS_RETENTION,
     UsageError,
     build_parser,
@@ -40,6 +41,11 @@ from paved.runfiles import runfile
 from paved.testing.ports import port_block
 
 MARKER = "PAVED_TEST_UP"
+
+
+def replica_ports(regions: int = 1) -> str:
+    """`--replica-ports` over a range no concurrent test holds (paved.testing.ports)."""
+    return str(port_block(PORTS_PER_REGION * regions)[0])
 
 
 def marked(token: str) -> dict[int, str]:
@@ -107,7 +113,7 @@ class Up:
 
 def test_up_serves_through_the_gateway_and_leaves_nothing_behind(tmp_path: Path) -> None:
     up = Up(
-        tmp_path, "--port", "0", "--replica-ports", str(port_block(400)[0]),
+        tmp_path, "--port", "0", "--replica-ports", replica_ports(regions=2),
         "--engine", "sim", "--replicas", "2", "--regions", "2", "--boot-timeout", "240", "--s3",
     )  # fmt: skip
     proc, token, read_until, output = up.proc, up.token, up.expect, up.output
@@ -232,17 +238,7 @@ def kserve_http_through_the_gateway(gateway: str, key: str) -> None:
 # SIGHUP: the terminal `up` runs in closed (its children, in sessions of their own, get none).
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
-    up = Up(
-        tmp_path,
-        "--port",
-        "0",
-        "--replica-ports",
-        str(port_block(200)[0]),
-        "--engine",
-        "sim",
-        "--replicas",
-        "3",
-    )
+    up = Up(tmp_path, "--port", "0", "--replica-ports", replica_ports(), "--engine", "sim", "--replicas", "3")
     try:
         up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
         assert marked(up.token)
@@ -257,17 +253,7 @@ def test_sigterm_while_replicas_boot_stops_everything(tmp_path: Path, sig: signa
 def test_a_sigkilled_up_leaves_nothing_behind(tmp_path: Path) -> None:
     """kill -9 (an OOM kill, a CI runner's timeout) runs none of up's teardown: its guardian
     sees the pipe from up close and ends the control plane, the gateway, S3 and every replica."""
-    up = Up(
-        tmp_path,
-        "--port",
-        "0",
-        "--replica-ports",
-        str(port_block(200)[0]),
-        "--engine",
-        "sim",
-        "--replicas",
-        "2",
-    )
+    up = Up(tmp_path, "--port", "0", "--replica-ports", replica_ports(), "--engine", "sim", "--replicas", "2")
     try:
         up.expect(r"^replica \S+ tiny@v1 \[local\] \S+: starting", 120)
         children = marked(up.token)
@@ -338,7 +324,7 @@ def test_a_failed_start_exits_1_and_stops_what_it_started(tmp_path: Path) -> Non
         port = busy.getsockname()[1]
         if port > 65535 - 10:
             pytest.skip("ephemeral port too high for PORT+10")
-        up = Up(tmp_path, "--port", str(port), "--replica-ports", str(port_block(200)[0]), "--engine", "sim")
+        up = Up(tmp_path, "--port", str(port), "--replica-ports", replica_ports(), "--engine", "sim")
         try:
             up.expect(r"^starting the gateway", 120)
             assert up.wait() == 1, up.text()
@@ -438,7 +424,7 @@ def test_up_on_postgresql_and_redis(tmp_path: Path) -> None:
     with postgres_server() as pg, redis_server() as redis_url:
         state = create_database(pg, "paved_up")
         up = Up(
-            tmp_path, "--port", "0", "--replica-ports", str(port_block(200)[0]), "--engine", "sim",
+            tmp_path, "--port", "0", "--replica-ports", replica_ports(), "--engine", "sim",
             "--state", state, "--redis", redis_url, "--boot-timeout", "240",
         )  # fmt: skip
         try:
