@@ -37,8 +37,11 @@ Triton's default scheduler (and the baseline the benchmark compares against).
 
 The queue is bounded in rows, not requests (a request of 64 rows costs 64 times the memory
 and model time of one row): `max_queue_size` rows may wait, `DEFAULT_MAX_QUEUE_ROWS` when it is
-0 (Triton's "unbounded"). A request that would take the waiting rows past it is refused with
-UNAVAILABLE "Exceeds maximum queue size" at once; one request larger than the bound is still
+0 (Triton's "unbounded"). It is bounded in bytes too, since rows are not all alike (4096 rows of
+a model taking 1M floats a row are 16 GiB): `max_queue_bytes` of the waiting requests' tensors,
+`DEFAULT_MAX_QUEUE_BYTES` unless the model parameter `paved_max_queue_bytes` says otherwise. A
+request that would take the waiting rows or bytes past a bound is refused with UNAVAILABLE
+"Exceeds maximum queue size" (and Retry-After) at once; one request larger than a bound is still
 admitted into an empty queue, so a model whose requests are big is slowed, never unusable.
 """
 
@@ -60,13 +63,16 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.errors import unavailable
-from paved.kserve.model_config import bool_parameter
+from paved.kserve.model_config import bool_parameter, int_parameter
 from paved.kserve.statistics import RequestTiming, current_timing
 
 logger = logging.getLogger(__name__)
 
 # Rows that may wait for an instance when the config sets no max_queue_size.
 DEFAULT_MAX_QUEUE_ROWS = 4096
+# Bytes of tensors that may wait, unless the model parameter QUEUE_BYTES_PARAMETER sets another.
+DEFAULT_MAX_QUEUE_BYTES = 1 << 30
+QUEUE_BYTES_PARAMETER = "paved_max_queue_bytes"
 # Turns of the event loop a batch waits for requests already received (see _form_batch).
 SETTLE_TURNS = 3
 # Queue-delay waits in a row that gathered nothing before batches stop waiting, and how often
@@ -123,9 +129,12 @@ class _DeadlineTimer:
                     return
 
 
-@dataclass
+# eq=False: a queued request is itself, found by identity (field equality would compare the
+# rows' arrays, whose truth value numpy refuses: a cancelled request raised instead of leaving).
+@dataclass(eq=False)
 class _Pending:
     rows: np.ndarray
+    nbytes: int
     future: asyncio.Future
     enqueued: float
     # The request's statistics record (paved.kserve.statistics), when the repository runs it.
@@ -142,6 +151,7 @@ class DynamicBatcher:
         max_queue_delay_s: float = 0.0,
         preferred_batch_sizes: Sequence[int] = (),
         max_queue_size: int = 0,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         instances: int = 1,
         coalesce: bool = True,
         adaptive_delay: bool = True,
@@ -152,11 +162,14 @@ class DynamicBatcher:
             raise ValueError(f"preferred batch sizes must be in [1, {max_batch_size}]")
         if max_queue_size < 0:
             raise ValueError("max_queue_size must be >= 0 (0: the default bound)")
+        if max_queue_bytes < 1:
+            raise ValueError("max_queue_bytes must be >= 1")
         self.name = name
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         # In rows.
         self.max_queue_size = max_queue_size or DEFAULT_MAX_QUEUE_ROWS
+        self.max_queue_bytes = max_queue_bytes
         self.coalesce = coalesce
         self.adaptive_delay = adaptive_delay
         # Queue-delay waits in a row that gathered no request, and batches sent without a wait
@@ -172,6 +185,7 @@ class DynamicBatcher:
         self._slots = asyncio.Semaphore(instances)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_rows = 0
+        self._pending_bytes = 0
         self._wake = asyncio.Event()
         self._timer: _DeadlineTimer | None = None
         self._scheduler: asyncio.Task | None = None
@@ -198,6 +212,7 @@ class DynamicBatcher:
         scheduler (each request its own execution, no coalescing); with `dynamic_batching` but
         `max_batch_size` 0, Triton's loads it and runs each request alone: that scheduler, with
         the queue bound."""
+        queue_bytes = int_parameter(config, QUEUE_BYTES_PARAMETER, DEFAULT_MAX_QUEUE_BYTES)
         if config.HasField("dynamic_batching") and config.max_batch_size > 0:
             db = config.dynamic_batching
             return cls(
@@ -207,6 +222,7 @@ class DynamicBatcher:
                 max_queue_delay_s=db.max_queue_delay_microseconds / 1e6,
                 preferred_batch_sizes=list(db.preferred_batch_size),
                 max_queue_size=db.default_queue_policy.max_queue_size,
+                max_queue_bytes=queue_bytes,
                 instances=instances,
                 adaptive_delay=bool_parameter(config, ADAPTIVE_DELAY_PARAMETER, True),
             )
@@ -215,19 +231,30 @@ class DynamicBatcher:
             name=name,
             max_batch_size=max(config.max_batch_size, 1),
             max_queue_size=config.dynamic_batching.default_queue_policy.max_queue_size,
+            max_queue_bytes=queue_bytes,
             instances=instances,
             coalesce=False,
         )
 
-    async def submit(self, rows: np.ndarray) -> np.ndarray:
-        """Run `rows` (first dimension = batch) through the model; returns its rows of the output."""
+    async def submit(self, rows: np.ndarray, nbytes: int | None = None) -> np.ndarray:
+        """Run `rows` (first dimension = batch) through the model; returns its rows of the output.
+        `nbytes`: what the request holds while it waits, when `rows` only carries it (an object
+        array of envelopes); `rows.nbytes` by default."""
         if self._closed:
             raise unavailable(f"model '{self.name}' is shutting down")
+        size = rows.nbytes if nbytes is None else nbytes
         if self._pending and self._pending_rows + len(rows) > self.max_queue_size:
             raise unavailable(
                 f"Exceeds maximum queue size for model '{self.name}': {self._pending_rows} rows wait, "
                 f"this request adds {len(rows)}, the limit is {self.max_queue_size} rows "
                 "(max_queue_size)",
+                retry_after_s=1,
+            )
+        if self._pending and self._pending_bytes + size > self.max_queue_bytes:
+            raise unavailable(
+                f"Exceeds maximum queue size for model '{self.name}': {self._pending_bytes} bytes of "
+                f"tensors wait, this request adds {size}, the limit is {self.max_queue_bytes} bytes "
+                f"(parameter {QUEUE_BYTES_PARAMETER})",
                 retry_after_s=1,
             )
         if self._scheduler is None:
@@ -238,10 +265,11 @@ class DynamicBatcher:
         if self._pending or self._executing:
             self._fruitless = 0  # concurrency: a wait may gather what else is on its way
         item = _Pending(
-            rows, asyncio.get_running_loop().create_future(), time.monotonic(), current_timing.get()
+            rows, size, asyncio.get_running_loop().create_future(), time.monotonic(), current_timing.get()
         )
         self._pending.append(item)
         self._pending_rows += len(rows)
+        self._pending_bytes += size
         self._arrivals += 1
         self._wake.set()
         try:
@@ -251,6 +279,7 @@ class DynamicBatcher:
             if item in self._pending:
                 self._pending.remove(item)
                 self._pending_rows -= len(item.rows)
+                self._pending_bytes -= item.nbytes
             raise
 
     async def close(self) -> None:
@@ -287,6 +316,7 @@ class DynamicBatcher:
         if not self.coalesce:
             item = self._pending.popleft()
             self._pending_rows -= len(item.rows)
+            self._pending_bytes -= item.nbytes
             return [item]
         # Requests the loop has already received but not yet submitted (a gRPC call takes a
         # few turns of the loop from its arrival to submit) join this batch: a few turns cost
@@ -342,6 +372,7 @@ class DynamicBatcher:
             batch.append(self._pending.popleft())
             rows = len(batch[0].rows)
         self._pending_rows -= rows
+        self._pending_bytes -= sum(item.nbytes for item in batch)
         return batch
 
     async def _execute(self, batch: list[_Pending]) -> None:

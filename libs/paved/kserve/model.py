@@ -59,6 +59,12 @@ class InferRequest:
     # any number of responses per request.
     decoupled: bool = False
 
+    @property
+    def size(self) -> int:
+        """Bytes its input tensors hold: a BYTES element counts its length (what a queue bound
+        must see of a text input), any other object its pointer."""
+        return sum(tensor_bytes(array) for array in self.inputs.values())
+
 
 @dataclass
 class InferResponse:
@@ -71,6 +77,12 @@ class InferResponse:
         """About what encoding it costs, in bytes (an object element counts as its pointer: a
         BYTES output is at least that long)."""
         return sum(array.nbytes for array in self.outputs.values())
+
+
+def tensor_bytes(array: np.ndarray) -> int:
+    if array.dtype != object:
+        return array.nbytes
+    return sum(len(x) if isinstance(x, bytes | str) else 8 for x in array.flat)
 
 
 def custom_parameters(parameters: dict[str, Any]) -> dict[str, Any]:

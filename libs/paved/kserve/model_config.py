@@ -384,6 +384,19 @@ def bool_parameter(config: model_config_pb2.ModelConfig, key: str, default: bool
     return value == "true"
 
 
+def int_parameter(config: model_config_pb2.ModelConfig, key: str, default: int) -> int:
+    """A positive integer parameter (decimal digits, at most 18 of them); ModelConfigError for
+    anything else."""
+    if key not in config.parameters:
+        return default
+    value = config.parameters[key].string_value.strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 18 and int(value) > 0):
+        raise ModelConfigError(
+            f"model '{config.name}': parameter {key} must be a positive integer, got {value[:40]!r}"
+        )
+    return int(value)
+
+
 def instance_count(config: model_config_pb2.ModelConfig) -> int:
     """Execution workers the config asks for: the sum of its instance groups' counts (a group
     without a count is one instance, as in Triton), at least one."""

@@ -36,7 +36,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.backends import ModelConfigError, ModelSource
-from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, DynamicBatcher
+from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, QUEUE_BYTES_PARAMETER, DynamicBatcher
 from paved.kserve.errors import KServeError, invalid_argument, unavailable
 from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel
 from paved.kserve.model_config import (
@@ -94,7 +94,9 @@ class TensorModel(ServedModel):
         them in from the model at load, as Triton's auto-complete does)."""
         config = source.config
         check_config(config, SUPPORTED_FIELDS, backend=self.backend)
-        check_parameters(config, {*parameters, ADAPTIVE_DELAY_PARAMETER}, backend=self.backend)
+        check_parameters(
+            config, {*parameters, ADAPTIVE_DELAY_PARAMETER, QUEUE_BYTES_PARAMETER}, backend=self.backend
+        )
         self.auto_complete = auto_complete and not config.input and not config.output
         if not self.auto_complete and (not config.input or not config.output):
             raise ModelConfigError(
@@ -185,7 +187,7 @@ class TensorModel(ServedModel):
         envelope = _Envelope(inputs, rows)
         carrier = np.empty(rows, dtype=object)
         carrier[0] = envelope
-        await self.batcher.submit(carrier)
+        await self.batcher.submit(carrier, request.size)
         if envelope.error is not None:
             raise envelope.error
         if envelope.outputs is None:  # every envelope of a batch gets outputs or an error

@@ -35,7 +35,7 @@ from tritonclient.grpc import model_config_pb2
 
 from paved.kserve.backends import ModelConfigError as ModelConfigError
 from paved.kserve.backends import ModelSource
-from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, DynamicBatcher
+from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, QUEUE_BYTES_PARAMETER, DynamicBatcher
 from paved.kserve.errors import invalid_argument, unavailable
 from paved.kserve.model_config import (
     check_config,
@@ -49,7 +49,7 @@ from paved.kserve.repository import InferRequest, InferResponse, ModelState, Ser
 
 DEFAULT_MODEL_FILE = "model.ubj"
 _PREDICT_TYPES = ("value", "margin")
-_PARAMETERS = {"predict_type", "nthread", ADAPTIVE_DELAY_PARAMETER}
+_PARAMETERS = {"predict_type", "nthread", ADAPTIVE_DELAY_PARAMETER, QUEUE_BYTES_PARAMETER}
 # The ModelConfig fields this backend implements beyond the loader's own (model_config.COMMON_FIELDS).
 SUPPORTED_FIELDS = frozenset({"dynamic_batching", "instance_group", "parameters", "default_model_filename"})
 

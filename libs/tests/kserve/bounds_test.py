@@ -12,16 +12,23 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from libs.tests.kserve.kserve_fakes import EMBED, LLM, FakeEngine, llm_inputs, tensor, wait_for
 from paved.engine.protocol import ChoiceDelta, GenerateOutput
-from paved.kserve.batcher import DEFAULT_MAX_QUEUE_ROWS, DynamicBatcher
+from paved.kserve.batcher import (
+    DEFAULT_MAX_QUEUE_BYTES,
+    DEFAULT_MAX_QUEUE_ROWS,
+    QUEUE_BYTES_PARAMETER,
+    DynamicBatcher,
+)
 from paved.kserve.errors import KServeError
 from paved.kserve.grpc_server import KServeServicer
 from paved.kserve.main import _parser as main_parser
 from paved.kserve.main import main, start_server
+from paved.kserve.model import InferRequest
+from paved.kserve.model_config import ModelConfigError
 from paved.kserve.repository import ModelRepository
 
 
@@ -83,6 +90,101 @@ def test_batcher_default_bound_and_an_oversized_request_alone():
     assert f"limit is {DEFAULT_MAX_QUEUE_ROWS} rows" in asyncio.run(main()).message
     with pytest.raises(ValueError):
         DynamicBatcher(lambda b: b, name="m", max_batch_size=1, max_queue_size=-1)
+
+
+def test_batcher_queue_bound_counts_bytes_too():
+    """Rows are not alike: two 1-row requests of 64 bytes fill a 128-byte queue; a caller's
+    `nbytes` (an envelope carrying its tensors) counts instead of the carrier's; a request
+    leaving the queue gives its bytes back; a request over the bound still runs alone."""
+    gate = threading.Event()
+
+    def run(batch):
+        gate.wait(10)
+        return batch
+
+    async def main():
+        batcher = DynamicBatcher(run, name="m", max_batch_size=8, max_queue_bytes=128)
+        running = asyncio.ensure_future(batcher.submit(np.zeros((1, 1))))
+        while not batcher.batches:
+            await asyncio.sleep(0.01)
+        first = asyncio.ensure_future(batcher.submit(np.zeros((1, 8))))  # 64 bytes
+        carrier = np.empty(1, dtype=object)
+        second = asyncio.ensure_future(batcher.submit(carrier, 64))  # 8 bytes as a carrier
+        await asyncio.sleep(0)
+        assert (batcher._pending_rows, batcher._pending_bytes) == (2, 128)
+        with pytest.raises(KServeError) as info:
+            await batcher.submit(np.zeros((1, 1)))
+        second.cancel()
+        await asyncio.sleep(0)
+        assert batcher._pending_bytes == 64
+        third = asyncio.ensure_future(batcher.submit(np.zeros((1, 8))))  # fits again
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(running, first, third)
+        assert batcher._pending_bytes == 0
+        # Over the bound on its own, into an empty queue: admitted.
+        big = await batcher.submit(np.zeros((1, 32)))
+        await batcher.close()
+        return info.value, big
+
+    error, big = asyncio.run(main())
+    assert error.code == grpc.StatusCode.UNAVAILABLE and error.retry_after_s == 1
+    assert "Exceeds maximum queue size" in error.message and "limit is 128 bytes" in error.message
+    assert "paved_max_queue_bytes" in error.message and big.shape == (1, 32)
+    with pytest.raises(ValueError):
+        DynamicBatcher(lambda b: b, name="m", max_batch_size=1, max_queue_bytes=0)
+
+
+def test_a_cancelled_request_leaves_a_queue_of_multi_element_tensors():
+    """A client leaving while requests of more than one element wait: its request leaves the
+    queue (the queue compared requests by their arrays, whose truth numpy refuses: the leaving
+    request raised ValueError and its rows stayed counted for good)."""
+    gate = threading.Event()
+
+    def run(batch):
+        gate.wait(10)
+        return batch
+
+    async def main():
+        batcher = DynamicBatcher(run, name="m", max_batch_size=8, max_queue_size=4)
+        running = asyncio.ensure_future(batcher.submit(np.zeros((1, 1))))
+        while not batcher.batches:
+            await asyncio.sleep(0.01)
+        ahead = asyncio.ensure_future(batcher.submit(np.zeros((2, 3))))
+        leaving = asyncio.ensure_future(batcher.submit(np.ones((2, 3))))
+        await asyncio.sleep(0)
+        assert batcher._pending_rows == 4
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert batcher._pending_rows == 2 and len(batcher._pending) == 1
+        gate.set()
+        await asyncio.gather(running, ahead)
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1e9", "lots", "", "9" * 19, "١٢"])
+def test_queue_bytes_parameter_is_a_positive_integer(value):
+    config = model_config_pb2.ModelConfig(name="m", max_batch_size=8)
+    config.dynamic_batching.SetInParent()
+    assert DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1).max_queue_bytes == (
+        DEFAULT_MAX_QUEUE_BYTES
+    )
+    config.parameters[QUEUE_BYTES_PARAMETER].string_value = " 4096 "
+    assert DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1).max_queue_bytes == 4096
+    config.max_batch_size = 0  # Triton's default scheduler keeps the bound too
+    assert DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1).max_queue_bytes == 4096
+    config.parameters[QUEUE_BYTES_PARAMETER].string_value = value
+    with pytest.raises(ModelConfigError, match="paved_max_queue_bytes must be a positive integer"):
+        DynamicBatcher.for_config(lambda b: b, config, name="m", instances=1)
+
+
+def test_a_requests_size_counts_bytes_elements_by_length():
+    text = np.array([b"x" * 1000, "y" * 10, 5], dtype=object)
+    request = InferRequest("m", inputs={"a": np.zeros((2, 4), np.float32), "t": text})
+    assert request.size == 32 + 1000 + 10 + 8
 
 
 # ---- admission: the frontend's ModelRegistry bounds the standalone server too ---------------------

@@ -471,7 +471,7 @@ class PythonModel(ServedModel):
         try:
             if self._batcher is None:
                 raise unavailable(f"model '{self.name}' is not loaded")
-            await self._batcher.submit(marker)
+            await self._batcher.submit(marker, pending.request.size)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request's error, for its reader
