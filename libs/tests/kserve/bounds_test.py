@@ -33,18 +33,25 @@ from paved.kserve.repository import ModelRepository
 
 
 # ---- DynamicBatcher: the queue bound counts rows ---------------------------------------------------
-def test_batcher_queue_bound_counts_rows_not_requests():
-    gate = threading.Event()
+async def busy_batcher(gate: threading.Event, **kw) -> tuple[DynamicBatcher, asyncio.Future]:
+    """A batcher of one instance, busy with a first request (`running`) until `gate` is set."""
 
     def run(batch):
         gate.wait(10)
         return batch
 
+    batcher = DynamicBatcher(run, name="m", **kw)
+    running = asyncio.ensure_future(batcher.submit(np.zeros((1, 1))))
+    while not batcher.batches:
+        await asyncio.sleep(0.01)
+    return batcher, running
+
+
+def test_batcher_queue_bound_counts_rows_not_requests():
+    gate = threading.Event()
+
     async def main():
-        batcher = DynamicBatcher(run, name="m", max_batch_size=4, max_queue_size=6)
-        running = asyncio.ensure_future(batcher.submit(np.zeros((1, 1))))
-        while not batcher.batches:  # the first call holds the only instance now
-            await asyncio.sleep(0.01)
+        batcher, running = await busy_batcher(gate, max_batch_size=4, max_queue_size=6)
         # Two requests of 3 rows fill the 6-row queue (two requests: a request count would not).
         queued = [asyncio.ensure_future(batcher.submit(np.full((3, 1), i))) for i in (1, 2)]
         await asyncio.sleep(0)
@@ -98,15 +105,8 @@ def test_batcher_queue_bound_counts_bytes_too():
     leaving the queue gives its bytes back; a request over the bound still runs alone."""
     gate = threading.Event()
 
-    def run(batch):
-        gate.wait(10)
-        return batch
-
     async def main():
-        batcher = DynamicBatcher(run, name="m", max_batch_size=8, max_queue_bytes=128)
-        running = asyncio.ensure_future(batcher.submit(np.zeros((1, 1))))
-        while not batcher.batches:
-            await asyncio.sleep(0.01)
+        batcher, running = await busy_batcher(gate, max_batch_size=8, max_queue_bytes=128)
         first = asyncio.ensure_future(batcher.submit(np.zeros((1, 8))))  # 64 bytes
         carrier = np.empty(1, dtype=object)
         second = asyncio.ensure_future(batcher.submit(carrier, 64))  # 8 bytes as a carrier
@@ -141,15 +141,8 @@ def test_a_cancelled_request_leaves_a_queue_of_multi_element_tensors():
     request raised ValueError and its rows stayed counted for good)."""
     gate = threading.Event()
 
-    def run(batch):
-        gate.wait(10)
-        return batch
-
     async def main():
-        batcher = DynamicBatcher(run, name="m", max_batch_size=8, max_queue_size=4)
-        running = asyncio.ensure_future(batcher.submit(np.zeros((1, 1))))
-        while not batcher.batches:
-            await asyncio.sleep(0.01)
+        batcher, running = await busy_batcher(gate, max_batch_size=8, max_queue_size=4)
         ahead = asyncio.ensure_future(batcher.submit(np.zeros((2, 3))))
         leaving = asyncio.ensure_future(batcher.submit(np.ones((2, 3))))
         await asyncio.sleep(0)
