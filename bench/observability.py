@@ -180,7 +180,7 @@ def main() -> int:
         sd = tmp / "targets.json"
         texts: list[str] = []
         with make_fleet(tmp) as make:
-            cp, gw, key = make(("local=31300-31399",), "--prometheus-file-sd", str(sd))
+            cp, gw, key = make(None, "--prometheus-file-sd", str(sd))
             interval = f"{args.scrape_interval}s"
             config = scrape_config(
                 file_sd=str(sd),

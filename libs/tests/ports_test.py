@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from paved.testing import ports
 from paved.testing.ports import SPAN, UNIT, port_block
 
 # A holder in another process: claims a block, prints it, then waits to be killed.
@@ -41,13 +42,17 @@ def test_blocks_are_disjoint_across_processes_and_freed_by_sigkill() -> None:
         for i, block in enumerate(mine):
             assert not _overlap(block, theirs), (block, theirs)
             assert not any(_overlap(block, b) for b in mine[i + 1 :]), mine
-        # The holder is SIGKILLed: no teardown ran, yet its units can be claimed again.
+        # Its units are refused to anyone while it lives ...
+        units = range(theirs[0] // UNIT, theirs[1] // UNIT + 1)
+        assert all(ports._claim(u) is None for u in units)
+        # ... and free once it is SIGKILLed, though no teardown ran (claimed here at once: a
+        # concurrent test process would have to search in this very moment to take them).
         other.send_signal(signal.SIGKILL)
         other.wait(10)
-        again, reclaimed = _holder(150)
-        again.kill()
-        again.wait(10)
-        assert reclaimed == theirs
+        reclaimed = [ports._claim(u) for u in units]
+        assert all(s is not None for s in reclaimed), reclaimed
+        for s in reclaimed:
+            s.close()
     finally:
         other.kill()
         other.wait(10)

@@ -60,6 +60,8 @@ _ADDRESSES = ("url", "admin_url", "kserve_grpc", "kserve_http", "metrics_url", "
 # The first wait after a failed reconcile pass (doubled per failure in a row, up to the
 # pass interval).
 FAILED_PASS_BACKOFF_S = 0.1
+# Characters of a driver's exit reason in a replica's reason and its audit event.
+WHY_CHARS = 1000
 # A deployment whose replicas keep failing to start (in one region) is started again at once
 # after its first failure, then after 5 s, 10 s, ... at most 5 min (Kubernetes' CrashLoopBackOff).
 BACKOFF_BASE_S = 5.0
@@ -339,7 +341,13 @@ class Controller:
         except Exception as e:  # noqa: BLE001 - only the explanation is lost
             logger.warning("replica %s: asking its driver why it stopped failed: %s", r.id, e)
             return ""
-        return f": {why}" if why else ""
+        if not why:
+            return ""
+        # One printable line, bounded: it is a launcher's or an engine's text, and the store
+        # refuses reasons and audit messages past MAX_MESSAGE_LEN (and NULs, on PostgreSQL).
+        why = "".join(c if c.isprintable() else " " for c in why[: WHY_CHARS * 2])
+        why = " ".join(why.split())
+        return f": {why[:WHY_CHARS]}…" if len(why) > WHY_CHARS else f": {why}"
 
     async def _fail(self, r: Replica, reason: str) -> None:
         await self.store.update_replica(r.id, state="failed", reason=reason)

@@ -465,8 +465,8 @@ class KubeDriver:
     async def exit_reason(self, replica: Replica) -> str | None:
         try:
             ref = self._ref(replica)
-        except BadRequest as e:
-            return str(e)
+        except BadRequest:
+            return f"not a pod of namespace {self.namespace}"
         return await asyncio.to_thread(self._exit_reason, replica.id, ref)
 
     def _exit_reason(self, replica_id: str, ref: dict[str, Any]) -> str | None:
@@ -676,7 +676,9 @@ def termination(pod: dict[str, Any]) -> str | None:
             if not ended:
                 continue
             how = ended.get("reason") or "terminated"
-            why = f"container {c.get('name')} {how} (exit {ended.get('exitCode')})"
+            # When: a lastState may be an old crash of a pod that has served since.
+            at = f" at {ended['finishedAt']}" if ended.get("finishedAt") else ""
+            why = f"container {c.get('name')} {how} (exit {ended.get('exitCode')}){at}"
             message = str(ended.get("message") or "")
             last = launcher_failure(message) or next(
                 (line.strip() for line in reversed(message.splitlines()) if line.strip()), ""
@@ -684,5 +686,6 @@ def termination(pod: dict[str, Any]) -> str | None:
             return f"{why}: {last[:_REASON_CHARS]}" if last else why
     if status.get("reason") or status.get("message"):
         message = str(status.get("message") or "")[:_REASON_CHARS]
-        return f"pod {status.get('reason') or status.get('phase')}: {message}"
+        what = f"pod {status.get('reason') or status.get('phase')}"
+        return f"{what}: {message}" if message else what
     return None

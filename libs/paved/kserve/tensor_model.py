@@ -38,7 +38,7 @@ from tritonclient.grpc import model_config_pb2
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, QUEUE_BYTES_PARAMETER, DynamicBatcher
 from paved.kserve.errors import KServeError, invalid_argument, unavailable
-from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel
+from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, request_size
 from paved.kserve.model_config import (
     ConfigTensorSpec,
     check_config,
@@ -158,11 +158,13 @@ class TensorModel(ServedModel):
     async def load(self) -> None:
         try:
             await asyncio.to_thread(self._load)
+            # Inside: a bad batching parameter is a failed load with its reason, as in Triton.
+            self.batcher = DynamicBatcher.for_config(
+                self._run, self._config, name=self.name, instances=self.instances
+            )
         except Exception as e:
             self._state, self._reason = "UNAVAILABLE", f"load failed: {e}"
             raise
-        c = self._config
-        self.batcher = DynamicBatcher.for_config(self._run, c, name=self.name, instances=self.instances)
         self._state, self._reason = "READY", ""
 
     async def close(self) -> None:
@@ -187,7 +189,7 @@ class TensorModel(ServedModel):
         envelope = _Envelope(inputs, rows)
         carrier = np.empty(rows, dtype=object)
         carrier[0] = envelope
-        await self.batcher.submit(carrier, request.size)
+        await self.batcher.submit(carrier, await request_size(request))
         if envelope.error is not None:
             raise envelope.error
         if envelope.outputs is None:  # every envelope of a batch gets outputs or an error

@@ -136,12 +136,13 @@ class XGBoostModel(ServedModel):
     async def load(self) -> None:
         try:
             self._booster = await asyncio.to_thread(self._load_booster)
+            # Inside: a bad batching parameter is a failed load with its reason, as in Triton.
+            self.batcher = DynamicBatcher.for_config(
+                self._predict, self._config, name=self.name, instances=instance_count(self._config)
+            )
         except Exception as e:
             self._state, self._reason = "UNAVAILABLE", f"load failed: {e}"
             raise
-        c = self._config
-        instances = instance_count(c)
-        self.batcher = DynamicBatcher.for_config(self._predict, c, name=self.name, instances=instances)
         self._state, self._reason = "READY", ""
 
     def _load_booster(self) -> Any:

@@ -480,6 +480,8 @@ class _DyingDriver(_ForkFailingDriver):
         model = self.models[replica.deployment_id]
         if model == "broken":
             raise RuntimeError("the driver's own bug")
+        if model == "verbose":  # an engine's traceback: lines, a NUL, far past the store's bound
+            return "start failed: boom\n  File x\x00\n" + "z" * 10_000
         return "start failed: engine exited 1: no tokenizer" if model == "told" else None
 
 
@@ -491,7 +493,7 @@ def test_a_replica_that_dies_starting_is_audited_with_its_drivers_reason(tmp_pat
         controller = Controller(store, {"local": driver}, RoutesFeed(store), GatewayAnalyzer([]))
         try:
             driver.models = {}
-            for model in ("told", "broken", "silent"):
+            for model in ("told", "broken", "silent", "verbose"):
                 spec = DeploymentSpec(
                     model_id=model, version="v1", package_uri="/pkg/v1", min_replicas=0, max_replicas=1,
                     replicas=1, regions=("local",), engine="sim://tiny",
@@ -500,7 +502,7 @@ def test_a_replica_that_dies_starting_is_audited_with_its_drivers_reason(tmp_pat
             await controller.reconcile()  # starts them
             await controller.reconcile()  # finds them dead
             messages = {}
-            for model in ("told", "broken", "silent"):
+            for model in ("told", "broken", "silent", "verbose"):
                 (e,) = [e for e in await store.list_audit(model_id=model) if e.kind == "replica.failed"]
                 messages[model] = e.message.split(" failed: ", 1)[1]
             assert messages["told"].startswith(
@@ -509,7 +511,11 @@ def test_a_replica_that_dies_starting_is_audited_with_its_drivers_reason(tmp_pat
             for model in ("broken", "silent"):  # recorded all the same, without a reason
                 assert messages[model].startswith("its process exited before it was ready"), messages
                 assert "bug" not in messages[model] and "tokenizer" not in messages[model], messages
-            assert len([r for r in await store.list_replicas() if r.state == "failed"]) == 3
+            # One line, printable, cut to WHY_CHARS: stored, not refused by the store's bound.
+            verbose = messages["verbose"]
+            assert verbose.startswith("its process exited before it was ready: start failed: boom File x ")
+            assert verbose.endswith("z…") and len(verbose) < 1100, len(verbose)
+            assert len([r for r in await store.list_replicas() if r.state == "failed"]) == 4
         finally:
             await store.close()
 

@@ -227,11 +227,10 @@ def test_termination_names_the_launchers_failure_line_else_the_last_line():
         "container launcher Error (exit 1): engine failed: tokenizer /x not found"
     )
     # Ended for good (restartPolicy Never), a message without the launcher's line: its last line.
-    oom = _container(
-        state={"terminated": {"exitCode": 137, "reason": "OOMKilled", "message": "a\nkilled\n\n"}}
-    )
+    ended = {"exitCode": 137, "reason": "OOMKilled", "message": "a\nkilled\n\n", "finishedAt": "T1"}
+    oom = _container(state={"terminated": ended})
     assert termination(_pod({"phase": "Failed", "containerStatuses": [oom]})) == (
-        "container launcher OOMKilled (exit 137): killed"
+        "container launcher OOMKilled (exit 137) at T1: killed"
     )
     long = _container(state={"terminated": {"exitCode": 2, "message": "x" * 5000}})
     why = termination(_pod({"containerStatuses": [long]}))
@@ -241,6 +240,7 @@ def test_termination_names_the_launchers_failure_line_else_the_last_line():
     # No container ended: the pod's own reason (an eviction), else nothing.
     evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."}
     assert termination(_pod(evicted)) == "pod Evicted: The node was low on memory."
+    assert termination(_pod({"phase": "Failed", "reason": "Evicted"})) == "pod Evicted"
     running = _container(state={"running": {"startedAt": "t"}})
     assert termination(_pod({"phase": "Running", "containerStatuses": [running]})) is None
     assert termination({"metadata": {}}) is None

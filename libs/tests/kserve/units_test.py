@@ -494,6 +494,24 @@ def test_output_dims_are_checked_against_the_booster_at_load(tmp_path):
     assert state == "UNAVAILABLE" and "3 score" in reason
 
 
+@pytest.mark.parametrize(
+    "key, value", [("paved_max_queue_bytes", "0"), ("paved_adaptive_queue_delay", "maybe")]
+)
+def test_a_bad_batching_parameter_fails_the_load_with_its_reason(tmp_path, key, value):
+    """Not a model left LOADING with no reason (the batcher is built inside the load)."""
+    source = xgb_model_dir()
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.setdefault("parameters", {})[key] = {"string_value": value}
+    shutil.copy(os.path.join(source, "model.ubj"), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = XGBoostModel.from_directory(str(tmp_path))
+    with pytest.raises(ModelConfigError, match=key):
+        asyncio.run(model.load())
+    state, reason = model.state()
+    assert state == "UNAVAILABLE" and reason.startswith("load failed: ") and key in reason, reason
+
+
 def test_server_readiness_follows_the_owners_draining_flag():
     from libs.tests.kserve.kserve_fakes import FakeEngine
     from paved.kserve.repository import ModelRepository

@@ -55,7 +55,14 @@ from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.batcher import DynamicBatcher
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, unavailable, unsupported
 from paved.kserve.metrics import batch_rows
-from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, custom_parameters
+from paved.kserve.model import (
+    InferRequest,
+    InferResponse,
+    ModelState,
+    ServedModel,
+    custom_parameters,
+    request_size,
+)
 from paved.kserve.model_config import config_to_dict, specs_from_config
 from paved.kserve.python_backend.worker import Worker
 from paved.kserve.tensors import TensorSpec, datatype_of
@@ -471,7 +478,7 @@ class PythonModel(ServedModel):
         try:
             if self._batcher is None:
                 raise unavailable(f"model '{self.name}' is not loaded")
-            await self._batcher.submit(marker, pending.request.size)
+            await self._batcher.submit(marker, await request_size(pending.request))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request's error, for its reader
