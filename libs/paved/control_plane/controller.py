@@ -60,12 +60,22 @@ _ADDRESSES = ("url", "admin_url", "kserve_grpc", "kserve_http", "metrics_url", "
 # The first wait after a failed reconcile pass (doubled per failure in a row, up to the
 # pass interval).
 FAILED_PASS_BACKOFF_S = 0.1
-# Characters of a driver's exit reason in a replica's reason and its audit event.
+# Characters of a driver's exit reason in a replica's reason, and of the whole reason (a probe's
+# text and the exit reason) in the replica's record and its audit event, which the store bounds
+# at MAX_MESSAGE_LEN together with the event's own words.
 WHY_CHARS = 1000
+REASON_CHARS = 2500
 # A deployment whose replicas keep failing to start (in one region) is started again at once
 # after its first failure, then after 5 s, 10 s, ... at most 5 min (Kubernetes' CrashLoopBackOff).
 BACKOFF_BASE_S = 5.0
 BACKOFF_MAX_S = 300.0
+
+
+def _one_line(text: str, limit: int) -> str:
+    """`text` as one printable line of at most `limit` characters (an ellipsis marks a cut): a
+    launcher's, an engine's or a replica's words, which may hold newlines and NULs."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())
+    return f"{text[: limit - 1]}…" if len(text) > limit else text
 
 
 class Controller:
@@ -311,7 +321,7 @@ class Controller:
         self._live_misses[r.id] = misses
         if misses < self.live_failures and await driver.alive(r):
             return
-        reason += await self._why(r, driver)
+        reason = _one_line(reason + await self._why(r, driver), REASON_CHARS)
         # Out of the routes before anything else happens to it.
         await self.store.update_replica(r.id, state="unhealthy", reason=reason)
         await self.publish_routes()
@@ -341,15 +351,11 @@ class Controller:
         except Exception as e:  # noqa: BLE001 - only the explanation is lost
             logger.warning("replica %s: asking its driver why it stopped failed: %s", r.id, e)
             return ""
-        if not why:
-            return ""
-        # One printable line, bounded: it is a launcher's or an engine's text, and the store
-        # refuses reasons and audit messages past MAX_MESSAGE_LEN (and NULs, on PostgreSQL).
-        why = "".join(c if c.isprintable() else " " for c in why[: WHY_CHARS * 2])
-        why = " ".join(why.split())
-        return f": {why[:WHY_CHARS]}…" if len(why) > WHY_CHARS else f": {why}"
+        why = _one_line(why or "", WHY_CHARS)
+        return f": {why}" if why else ""
 
     async def _fail(self, r: Replica, reason: str) -> None:
+        reason = _one_line(reason, REASON_CHARS)
         await self.store.update_replica(r.id, state="failed", reason=reason)
         self._forget(r.id)
         model, version, of = await self._about(r)

@@ -45,6 +45,7 @@ from paved.http.off_loop import off_loop_if_large
 from paved.http.tracing import REQUEST_ID_HEADER, TraceContext, access_fields, access_json, metadata_context
 from paved.kserve.errors import KServeError, invalid_argument, too_large, unsupported
 from paved.kserve.metrics import GRPC, KServeMetrics, batch_rows
+from paved.kserve.model import inputs_bytes
 from paved.kserve.repository import (
     InferRequest,
     InferResponse,
@@ -275,6 +276,7 @@ def decode_request(
         parameters=params,
         outputs=outputs,
         decoupled=decoupled,
+        input_bytes=inputs_bytes(inputs),
     )
 
 

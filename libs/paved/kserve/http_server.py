@@ -41,6 +41,7 @@ from paved.http.tracing import AccessMiddleware, TraceContext
 from paved.kserve.errors import KServeError, from_exception, invalid_argument, too_large, unsupported
 from paved.kserve.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, EXTENSIONS, SERVER_NAME, write_access
 from paved.kserve.metrics import HTTP, KServeMetrics, batch_rows
+from paved.kserve.model import inputs_bytes
 from paved.kserve.model_config import config_to_dict
 from paved.kserve.repository import (
     InferRequest,
@@ -225,6 +226,7 @@ def _decode_infer(
         parameters=custom_parameters(params),
         # An empty list asks for no output in particular: every output, as over gRPC (Triton alike).
         outputs=outputs or None,
+        input_bytes=inputs_bytes(inputs),
     )
     return infer, binary, binary_default
 
@@ -284,7 +286,11 @@ def _generate_inputs(model: ServedModel, doc: Any) -> InferRequest:
         model.check_input(name, spec.datatype, shape)
         inputs[name] = from_json(name, spec.datatype, shape, value)
     return InferRequest(
-        model_name=model.name, id=str(request_id), inputs=inputs, parameters=custom_parameters(params)
+        model_name=model.name,
+        id=str(request_id),
+        inputs=inputs,
+        parameters=custom_parameters(params),
+        input_bytes=inputs_bytes(inputs),
     )
 
 

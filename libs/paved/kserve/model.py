@@ -16,7 +16,6 @@ holds every version and resolves a request's. Each version keeps its own inferen
 from __future__ import annotations
 
 import abc
-import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,11 +59,17 @@ class InferRequest:
     # any number of responses per request.
     decoupled: bool = False
 
+    # Bytes its input tensors hold, counted by the transport's decoding (off the event loop
+    # for a large request, as the decoding is); None: counted when `size` is read.
+    input_bytes: int | None = None
+
     @property
     def size(self) -> int:
         """Bytes its input tensors hold: a BYTES element counts its length (what a queue bound
         must see of a text input), any other object its pointer."""
-        return sum(tensor_bytes(array) for array in self.inputs.values())
+        if self.input_bytes is None:
+            self.input_bytes = inputs_bytes(self.inputs)
+        return self.input_bytes
 
 
 @dataclass
@@ -89,17 +94,9 @@ def tensor_bytes(array: np.ndarray) -> int:
         return sum(len(x) if isinstance(x, bytes | str) else 8 for x in array.flat)
 
 
-# BYTES elements a request's size is counted for on the event loop (about a millisecond's
-# worth); past it the count runs on a worker thread.
-SIZE_ON_LOOP_ELEMENTS = 65536
-
-
-async def request_size(request: InferRequest) -> int:
-    """`request.size`, off the event loop when its BYTES tensors are long."""
-    elements = sum(a.size for a in request.inputs.values() if a.dtype == object)
-    if elements <= SIZE_ON_LOOP_ELEMENTS:
-        return request.size
-    return await asyncio.to_thread(lambda: request.size)
+def inputs_bytes(inputs: Mapping[str, np.ndarray]) -> int:
+    """What `InferRequest.size` counts; a transport calls it where it decodes the tensors."""
+    return sum(tensor_bytes(array) for array in inputs.values())
 
 
 def custom_parameters(parameters: dict[str, Any]) -> dict[str, Any]:

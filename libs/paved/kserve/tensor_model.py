@@ -38,7 +38,7 @@ from tritonclient.grpc import model_config_pb2
 from paved.kserve.backends import ModelConfigError, ModelSource
 from paved.kserve.batcher import ADAPTIVE_DELAY_PARAMETER, QUEUE_BYTES_PARAMETER, DynamicBatcher
 from paved.kserve.errors import KServeError, invalid_argument, unavailable
-from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel, request_size
+from paved.kserve.model import InferRequest, InferResponse, ModelState, ServedModel
 from paved.kserve.model_config import (
     ConfigTensorSpec,
     check_config,
@@ -189,7 +189,7 @@ class TensorModel(ServedModel):
         envelope = _Envelope(inputs, rows)
         carrier = np.empty(rows, dtype=object)
         carrier[0] = envelope
-        await self.batcher.submit(carrier, await request_size(request))
+        await self.batcher.submit(carrier, request.size)
         if envelope.error is not None:
             raise envelope.error
         if envelope.outputs is None:  # every envelope of a batch gets outputs or an error

@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from fleet import tiny_package
 
+from paved.control_plane import controller as controller_module
 from paved.control_plane.analysis import GatewayAnalyzer
 from paved.control_plane.api import create_app
 from paved.control_plane.controller import Controller
@@ -516,6 +517,13 @@ def test_a_replica_that_dies_starting_is_audited_with_its_drivers_reason(tmp_pat
             assert verbose.startswith("its process exited before it was ready: start failed: boom File x ")
             assert verbose.endswith("z…") and len(verbose) < 1100, len(verbose)
             assert len([r for r in await store.list_replicas() if r.state == "failed"]) == 4
+            # A probe's own text may be long too (a smoke answer's repr, a model's traceback):
+            # the whole reason is bounded, so the store takes it and the pass goes on.
+            victim = next(r for r in await store.list_replicas() if r.state == "failed")
+            await controller._fail(victim, "not ready after 1 s: " + "y" * 9000 + "\x00")
+            stored = await store.get_replica(victim.id)
+            assert stored is not None and stored.reason is not None
+            assert len(stored.reason) <= controller_module.REASON_CHARS and stored.reason.endswith("y…")
         finally:
             await store.close()
 

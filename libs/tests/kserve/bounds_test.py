@@ -28,7 +28,7 @@ from paved.kserve.errors import KServeError
 from paved.kserve.grpc_server import KServeServicer
 from paved.kserve.main import _parser as main_parser
 from paved.kserve.main import main, start_server
-from paved.kserve.model import InferRequest, request_size
+from paved.kserve.model import InferRequest
 from paved.kserve.model_config import ModelConfigError
 from paved.kserve.repository import ModelRepository
 
@@ -179,22 +179,10 @@ def test_a_requests_size_counts_bytes_elements_by_length(monkeypatch):
     text = np.array([b"x" * 1000, "y" * 10, 5], dtype=object)
     request = InferRequest("m", inputs={"a": np.zeros((2, 4), np.float32), "t": text})
     assert request.size == 32 + 1000 + 10 + 8
-    # Long BYTES tensors are counted on a worker thread, short ones on the loop.
-    long = np.full(model_module.SIZE_ON_LOOP_ELEMENTS + 1, b"ab", dtype=object)
-    threads = []
-    counted = model_module.tensor_bytes
-
-    def recording(array):
-        threads.append(threading.current_thread() is threading.main_thread())
-        return counted(array)
-
-    monkeypatch.setattr(model_module, "tensor_bytes", recording)
-
-    async def sizes():
-        return await request_size(request), await request_size(InferRequest("m", inputs={"t": long}))
-
-    assert asyncio.run(sizes()) == (1050, 2 * long.size)
-    assert threads == [True, True, False]
+    # A transport counts where it decodes (off the loop for a large request): read, not walked.
+    monkeypatch.setattr(model_module, "tensor_bytes", lambda array: pytest.fail("walked on the loop"))
+    assert InferRequest("m", inputs={"t": text}, input_bytes=1018).size == 1018
+    assert request.size == 1050  # counted once
 
 
 # ---- admission: the frontend's ModelRegistry bounds the standalone server too ---------------------

@@ -512,6 +512,34 @@ def test_a_bad_batching_parameter_fails_the_load_with_its_reason(tmp_path, key, 
     assert state == "UNAVAILABLE" and reason.startswith("load failed: ") and key in reason, reason
 
 
+def test_transports_count_a_requests_bytes_where_they_decode_it():
+    """gRPC and HTTP set InferRequest.input_bytes in their decoding (off the loop when large),
+    so the batcher's byte bound reads a number instead of walking BYTES elements on the loop."""
+    from tritonclient.grpc import service_pb2
+
+    from paved.kserve import grpc_server, http_server
+
+    model = XGBoostModel.from_directory(xgb_model_dir())
+    asyncio.run(model.load())
+
+    class Repository:
+        def get_ready(self, name, version=""):
+            return model
+
+    x = np.ones((2, 32), np.float32)
+    request = service_pb2.ModelInferRequest(model_name=model.name)
+    request.inputs.add(name="input__0", datatype="FP32", shape=[2, 32])
+    request.raw_input_contents.append(x.tobytes())
+    _, decoded = grpc_server.decode_request(Repository(), request, decoupled=False)
+    assert decoded.input_bytes == x.nbytes == 256
+    body = json.dumps(
+        {"inputs": [{"name": "input__0", "datatype": "FP32", "shape": [2, 32], "data": x.ravel().tolist()}]}
+    ).encode()
+    decoded, _, _ = http_server._decode_infer(model, body, None)
+    assert decoded.input_bytes == 256
+    asyncio.run(model.close())
+
+
 def test_server_readiness_follows_the_owners_draining_flag():
     from libs.tests.kserve.kserve_fakes import FakeEngine
     from paved.kserve.repository import ModelRepository

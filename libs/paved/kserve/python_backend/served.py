@@ -61,7 +61,6 @@ from paved.kserve.model import (
     ModelState,
     ServedModel,
     custom_parameters,
-    request_size,
 )
 from paved.kserve.model_config import config_to_dict, specs_from_config
 from paved.kserve.python_backend.worker import Worker
@@ -478,7 +477,7 @@ class PythonModel(ServedModel):
         try:
             if self._batcher is None:
                 raise unavailable(f"model '{self.name}' is not loaded")
-            await self._batcher.submit(marker, await request_size(pending.request))
+            await self._batcher.submit(marker, pending.request.size)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request's error, for its reader
