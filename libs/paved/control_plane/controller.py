@@ -286,7 +286,8 @@ class Controller:
             r = await self._locate(r, driver)
             if not r.admin_url:  # not placed yet (a pod without an IP): nothing to probe
                 if now - started > self.health_timeout_s:
-                    await self._fail(r, f"not placed after {self.health_timeout_s:.0f} s")
+                    why = await self._why(r, driver)
+                    await self._fail(r, f"not placed after {self.health_timeout_s:.0f} s{why}")
                 return
             kind = d.fingerprint.get("kind", "generate") if d.fingerprint else "generate"
             ok, reason = await probe_ready(r, model_id=d.spec.model_id, kind=kind, smoke=self.smoke)

@@ -115,11 +115,12 @@ class Driver(Protocol):
         ...
 
     async def exit_reason(self, replica: Replica) -> str | None:
-        """Why the replica's process last ended, in one line an operator can act on: its
-        launcher's failure, or its container's last termination (which a pod restarting its
-        container in a crash loop has while it still counts as alive). None when nothing of it
-        has ended or the driver cannot tell. Reads what the driver already holds (no remote
-        call) and never raises for a replica of another driver."""
+        """Why the replica is not serving, in one line an operator can act on: its launcher's
+        failure, or what its pod's status says (its container's last termination, which a
+        crash-looping pod has while it still counts as alive; a container stuck waiting for its
+        image; an eviction; no node to schedule it on). None when nothing is wrong that the
+        driver can see. Reads what the driver already holds (no remote call) and never raises
+        for a replica of another driver."""
         ...
 
     async def adopt(self, replicas: list[Replica]) -> tuple[list[Replica], list[Replica]]:

@@ -62,6 +62,8 @@ _WATCH_S = 50  # a watch is renewed this often (the server closes idle ones anyw
 _SCALE_RETRIES = 8  # optimistic-concurrency retries of one scale update
 _REAP_S = 5.0  # how often a stop an API failure interrupted is tried again
 _REASON_CHARS = 500  # of a termination message in an audit reason (the kubelet keeps 4 KiB)
+# A container waiting for these is starting as it should, not stuck.
+_STARTING = frozenset({"ContainerCreating", "PodInitializing"})
 
 
 class KubeError(ControlError):
@@ -666,11 +668,16 @@ class KubeDriver:
 
 
 def termination(pod: dict[str, Any]) -> str | None:
-    """Why a pod's container last ended, from its status: "container launcher Error (exit 1):
-    <the launcher's failure line, or the message's last line>"; the pod's own reason (evicted,
-    say) when no container ended; None when the status says neither."""
+    """Why a pod's launcher is not serving, from the pod's status, the likeliest cause first:
+    - its container's last end: "container launcher Error (exit 1) at T: <the launcher's
+      failure line, or the message's last line>" (a crash loop's lastState included);
+    - a container stuck waiting: "container launcher ImagePullBackOff: <message>";
+    - the pod's own reason: "pod Evicted: <message>";
+    - not scheduled: "pod unschedulable: 0/3 nodes are available: ... nvidia.com/gpu";
+    None when the status says none of these (a pod starting normally)."""
     status = pod.get("status") or {}
-    for c in status.get("containerStatuses") or []:
+    containers = status.get("containerStatuses") or []
+    for c in containers:
         for key in ("state", "lastState"):
             ended = (c.get(key) or {}).get("terminated")
             if not ended:
@@ -684,8 +691,20 @@ def termination(pod: dict[str, Any]) -> str | None:
                 (line.strip() for line in reversed(message.splitlines()) if line.strip()), ""
             )
             return f"{why}: {last[:_REASON_CHARS]}" if last else why
+    for c in containers:
+        waiting = (c.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") and waiting["reason"] not in _STARTING:
+            return _said(f"container {c.get('name')} {waiting['reason']}", waiting.get("message"))
     if status.get("reason") or status.get("message"):
-        message = str(status.get("message") or "")[:_REASON_CHARS]
-        what = f"pod {status.get('reason') or status.get('phase')}"
-        return f"{what}: {message}" if message else what
+        return _said(f"pod {status.get('reason') or status.get('phase')}", status.get("message"))
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return _said(
+                f"pod {str(condition.get('reason') or 'unscheduled').lower()}", condition.get("message")
+            )
     return None
+
+
+def _said(what: str, message: Any) -> str:
+    message = str(message or "")[:_REASON_CHARS]
+    return f"{what}: {message}" if message else what

@@ -68,6 +68,16 @@ async def claimed(d: KubeDriver, r: Replica) -> Replica:
     raise AssertionError(f"replica {r.id} never claimed a pod: {r.driver_ref}")
 
 
+async def reason_settles(d: KubeDriver, r: Replica, want: str) -> str | None:
+    """`d.exit_reason(r)` once it is `want` (the driver's watch has caught up), or the last
+    answer after WAIT_S."""
+    for _ in range(int(WAIT_S / 0.1)):
+        if (got := await d.exit_reason(r)) == want:
+            return got
+        await asyncio.sleep(0.1)
+    return await d.exit_reason(r)
+
+
 @contextlib.contextmanager
 def api_server_frozen(cluster: Cluster) -> Iterator[None]:
     """The API server stops answering (SIGSTOP) until the block ends; what it had read is served
@@ -121,9 +131,9 @@ def test_a_stop_an_api_outage_interrupted_is_finished_afterwards(cluster: Cluste
 
 
 def test_exit_reason_is_the_containers_last_termination_as_the_kubelet_reports_it(cluster: Cluster) -> None:
-    """No node here: the test writes the pod status a kubelet would (a launcher in a crash loop,
-    its log tail the termination message under FallbackToLogsOnError) through the status
-    subresource, and the driver reads it from its watch."""
+    """No scheduler and no node here: the test writes the pod status they would (unschedulable,
+    then a launcher in a crash loop, its log tail the termination message under
+    FallbackToLogsOnError) through the status subresource; the driver reads it from its watch."""
     namespace = "exit-reason"
     http = cluster.http()
 
@@ -135,6 +145,17 @@ def test_exit_reason_is_the_containers_last_termination_as_the_kubelet_reports_i
             assert await d.exit_reason(r) is None  # Pending: nothing of it has run
             path = f"/api/v1/namespaces/{cluster.namespace(namespace)}/pods/{r.driver_ref['pod']}/status"
             failure = "start failed: engine exited 1: no tokenizer"
+            # First no node can take it (what the scheduler writes) ...
+            unschedulable = {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+            }
+            http.patch(path, {"status": {"phase": "Pending", "conditions": [unschedulable]}}, kind="merge")
+            want = f"pod unschedulable: {unschedulable['message']}"
+            assert await reason_settles(d, r, want) == want
+            # ... then it runs, and its launcher crash-loops.
             status = {
                 "phase": "Running",
                 "containerStatuses": [
@@ -157,11 +178,7 @@ def test_exit_reason_is_the_containers_last_termination_as_the_kubelet_reports_i
             }
             http.patch(path, {"status": status}, kind="merge")
             want = f"container launcher Error (exit 1): {failure}"
-            for _ in range(int(WAIT_S / 0.1)):
-                if await d.exit_reason(r) == want:
-                    break
-                await asyncio.sleep(0.1)
-            assert await d.exit_reason(r) == want
+            assert await reason_settles(d, r, want) == want
             assert await d.alive(r)  # a crash loop keeps the pod: the reason comes while it lives
             http.request("DELETE", path.removesuffix("/status"), query={"gracePeriodSeconds": "0"})
             for _ in range(int(WAIT_S / 0.1)):

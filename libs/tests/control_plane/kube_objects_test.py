@@ -241,6 +241,29 @@ def test_termination_names_the_launchers_failure_line_else_the_last_line():
     evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."}
     assert termination(_pod(evicted)) == "pod Evicted: The node was low on memory."
     assert termination(_pod({"phase": "Failed", "reason": "Evicted"})) == "pod Evicted"
+    # A container stuck waiting (not merely starting); a pod no node can take.
+    pulling = _container(
+        state={"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image x"}}
+    )
+    assert termination(_pod({"phase": "Pending", "containerStatuses": [pulling]})) == (
+        "container launcher ImagePullBackOff: Back-off pulling image x"
+    )
+    creating = _container(state={"waiting": {"reason": "ContainerCreating"}})
+    assert termination(_pod({"phase": "Pending", "containerStatuses": [creating]})) is None
+    unschedulable = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes: gpu",
+            }
+        ],
+    }
+    assert termination(_pod(unschedulable)) == "pod unschedulable: 0/3 nodes: gpu"
+    scheduled = {"conditions": [{"type": "PodScheduled", "status": "True"}]}
+    assert termination(_pod(scheduled)) is None
     running = _container(state={"running": {"startedAt": "t"}})
     assert termination(_pod({"phase": "Running", "containerStatuses": [running]})) is None
     assert termination({"metadata": {}}) is None
