@@ -669,13 +669,15 @@ class KubeDriver:
 
 def termination(pod: dict[str, Any]) -> str | None:
     """Why a pod's launcher is not serving, from the pod's status, the likeliest cause first:
+    - the pod's own reason: "pod Evicted: <message>" (its containers' ends are the eviction's);
     - its container's last end: "container launcher Error (exit 1) at T: <the launcher's
       failure line, or the message's last line>" (a crash loop's lastState included);
     - a container stuck waiting: "container launcher ImagePullBackOff: <message>";
-    - the pod's own reason: "pod Evicted: <message>";
-    - not scheduled: "pod unschedulable: 0/3 nodes are available: ... nvidia.com/gpu";
+    - not scheduled: "pod Unschedulable: 0/3 nodes are available: ... nvidia.com/gpu";
     None when the status says none of these (a pod starting normally)."""
     status = pod.get("status") or {}
+    if status.get("reason") or status.get("message"):
+        return _said(f"pod {status.get('reason') or status.get('phase')}", status.get("message"))
     containers = status.get("containerStatuses") or []
     for c in containers:
         for key in ("state", "lastState"):
@@ -695,13 +697,9 @@ def termination(pod: dict[str, Any]) -> str | None:
         waiting = (c.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") and waiting["reason"] not in _STARTING:
             return _said(f"container {c.get('name')} {waiting['reason']}", waiting.get("message"))
-    if status.get("reason") or status.get("message"):
-        return _said(f"pod {status.get('reason') or status.get('phase')}", status.get("message"))
     for condition in status.get("conditions") or []:
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-            return _said(
-                f"pod {str(condition.get('reason') or 'unscheduled').lower()}", condition.get("message")
-            )
+            return _said(f"pod {condition.get('reason') or 'Unscheduled'}", condition.get("message"))
     return None
 
 

@@ -153,7 +153,7 @@ def test_exit_reason_is_the_containers_last_termination_as_the_kubelet_reports_i
                 "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
             }
             http.patch(path, {"status": {"phase": "Pending", "conditions": [unschedulable]}}, kind="merge")
-            want = f"pod unschedulable: {unschedulable['message']}"
+            want = f"pod Unschedulable: {unschedulable['message']}"
             assert await reason_settles(d, r, want) == want
             # ... then it runs, and its launcher crash-loops.
             status = {

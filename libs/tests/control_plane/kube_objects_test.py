@@ -240,6 +240,11 @@ def test_termination_names_the_launchers_failure_line_else_the_last_line():
     # No container ended: the pod's own reason (an eviction), else nothing.
     evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."}
     assert termination(_pod(evicted)) == "pod Evicted: The node was low on memory."
+    # Its containers' ends are the eviction's doing: the pod's reason comes first.
+    killed = _container(state={"terminated": {"exitCode": 137, "reason": "Error"}})
+    assert termination(_pod({**evicted, "containerStatuses": [killed]})) == (
+        "pod Evicted: The node was low on memory."
+    )
     assert termination(_pod({"phase": "Failed", "reason": "Evicted"})) == "pod Evicted"
     # A container stuck waiting (not merely starting); a pod no node can take.
     pulling = _container(
@@ -261,7 +266,7 @@ def test_termination_names_the_launchers_failure_line_else_the_last_line():
             }
         ],
     }
-    assert termination(_pod(unschedulable)) == "pod unschedulable: 0/3 nodes: gpu"
+    assert termination(_pod(unschedulable)) == "pod Unschedulable: 0/3 nodes: gpu"
     scheduled = {"conditions": [{"type": "PodScheduled", "status": "True"}]}
     assert termination(_pod(scheduled)) is None
     running = _container(state={"running": {"startedAt": "t"}})
