@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from paved.net import free_port
 
 PROMETHEUS = "/usr/bin/prometheus"
 HOST = "127.0.0.1"
@@ -36,12 +37,6 @@ def binary() -> str:
     if not path:
         raise PrometheusError(f"no {PROMETHEUS}: {INSTALL_HINT}")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def argv(config: Path, data_dir: Path, port: int, *, retention: str = "2d") -> list[str]:
@@ -81,7 +76,7 @@ class LocalPrometheus:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.config = self.work_dir / "prometheus.yml"
         self.config.write_text(config_text)
-        self.port = port or free_port()
+        self.port = port or free_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
         self.log = self.work_dir / "prometheus.log"
         self.timeout_s = timeout_s

@@ -31,7 +31,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import httpx
 
 from paved import procs
 from paved.control_plane.prometheus import MAX_RULES_INTERVAL_S, RULE_FILES, scrape_config
+from paved.net import free_port
 from paved.platform import guardian
 from paved.platform import prometheus as local_prometheus
 from paved.runfiles import runfile
@@ -254,12 +254,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 class _Child:
     """One main in its own process group; stdout and stderr appended to `log`."""
 
@@ -397,9 +391,9 @@ class Platform:
         else:
             self.package_uri, self.xgb_package_uri = package, xgb
 
-        gw_port = cfg.port or _free_port()
+        gw_port = cfg.port or free_port(HOST)
         kserve_port = cfg.port + KSERVE_PORT_OFFSET if cfg.port else 0
-        cp_port = cfg.port + CP_PORT_OFFSET if cfg.port else _free_port()
+        cp_port = cfg.port + CP_PORT_OFFSET if cfg.port else free_port(HOST)
         state = cfg.state or f"sqlite:///{work / 'control_plane.sqlite'}"
         regions = cfg.region_args()
         cp_argv = [
@@ -416,7 +410,7 @@ class Platform:
         file_sd = work / "prometheus" / "targets.json"
         if cfg.prometheus:
             # Known before the control plane starts: its dashboard links to the graphs there.
-            prom_port = _free_port()
+            prom_port = free_port(HOST)
             self.prometheus_url = f"http://{HOST}:{prom_port}"
             self.rules_dir = _rules_dir()
             try:
@@ -572,7 +566,7 @@ class Platform:
             ) from None
 
     def _start_s3(self, env: dict[str, str], packages: list[str]) -> list[str]:
-        port = _free_port()
+        port = free_port(HOST)
         self.say(f"starting a loopback S3 (moto) on port {port}")
         s3 = self._spawn(
             "s3", [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)], env, "s3.log"

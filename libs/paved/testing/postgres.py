@@ -21,7 +21,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -30,6 +29,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
+
+from paved.net import free_port
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 _DB_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -57,12 +58,6 @@ def _run(args: list[str], log: Path, timeout_s: float) -> None:
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{Path(args[0]).name} failed (exit {proc.returncode}):\n{tail}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -93,7 +88,7 @@ def postgres_server() -> Iterator[str]:
         )
         # A port picked here can be taken before postgres binds it: retry with another.
         for attempt in range(3):
-            port = _free_port()
+            port = free_port()
             opts = (
                 f"-c listen_addresses=127.0.0.1 -p {port} -k {base} "
                 "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=100"

@@ -12,15 +12,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from paved.net import free_port
+
 __all__ = ["REDIS_SERVER", "redis_server"]
 
 REDIS_SERVER = "/usr/bin/redis-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _command(port: int, line: bytes, timeout_s: float) -> bytes:
@@ -83,7 +79,7 @@ def redis_server(
         # The free port can be taken between probing and binding: then the server exits and
         # another port is tried (a fixed port is tried once).
         for _ in range(1 if fixed else 5):
-            port = fixed or _free_port()
+            port = fixed or free_port()
             proc = subprocess.Popen(  # noqa: S603 (the caller's own binary, fixed arguments)
                 [
                     binary,
