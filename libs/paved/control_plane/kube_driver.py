@@ -479,11 +479,11 @@ class KubeDriver:
             pod = self._pods.get(ref["pod"])
         if pod is None or pod["metadata"].get("uid") != ref.get("uid"):
             return f"its pod {ref['pod']} is gone"
-        # A crash-looping container's last termination, even while its pod lives on.
-        ended = termination(pod)
-        if ended is None and pod["metadata"].get("deletionTimestamp"):
+        # Asked of a live pod too: a crash-looping container's, or a stuck one's, is still news.
+        why = why_not_serving(pod)
+        if why is None and pod["metadata"].get("deletionTimestamp"):
             return f"its pod {ref['pod']} is being deleted"
-        return ended
+        return why
 
     # -- stop ----------------------------------------------------------------------------------
     async def drain(self, replica: Replica, timeout_s: float = 30.0) -> None:
@@ -667,7 +667,7 @@ class KubeDriver:
             self._api.close()
 
 
-def termination(pod: dict[str, Any]) -> str | None:
+def why_not_serving(pod: dict[str, Any]) -> str | None:
     """Why a pod's launcher is not serving, from the pod's status, the likeliest cause first:
     - the pod's own reason: "pod Evicted: <message>" (its containers' ends are the eviction's);
     - its container's last end: "container launcher Error (exit 1) at T: <the launcher's

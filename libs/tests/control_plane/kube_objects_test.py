@@ -10,7 +10,7 @@ from kubernetes_validate import latest_version, validate
 
 from paved.control_plane.driver import ReplicaRequest
 from paved.control_plane.errors import BadRequest
-from paved.control_plane.kube_driver import KubeDriver, termination
+from paved.control_plane.kube_driver import KubeDriver, why_not_serving
 from paved.control_plane.kube_objects import (
     CACHE_MOUNT,
     LABEL_MEMBER,
@@ -217,44 +217,44 @@ LOG_TAIL = (
 )
 
 
-def test_termination_names_the_launchers_failure_line_else_the_last_line():
+def test_why_not_serving_names_the_launchers_failure_line_else_the_last_line():
     # A crash loop: waiting now, the last termination in lastState.
     crash = _container(
         state={"waiting": {"reason": "CrashLoopBackOff"}},
         lastState={"terminated": {"exitCode": 1, "reason": "Error", "message": LOG_TAIL}},
     )
-    assert termination(_pod({"phase": "Running", "containerStatuses": [crash]})) == (
+    assert why_not_serving(_pod({"phase": "Running", "containerStatuses": [crash]})) == (
         "container launcher Error (exit 1): engine failed: tokenizer /x not found"
     )
     # Ended for good (restartPolicy Never), a message without the launcher's line: its last line.
     ended = {"exitCode": 137, "reason": "OOMKilled", "message": "a\nkilled\n\n", "finishedAt": "T1"}
     oom = _container(state={"terminated": ended})
-    assert termination(_pod({"phase": "Failed", "containerStatuses": [oom]})) == (
+    assert why_not_serving(_pod({"phase": "Failed", "containerStatuses": [oom]})) == (
         "container launcher OOMKilled (exit 137) at T1: killed"
     )
     long = _container(state={"terminated": {"exitCode": 2, "message": "x" * 5000}})
-    why = termination(_pod({"containerStatuses": [long]}))
+    why = why_not_serving(_pod({"containerStatuses": [long]}))
     assert why is not None and why.startswith("container launcher terminated (exit 2): x") and len(why) < 600
     bare = _container(lastState={"terminated": {"exitCode": 1, "reason": "Error"}})
-    assert termination(_pod({"containerStatuses": [bare]})) == "container launcher Error (exit 1)"
+    assert why_not_serving(_pod({"containerStatuses": [bare]})) == "container launcher Error (exit 1)"
     # No container ended: the pod's own reason (an eviction), else nothing.
     evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."}
-    assert termination(_pod(evicted)) == "pod Evicted: The node was low on memory."
+    assert why_not_serving(_pod(evicted)) == "pod Evicted: The node was low on memory."
     # Its containers' ends are the eviction's doing: the pod's reason comes first.
     killed = _container(state={"terminated": {"exitCode": 137, "reason": "Error"}})
-    assert termination(_pod({**evicted, "containerStatuses": [killed]})) == (
+    assert why_not_serving(_pod({**evicted, "containerStatuses": [killed]})) == (
         "pod Evicted: The node was low on memory."
     )
-    assert termination(_pod({"phase": "Failed", "reason": "Evicted"})) == "pod Evicted"
+    assert why_not_serving(_pod({"phase": "Failed", "reason": "Evicted"})) == "pod Evicted"
     # A container stuck waiting (not merely starting); a pod no node can take.
     pulling = _container(
         state={"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image x"}}
     )
-    assert termination(_pod({"phase": "Pending", "containerStatuses": [pulling]})) == (
+    assert why_not_serving(_pod({"phase": "Pending", "containerStatuses": [pulling]})) == (
         "container launcher ImagePullBackOff: Back-off pulling image x"
     )
     creating = _container(state={"waiting": {"reason": "ContainerCreating"}})
-    assert termination(_pod({"phase": "Pending", "containerStatuses": [creating]})) is None
+    assert why_not_serving(_pod({"phase": "Pending", "containerStatuses": [creating]})) is None
     unschedulable = {
         "phase": "Pending",
         "conditions": [
@@ -266,9 +266,9 @@ def test_termination_names_the_launchers_failure_line_else_the_last_line():
             }
         ],
     }
-    assert termination(_pod(unschedulable)) == "pod Unschedulable: 0/3 nodes: gpu"
+    assert why_not_serving(_pod(unschedulable)) == "pod Unschedulable: 0/3 nodes: gpu"
     scheduled = {"conditions": [{"type": "PodScheduled", "status": "True"}]}
-    assert termination(_pod(scheduled)) is None
+    assert why_not_serving(_pod(scheduled)) is None
     running = _container(state={"running": {"startedAt": "t"}})
-    assert termination(_pod({"phase": "Running", "containerStatuses": [running]})) is None
-    assert termination({"metadata": {}}) is None
+    assert why_not_serving(_pod({"phase": "Running", "containerStatuses": [running]})) is None
+    assert why_not_serving({"metadata": {}}) is None

@@ -41,7 +41,7 @@ import jsonschema
 import openai
 import pytest
 
-from paved.platform.up import Config, Platform, marked_processes
+from paved.platform.up import PORTS_PER_REGION, Config, Platform, marked_processes
 from paved.testing.ports import port_block
 
 MODEL = "tiny"
@@ -68,7 +68,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     cfg = Config(
         work_dir=work,
         port=0,
-        replica_port_base=port_block(200)[0],
+        replica_port_base=port_block(PORTS_PER_REGION)[0],
         engine="vllm",
         replicas=1,
         boot_timeout_s=900,

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from paved.platform.up import MODEL_ID, SIM_ENGINE, Config, Platform, marked_processes
+from paved.platform.up import MODEL_ID, PORTS_PER_REGION, SIM_ENGINE, Config, Platform, marked_processes
 from paved.testing.ports import port_block
 
 FAILING = "v2"
@@ -92,7 +92,7 @@ def test_prometheus_discovers_records_and_alerts_on_a_failing_rollout(tmp_path: 
     cfg = Config(
         work_dir=tmp_path / "work",
         port=0,
-        replica_port_base=port_block(200)[0],
+        replica_port_base=port_block(PORTS_PER_REGION)[0],
         engine="sim",
         replicas=2,
         boot_timeout_s=240,
